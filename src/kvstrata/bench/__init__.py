@@ -1,0 +1,1 @@
+"""Benchmark scenarios (one module each); see `kvstrata.cli.bench`."""

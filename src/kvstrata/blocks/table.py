@@ -1,0 +1,20 @@
+"""Per-sequence block table: logical block i holds tokens [i*bs, (i+1)*bs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockTable:
+    """The blocks of one sequence in order, and how many tokens it holds."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // block_size)
+
+    def copy(self) -> BlockTable:
+        return BlockTable(list(self.block_ids), self.num_tokens)

@@ -1,0 +1,44 @@
+"""Typed errors. Every message a user can act on names the field, the value and the fix."""
+
+from __future__ import annotations
+
+
+class KvstrataError(Exception):
+    """Base class of every error kvstrata raises on purpose."""
+
+
+class ConfigError(KvstrataError, ValueError):
+    """Bad user input: a config field, a CLI flag, a preset name, a model directory."""
+
+    @classmethod
+    def field(cls, field: str, value: object, accepted: str) -> ConfigError:
+        """Build the one-line message `<field>=<value!r> is invalid: <accepted>`."""
+        return cls(f"{field}={value!r} is invalid: {accepted}")
+
+
+class OutOfBlocksError(KvstrataError, MemoryError):
+    """Every tier is full: states bytes needed vs available and which budget to raise."""
+
+
+class CodecError(KvstrataError, ValueError):
+    """A codec cannot encode this input (NaN/inf, bad shape, bad group size)."""
+
+
+class TierIOError(KvstrataError, OSError):
+    """A tier could not read or write a block. The caller recomputes the block."""
+
+
+class BlockCorruptError(TierIOError):
+    """A stored block failed its checksum or its token ids do not match."""
+
+
+class BlockMissingError(TierIOError):
+    """A block the index names is not there (missing or truncated file)."""
+
+
+class TierFullError(TierIOError):
+    """The medium behind a tier ran out of space (e.g. ENOSPC on disk)."""
+
+
+class UnsupportedModelError(KvstrataError, ValueError):
+    """A model kvstrata cannot serve exactly (names the model type and what is missing)."""

@@ -1,0 +1,48 @@
+"""Tiny random models of several families for exactness tests (DESIGN.md testing notes:
+a larger initializer_range so the models are not blind to old context)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    initializer_range=0.3,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 48}),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1},
+    ),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {"sliding_window": 32, "head_dim": 16, "query_pre_attn_scalar": 16},
+    ),
+}
+
+
+def tiny_model(family: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {**COMMON, **extra, **overrides}
+    config = cfg_cls(**kwargs)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    return model
