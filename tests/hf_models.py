@@ -22,7 +22,11 @@ COMMON = dict(
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 48}),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": 48},
+    ),
     "qwen2": (
         transformers.Qwen2Config,
         transformers.Qwen2ForCausalLM,
@@ -33,7 +37,12 @@ FAMILIES = {
     "gemma2": (
         transformers.Gemma2Config,
         transformers.Gemma2ForCausalLM,
-        {"sliding_window": 32, "head_dim": 16, "query_pre_attn_scalar": 16},
+        {
+            "sliding_window": 32,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "tie_word_embeddings": False,
+        },
     ),
 }
 

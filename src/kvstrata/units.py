@@ -9,7 +9,7 @@ from kvstrata.errors import ConfigError
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
-SIZE_HELP = "a byte size such as 1048576, '512MiB', '24GB', '24 GiB' or '1.5T' (T = TiB-style 1024^4 only with 'i')"
+SIZE_HELP = "a byte size such as 1048576, '512MiB', '24GB', '24 GiB' or '1.5T'"
 
 
 def parse_size(value: int | float | str, field: str = "size", *, allow_zero: bool = False) -> int:
@@ -42,10 +42,8 @@ def parse_size(value: int | float | str, field: str = "size", *, allow_zero: boo
         prefix = prefix.lower()
         if binary and not prefix:
             raise ConfigError.field(field, value, SIZE_HELP)
-        if prefix and not binary and b:
-            base = 1000  # "24GB": decimal, as disk and GPU vendors write it
-        else:
-            base = 1024  # "24GiB", "24G", "1.5T"
+        # "24GB" is decimal, as disk and GPU vendors write it; "24GiB", "24G", "1.5T" binary
+        base = 1000 if prefix and not binary and b else 1024
         num = float(digits) * base ** _POW[prefix]
     if num != num or num < 0 or (num == 0 and not allow_zero):
         raise ConfigError.field(field, value, "must be a positive " + SIZE_HELP.split(" such")[0])

@@ -74,6 +74,7 @@ class _TieredLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    is_croppable = True
 
     def __init__(self, cache: TieredCache, layer_idx: int, sliding: bool) -> None:
         super().__init__()

@@ -1,0 +1,452 @@
+"""KV geometry of a model: what one token costs in KV bytes, per layer and in total.
+
+Bytes per token, all layers, K and V:
+
+    MHA / GQA / MQA:  2 * L * Hkv * D * elem            (Llama-2-7B fp16: 524,288 B)
+    MLA (DeepSeek):   L * (kv_lora_rank + qk_rope_head_dim) * elem
+                      (the compressed latent c_kv plus the shared rope key, as MLA-aware
+                      engines cache it; transformers' eager DeepSeek-V2 caches the
+                      expanded per-head K/V instead, which is far larger)
+
+Sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window) only keep the last
+`sliding_window` tokens, so `bytes_for_context` sums min(window, context) per layer.
+
+Codec sizes come from the codec registry (`block_nbytes(layout) / block_size`), so scale
+and zero-point bytes are counted exactly as the tiers store them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstrata.errors import ConfigError
+from kvstrata.layout import BlockLayout
+
+# dtype names -> (torch dtype, bytes per element). Codec names are looked up in the registry.
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "fp32": (torch.float32, 4),
+    "fp16": (torch.float16, 2),
+    "bf16": (torch.bfloat16, 2),
+}
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+}
+# Block sizes tried, in order, when a codec needs whole token groups (int4-g128 keys).
+CODEC_BLOCK_SIZES = (64, 128, 256)
+# Gated-MLP decoders whose parameter count `_estimate_params` knows how to compute.
+_GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Published config.json values (only the fields that size KV and weights), plus the
+# parameter count where it cannot be derived from them (MoE, OPT).
+# fmt: off
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": {
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+        "vocab_size": 32000, "torch_dtype": "float16",
+    },
+    "llama-2-13b": {
+        "model_type": "llama", "num_hidden_layers": 40, "hidden_size": 5120,
+        "num_attention_heads": 40, "num_key_value_heads": 40, "intermediate_size": 13824,
+        "vocab_size": 32000, "torch_dtype": "float16",
+    },
+    "llama-2-70b": {
+        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+        "vocab_size": 32000, "torch_dtype": "float16",
+    },
+    "llama-3-8b": {
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256, "torch_dtype": "bfloat16",
+    },
+    "llama-3-70b": {
+        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+        "vocab_size": 128256, "torch_dtype": "bfloat16",
+    },
+    "mistral-7b": {  # v0.1: every layer slides over 4096 tokens
+        "model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 32000, "sliding_window": 4096, "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-7b": {  # sliding_window is set but use_sliding_window is false: all full
+        "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+        "vocab_size": 152064, "sliding_window": 131072, "use_sliding_window": False,
+        "max_window_layers": 28, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-72b": {
+        "model_type": "qwen2", "num_hidden_layers": 80, "hidden_size": 8192,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 29568,
+        "vocab_size": 152064, "sliding_window": 131072, "use_sliding_window": False,
+        "max_window_layers": 80, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "deepseek-v2-lite": {  # MLA; 15.7B total parameters (MoE, 2.4B active)
+        "model_type": "deepseek_v2", "num_hidden_layers": 27, "hidden_size": 2048,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 102400, "torch_dtype": "bfloat16",
+        "num_params": 15_700_000_000,
+    },
+    "opt-175b": {
+        "model_type": "opt", "num_hidden_layers": 96, "hidden_size": 12288,
+        "num_attention_heads": 96, "ffn_dim": 49152, "vocab_size": 50272,
+        "torch_dtype": "float16", "num_params": 175_000_000_000,
+    },
+    # The project's embedded model (modelzoo.tiny_code_config; a packaged config.json wins).
+    "kvstrata-code-tiny": {
+        "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "intermediate_size": 688, "vocab_size": 259, "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    },
+}
+# fmt: on
+
+
+def dtype_name(value: object, field: str = "dtype") -> str:
+    """Normalise a dtype ("float16", torch.bfloat16, "bf16") to "fp32" | "fp16" | "bf16".
+
+    Raises:
+        ConfigError: an unknown dtype; the message lists the accepted names.
+    """
+    name = _DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
+    if name not in DTYPES:
+        raise ConfigError.field(field, value, f"one of {', '.join(DTYPES)}")
+    return name
+
+
+def _exact(value: Fraction) -> int | float:
+    """An int when the byte count is whole, else the fractional count as a float."""
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def _get_int(data: dict[str, Any], keys: tuple[str, ...], name: str, default: int | None = None):
+    for key in keys:
+        value = data.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError.field(f"{name}: {key}", value, "a positive integer")
+            return value
+    if default is not None:
+        return default
+    raise ConfigError.field(f"{name}: {keys[0]}", None, "required field is missing")
+
+
+def _estimate_params(data: dict[str, Any], geometry: KVGeometry) -> int | None:
+    """Exact parameter count of a Llama-style (gated MLP, RMSNorm) decoder, else None."""
+    inter, vocab, hidden = (data.get(k) for k in ("intermediate_size", "vocab_size", "hidden_size"))
+    if geometry.model_type not in _GATED_MLP_TYPES or not all(
+        isinstance(v, int) for v in (inter, vocab, hidden)
+    ):
+        return None
+    q_dim, kv_dim = (
+        geometry.num_heads * geometry.head_dim,
+        geometry.num_kv_heads * geometry.head_dim,
+    )
+    bias = data.get("attention_bias", geometry.model_type == "qwen2")  # Qwen2 has qkv bias
+    attn = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
+    attn += (q_dim + 2 * kv_dim) if bias else 0
+    per_layer = attn + 3 * hidden * inter + 2 * hidden  # + two RMSNorm weights
+    embeddings = vocab * hidden * (1 if data.get("tie_word_embeddings", False) else 2)
+    return embeddings + geometry.num_layers * per_layer + hidden
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The part of a model config that sizes its KV cache (and its weights).
+
+    Fields:
+        model_type: HF `model_type` ("llama", "mistral", "qwen2", "deepseek_v2", ...).
+        num_layers / num_heads / num_kv_heads / head_dim: attention shape.
+        v_head_dim: value head dim (differs from head_dim for MLA).
+        dtype: the model's dtype name ("fp32", "fp16", "bf16").
+        sliding_window: window of the sliding layers (None: no sliding layer).
+        sliding_layers: indices of the layers that use the window.
+        kv_lora_rank / qk_rope_head_dim: MLA latent sizes (None for non-MLA models).
+        num_params: parameter count (sizes the weights), None when unknown.
+        name: preset name or config path, for messages.
+    """
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str = "fp16"
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    num_params: int | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError.field("layer_types", bad[0], f"layer index in [0, {self.num_layers})")
+        if self.sliding_layers and self.sliding_window is None:
+            raise ConfigError.field("sliding_window", None, "sliding layers need a window size")
+
+    # -- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: Any, name: str = "") -> KVGeometry:
+        """Read the KV geometry from a transformers config object or a config.json dict.
+
+        Args:
+            config: a `PretrainedConfig` (anything with `to_dict()`) or a plain dict.
+            name: where it came from, used in error messages.
+
+        Returns:
+            The geometry; `num_params` is exact for Llama-style models, else taken from a
+            "num_params" entry or None.
+
+        Raises:
+            ConfigError: a required field is missing or malformed (names the field).
+        """
+        data = config.to_dict() if hasattr(config, "to_dict") else config
+        where = name or "config"
+        if not isinstance(data, dict):
+            raise ConfigError.field(where, type(data).__name__, "a config dict or PretrainedConfig")
+        if isinstance(data.get("text_config"), dict):  # multimodal wrappers: the LM part
+            data = {**data["text_config"], "model_type": data["text_config"].get("model_type", "")}
+        model_type = str(data.get("model_type") or "unknown")
+        num_layers = _get_int(data, ("num_hidden_layers", "n_layer", "num_layers"), where)
+        num_heads = _get_int(data, ("num_attention_heads", "n_head", "num_heads"), where)
+        num_kv_heads = _get_int(
+            data, ("num_key_value_heads", "multi_query_group_num"), where, num_heads
+        )
+        hidden = data.get("hidden_size", data.get("n_embd", data.get("d_model")))
+        default_dim = hidden // num_heads if isinstance(hidden, int) and hidden > 0 else None
+        head_dim = _get_int(data, ("head_dim", "kv_channels"), where, default_dim)
+        kv_lora_rank = data.get("kv_lora_rank")
+        rope_dim = None
+        if kv_lora_rank is not None:  # MLA: the cache holds the latent, one "head"
+            kv_lora_rank = _get_int(data, ("kv_lora_rank",), where)
+            rope_dim = _get_int(data, ("qk_rope_head_dim",), where)
+            head_dim = _get_int(data, ("qk_nope_head_dim",), where, 128) + rope_dim
+        v_head_dim = _get_int(data, ("v_head_dim",), where, head_dim)
+        raw_dtype = data.get("dtype") or data.get("torch_dtype") or "float32"  # HF default
+        try:
+            dtype = dtype_name(raw_dtype)
+        except ConfigError:
+            raise ConfigError.field(
+                f"{where}: torch_dtype", raw_dtype, "float32, float16 or bfloat16"
+            ) from None
+        window, sliding = _sliding_layers(data, num_layers, where)
+        geometry = cls(
+            model_type=model_type, num_layers=num_layers, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
+            sliding_window=window, sliding_layers=sliding, kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=rope_dim, name=name,
+        )  # fmt: skip
+        params = data.get("num_params")
+        if not isinstance(params, int):
+            params = _estimate_params(data, geometry)
+        return replace(geometry, num_params=params)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> KVGeometry:
+        """Read a config.json file, or the config.json of a model directory.
+
+        Raises:
+            ConfigError: missing file, invalid JSON, or missing/malformed fields.
+        """
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError.field("model", str(path), "no such config.json file")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError.field(
+                "model", str(path), f"not a readable JSON file ({exc})"
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError.field("model", str(path), "config.json must hold a JSON object")
+        return cls.from_hf_config(data, name=str(path))
+
+    @classmethod
+    def from_preset(cls, name: str) -> KVGeometry:
+        """A built-in model: one of `PRESETS` (published config.json values).
+
+        Raises:
+            ConfigError: unknown name; the message lists the presets.
+        """
+        key = name.lower()
+        if key not in PRESETS:
+            raise ConfigError.field(
+                "model", name, f"presets: {', '.join(PRESETS)}; or a config.json / model directory"
+            )
+        packaged = Path(__file__).parent / "models" / key / "config.json"
+        if packaged.is_file():  # the embedded model's own config is the truth
+            return replace(cls.from_json(packaged), name=key)
+        return cls.from_hf_config(PRESETS[key], name=key)
+
+    # -- sizes --------------------------------------------------------------------------
+
+    @property
+    def is_mla(self) -> bool:
+        """True for multi-head latent attention (DeepSeek-V2/V3): the cache is the latent."""
+        return self.kv_lora_rank is not None
+
+    def to_layout(self, block_size: int, dtype: object = None) -> BlockLayout:
+        """The block layout of this model's KV (what tiers and codecs size).
+
+        For MLA the cache is one latent "head" per layer: K holds c_kv
+        (kv_lora_rank wide) and V holds the shared rope key (qk_rope_head_dim wide).
+
+        Args:
+            block_size: tokens per block.
+            dtype: KV dtype name or torch dtype; None = the model's dtype.
+        """
+        torch_dtype = DTYPES[dtype_name(dtype if dtype is not None else self.dtype)][0]
+        if self.is_mla:
+            assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
+            return BlockLayout(
+                num_layers=self.num_layers, num_kv_heads=1, head_dim=self.kv_lora_rank,
+                block_size=block_size, dtype=torch_dtype, v_head_dim=self.qk_rope_head_dim,
+            )  # fmt: skip
+        return BlockLayout(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            block_size=block_size, dtype=torch_dtype, v_head_dim=self.v_head_dim,
+        )  # fmt: skip
+
+    def _token_bytes(self, codec: str, dtype: object, block_size: int | None) -> Fraction:
+        """Exact stored bytes per token, all layers (see `bytes_per_token`)."""
+        if codec.lower() in DTYPES or codec.lower() in _DTYPE_ALIASES:
+            return Fraction(self.to_layout(1, dtype_name(codec, "codec")).raw_block_bytes)
+        from kvstrata.codecs.registry import get_codec
+
+        impl = get_codec(codec)
+        sizes = (block_size,) if block_size is not None else CODEC_BLOCK_SIZES
+        error: ConfigError | None = None
+        for size in sizes:
+            layout = self.to_layout(size, dtype)
+            try:
+                impl.validate(layout)
+            except ConfigError as exc:  # e.g. int4-g128 needs whole 128-token groups
+                error = exc
+                continue
+            return Fraction(impl.block_nbytes(layout), size)
+        assert error is not None
+        raise error
+
+    def bytes_per_token(
+        self, codec: str = "none", dtype: object = None, block_size: int | None = None
+    ) -> int | float:
+        """KV bytes of one token, all layers, K and V, as stored by `codec`.
+
+        Args:
+            codec: a dtype name ("fp32", "fp16", "bf16": plain element size) or a
+                registered codec ("none" = the KV dtype, "fp8", "int8", "int4", ...).
+            dtype: the KV dtype the codec encodes from; None = the model's dtype.
+            block_size: block size for codecs whose scales are per block; None = the
+                first of 64, 128, 256 the codec accepts.
+
+        Returns:
+            Bytes per token: an int, or a float when a codec's scales make it fractional.
+
+        Raises:
+            ConfigError: unknown codec or dtype (lists the valid names).
+        """
+        return _exact(self._token_bytes(codec, dtype, block_size))
+
+    def kv_tokens_for_layer(self, layer: int, context: int) -> int:
+        """Tokens layer `layer` keeps for a `context`-token sequence (sliding: the window)."""
+        if not 0 <= layer < self.num_layers:
+            raise ConfigError.field("layer", layer, f"a layer index in [0, {self.num_layers})")
+        if layer in self.sliding_layers and self.sliding_window is not None:
+            return min(self.sliding_window, context)
+        return context
+
+    def bytes_for_context(
+        self,
+        context: int,
+        codec: str = "none",
+        dtype: object = None,
+        block_size: int | None = None,
+    ) -> int | float:
+        """KV bytes of one `context`-token sequence, honouring sliding windows.
+
+        Args:
+            context: tokens in the sequence.
+            codec / dtype / block_size: as in `bytes_per_token`.
+
+        Returns:
+            Bytes (int, or float when fractional).
+        """
+        per_layer_token = self._token_bytes(codec, dtype, block_size) / self.num_layers
+        tokens = sum(self.kv_tokens_for_layer(i, context) for i in range(self.num_layers))
+        return _exact(per_layer_token * tokens)
+
+    def describe(self) -> str:
+        """One line: '32 layers x 32 KV heads x 128 (fp16), sliding 4096 on 32 layers'."""
+        if self.is_mla:
+            shape = (
+                f"{self.num_layers} layers x MLA latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
+            )
+        else:
+            shape = f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim}"
+        text = f"{self.model_type}: {shape} ({self.dtype})"
+        if self.sliding_layers:
+            text += f", sliding window {self.sliding_window} on {len(self.sliding_layers)} layers"
+        return text
+
+
+def _sliding_layers(data: dict[str, Any], num_layers: int, where: str):
+    """(window, sliding layer indices) from layer_types / sliding_window / max_window_layers."""
+    window = data.get("sliding_window")
+    if data.get("use_sliding_window") is False or window is None:
+        return None, ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError.field(
+            f"{where}: sliding_window", window, "a positive token count or null"
+        )
+    layer_types = data.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ConfigError.field(
+                f"{where}: layer_types", layer_types, f"a list of {num_layers} attention types"
+            )
+        sliding = tuple(i for i, kind in enumerate(layer_types) if "sliding" in str(kind))
+    elif "max_window_layers" in data:  # Qwen2: layers from max_window_layers on slide
+        sliding = tuple(range(int(data["max_window_layers"]), num_layers))
+    else:  # Mistral v0.1: every layer slides
+        sliding = tuple(range(num_layers))
+    return (window, sliding) if sliding else (None, ())
+
+
+def load_geometry(spec: str) -> KVGeometry:
+    """A geometry from a preset name, a config.json path or a model directory.
+
+    Args:
+        spec: "llama-3-8b", "/models/x/config.json" or "/models/x".
+
+    Raises:
+        ConfigError: unknown preset / missing or malformed config (lists the presets).
+    """
+    path = Path(spec).expanduser()
+    if spec.lower() in PRESETS:
+        return KVGeometry.from_preset(spec)
+    if path.is_dir() or path.is_file():
+        return KVGeometry.from_json(path)
+    return KVGeometry.from_preset(spec)  # raises, listing the presets

@@ -1,0 +1,225 @@
+"""TieredCache + "kvstrata" attention give the same tokens as DynamicCache (fp32).
+
+Each reference is checked to depend on old context first (DESIGN.md testing notes):
+flipping an early prompt token — and, for sliding-window models, a token inside the
+window — must change the reference output, otherwise "identical tokens" proves nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvstrata
+from hf_models import FAMILIES, tiny_model
+from kvstrata.integrations.hf import TieredCache, enable
+
+PROMPT_LEN = 1024
+NEW_TOKENS = 200
+
+PLACEMENTS = {
+    "device": dict(max_tokens=1536),
+    "resident10_host": dict(max_tokens=1536, resident_fraction=0.1, host_budget="8MiB"),
+    "resident10_host_staged": dict(
+        max_tokens=1536, resident_fraction=0.1, host_budget="8MiB", cold_attention="stage"
+    ),
+}
+
+
+def _prompt(seed: int = 1, length: int = PROMPT_LEN, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (batch, length), generator=g)
+
+
+def _reference_attn(family: str) -> str:
+    # Gemma-2 soft-caps logits, which transformers' sdpa path does not support.
+    return "eager" if family == "gemma2" else "sdpa"
+
+
+def _greedy(model, ids, cache, n=NEW_TOKENS, **kw):
+    return model.generate(
+        ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for family in FAMILIES:
+        model = tiny_model(family, _reference_attn(family))
+        ids = _prompt()
+        ref = _greedy(model, ids, DynamicCache(config=model.config), n=NEW_TOKENS)
+        out[family] = (model, ids, ref)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reference_depends_on_old_context(family, references):
+    model, ids, ref = references[family]
+    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    # A model whose every layer slides (Mistral) cannot see the first tokens at 1024.
+    if "full_attention" in layer_types and not (
+        family == "mistral" and model.config.sliding_window
+    ):
+        flipped = ids.clone()  # the first block of the prompt
+        flipped[0, :32] = (flipped[0, :32] + 1 - 3) % 94 + 3
+        alt = _greedy(model, flipped, DynamicCache(config=model.config), n=40)
+        assert not torch.equal(alt[:, PROMPT_LEN:], ref[:, PROMPT_LEN : PROMPT_LEN + 40]), (
+            f"{family}: output ignores prompt tokens 0-31; the exactness test would be blind"
+        )
+    window = getattr(model.config, "sliding_window", None)
+    if window:
+        changed = []
+        for pos in (PROMPT_LEN - window + 8, PROMPT_LEN - window // 2, PROMPT_LEN - 12):
+            inside = ids.clone()
+            inside[0, pos] = (inside[0, pos] + 1 - 3) % 94 + 3
+            alt = _greedy(model, inside, DynamicCache(config=model.config), n=40)
+            changed.append(
+                not torch.equal(alt[:, PROMPT_LEN:], ref[:, PROMPT_LEN : PROMPT_LEN + 40])
+            )
+        assert any(changed), f"{family}: output ignores every token inside the window"
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tokens_identical(family, placement, references):
+    model, ids, ref = references[family]
+    enable(model)
+    try:
+        cache = TieredCache(model.config, block_size=64, **PLACEMENTS[placement])
+        out = _greedy(model, ids, cache)
+    finally:
+        model.set_attn_implementation(_reference_attn(family))
+    assert torch.equal(out, ref), (out != ref).nonzero()[:5].tolist()
+    tiers = cache.stats()["tiers"]
+    if placement != "device":
+        assert tiers["host"]["used_blocks"] > 0
+        assert tiers["device"]["used_blocks"] <= tiers["device"]["budget_blocks"]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_block_sizes(family, block_size, references):
+    model, ids, ref = references[family]
+    enable(model)
+    try:
+        cache = TieredCache(
+            model.config,
+            block_size=block_size,
+            max_tokens=2048,
+            resident_fraction=0.15,
+            host_budget="8MiB",
+        )
+        out = _greedy(model, ids, cache)
+    finally:
+        model.set_attn_implementation(_reference_attn(family))
+    assert torch.equal(out, ref)
+
+
+def _llama():
+    model = tiny_model("llama", "sdpa")
+    return model
+
+
+def test_left_padded_batch_of_three():
+    model = _llama()
+    g = torch.Generator().manual_seed(5)
+    lengths = [300, 260, 200]
+    ids = torch.zeros(3, 300, dtype=torch.long)
+    mask = torch.zeros(3, 300, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, 300 - n :] = torch.randint(3, 97, (n,), generator=g)
+        mask[i, 300 - n :] = 1
+    ref = _greedy(model, ids, DynamicCache(config=model.config), n=60, attention_mask=mask)
+    enable(model)
+    cache = TieredCache(
+        model.config, block_size=16, resident_fraction=0.2, max_tokens=1200, host_budget="4MiB"
+    )
+    out = _greedy(model, ids, cache, n=60, attention_mask=mask)
+    assert torch.equal(out, ref), (out != ref).nonzero()[:5].tolist()
+
+
+def test_beam_search_three_beams():
+    model = _llama()
+    ids = _prompt(length=200)
+    kw = dict(num_beams=3, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+    enable(model)
+    cache = TieredCache(
+        model.config, block_size=16, resident_fraction=0.2, max_tokens=1200, host_budget="4MiB"
+    )
+    out = model.generate(ids, cache=cache, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_prompt_lookup_decoding_uses_crop():
+    model = _llama()
+    # a repetitive prompt so that prompt lookup proposes (and rejects) candidates
+    base = _prompt(length=50)
+    ids = base.repeat(1, 6)
+    kw = dict(prompt_lookup_num_tokens=8, max_new_tokens=80, min_new_tokens=80, do_sample=False)
+    ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+    enable(model)
+    cache = TieredCache(
+        model.config, block_size=16, resident_fraction=0.3, max_tokens=800, host_budget="4MiB"
+    )
+    crops = []
+    original = cache.crop
+    cache.crop = lambda n: (crops.append(n), original(n))[1]
+    out = model.generate(ids, cache=cache, **kw)
+    assert torch.equal(out, ref)
+    assert crops, "prompt lookup never cropped the cache; the test did not exercise crop"
+
+
+def test_model_forward_loop_matches_dynamic_cache():
+    model = _llama()
+    ids = _prompt(length=130)
+    ref_cache = DynamicCache(config=model.config)
+    ref_logits = model(ids, cache=ref_cache).logits
+    enable(model)
+    cache = kvstrata.integrations.hf.TieredCache(model.config, block_size=16, max_tokens=512)
+    logits = model(ids, cache=cache).logits
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() == 130
+
+
+def test_peak_device_bytes_bounded_by_budget_plus_staging():
+    model = tiny_model("llama", "sdpa", num_hidden_layers=1)
+    enable(model)
+    peaks = {}
+    for context in (4096, 16384 - 64):
+        cache = TieredCache(
+            model.config,
+            block_size=64,
+            max_tokens=16384,
+            resident_fraction=0.1,
+            host_budget="64MiB",
+            staging_tokens=512,
+        )
+        ids = _prompt(length=context)
+        _greedy(model, ids, cache, n=64)
+        stats = cache.stats()
+        assert cache.get_seq_length() == context + 64 - 1 or cache.get_seq_length() == context + 64
+        assert stats["peak_device_bytes"] <= stats["device_budget_bytes"] + stats["staging_bytes"]
+        peaks[context] = stats["peak_device_bytes"]
+    assert peaks[4096] == peaks[16384 - 64], peaks  # does not grow with context
+
+
+def test_unsupported_model_fails_at_construction():
+    from transformers import T5Config
+
+    with pytest.raises(kvstrata.UnsupportedModelError, match="t5"):
+        TieredCache(T5Config())
+    model = tiny_model("llama", "sdpa")
+    cfg = model.config
+    cfg.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(kvstrata.UnsupportedModelError, match="linear_attention"):
+        TieredCache(cfg)
+
+
+def test_attention_without_tiered_cache_is_a_clear_error():
+    model = _llama()
+    enable(model)
+    with pytest.raises(kvstrata.UnsupportedModelError, match="TieredCache"):
+        model(_prompt(length=8), cache=DynamicCache(config=model.config))
