@@ -1,0 +1,372 @@
+"""DiskTier: bit-exact round trips, checksums, missing/truncated files, ENOSPC, restarts."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.codecs.registry import get_codec
+from kvstrata.errors import (
+    BlockCorruptError,
+    BlockMissingError,
+    ConfigError,
+    TierFullError,
+    TierIOError,
+)
+from kvstrata.hashing import sequence_block_hashes
+from kvstrata.layout import BlockLayout
+from kvstrata.tiers import disk as disk_mod
+from kvstrata.tiers.disk import ARENA_FILE, DiskTier
+from kvstrata.tiers.memory import HostTier
+
+LAYOUT = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
+LAYOUT16 = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float16)
+
+
+def _blocks(layout: BlockLayout, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(layout.raw_shape("k", n), generator=g).to(layout.dtype)
+    v = torch.randn(layout.raw_shape("v", n), generator=g).to(layout.dtype)
+    return k, v
+
+
+class _ZlibCompressor:
+    """Stand-in for kvstrata.codecs.compress when that module is absent."""
+
+    @staticmethod
+    def compress(buf: np.ndarray, elem_size: int) -> bytes:
+        return zlib.compress(bytes(buf), 1)
+
+    @staticmethod
+    def decompress(data: np.ndarray, out: np.ndarray) -> None:
+        out[:] = np.frombuffer(zlib.decompress(bytes(data)), dtype=np.uint8)
+
+
+@pytest.fixture
+def compressor(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        disk_mod._load_compressor()
+    except ConfigError:
+        fake = _ZlibCompressor()
+        monkeypatch.setattr(disk_mod, "_load_compressor", lambda: (fake.compress, fake.decompress))
+
+
+def _corrupt_byte(tier: DiskTier, slot: int, layer: int, offset: int = 5) -> None:
+    pos = slot * tier.slot_bytes + layer * tier.layer_bytes + offset
+    with open(tier.path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+# -- round trips --------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [LAYOUT, LAYOUT16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("checksum", ["mlh64", "crc32"])
+def test_round_trip_none_codec_bit_exact(tmp_path, layout, checksum):
+    tier = DiskTier(layout, 8, tmp_path, checksum=checksum)
+    slots = [6, 1, 2, 3, 0]  # a run (1, 2, 3) between single slots
+    k, v = _blocks(layout, len(slots))
+    tier.write_blocks(slots, k, v)
+    k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+    tier.read_blocks(slots, k_out, v_out)
+    assert torch.equal(k_out, k) and torch.equal(v_out, v)
+    bs = layout.block_size
+    for layer in range(layout.num_layers):
+        kl = torch.empty(layout.num_kv_heads, 2 * bs, layout.head_dim, dtype=layout.dtype)
+        vl = torch.empty_like(kl)
+        tier.read_layer(layer, [2, 6], kl, vl)
+        assert torch.equal(kl[:, :bs], k[layer, :, 2 * bs : 3 * bs])
+        assert torch.equal(vl[:, bs:], v[layer, :, 0:bs])
+    enc = tier.read_encoded([3, 0])
+    assert set(enc) == {"k.data", "v.data"}
+    assert torch.equal(enc["k.data"], k[:, :, 3 * bs :])
+    tier.write_encoded([7, 5], enc)
+    k2, v2 = torch.empty_like(k[:, :, : 2 * bs]), torch.empty_like(v[:, :, : 2 * bs])
+    tier.read_blocks([7, 5], k2, v2)
+    assert torch.equal(k2, k[:, :, 3 * bs :]) and torch.equal(v2, v[:, :, 3 * bs :])
+    assert tier.stats.blocks_written == 7
+    assert tier.stats.bytes_written == 7 * layout.num_layers * tier.layer_bytes
+    tier.close()
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "int4", "fp8"])
+def test_lossy_codec_matches_host_tier_bit_exact(tmp_path, codec_name):
+    """Same codec, same input: the disk tier returns exactly what the host tier returns."""
+    layout = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=64)
+    try:
+        codec = get_codec(codec_name)
+        codec.validate(layout)
+    except Exception as exc:  # another helper's module; skip when it cannot run here
+        pytest.skip(f"codec {codec_name} unavailable: {exc}")
+    host = HostTier(layout, 4, get_codec(codec_name))
+    tier = DiskTier(layout, 4, tmp_path, codec=codec)
+    k, v = _blocks(layout, 3, seed=1)
+    slots = [3, 0, 1]
+    # the host tier gets one run of slots (its index_copy_ has no fp8 kernel on CPU)
+    host.write_blocks([0, 1, 2], k, v)
+    tier.write_blocks(slots, k, v)
+    want_k, want_v = torch.empty_like(k), torch.empty_like(v)
+    host.read_blocks([0, 1, 2], want_k, want_v)
+    got_k, got_v = torch.empty_like(k), torch.empty_like(v)
+    tier.read_blocks(slots, got_k, got_v)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    enc_disk, enc_host = tier.read_encoded([0, 1]), host.read_encoded([1, 2])
+    assert set(enc_disk) == set(enc_host)
+    for key in enc_host:
+        assert torch.equal(enc_disk[key], enc_host[key]), key
+    kl = torch.empty(layout.num_kv_heads, 3 * layout.block_size, layout.head_dim)
+    vl = torch.empty_like(kl)
+    tier.read_layer(1, slots, kl, vl)
+    assert torch.equal(kl, want_k[1]) and torch.equal(vl, want_v[1])
+    tier.close()
+
+
+def test_compressed_round_trip(tmp_path, compressor):
+    layout = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=8)
+    tier = DiskTier(layout, 6, tmp_path, compress=True)
+    k, v = _blocks(layout, 3)
+    k[:, :, 8:16] = 0.0  # slot 4 compresses well in every layer; the rest is noise
+    v[:, :, 8:16] = 1.0
+    slots = [2, 4, 5]
+    tier.write_blocks(slots, k, v)
+    lens = tier._lens[4]
+    assert (lens < tier.layer_bytes).all()  # stored compressed
+    assert tier.stats.bytes_written < 3 * layout.num_layers * tier.layer_bytes
+    k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+    tier.read_blocks(slots, k_out, v_out)
+    assert torch.equal(k_out, k) and torch.equal(v_out, v)
+    kl = torch.empty(2, 24, 16)
+    vl = torch.empty_like(kl)
+    tier.read_layer(2, slots, kl, vl)
+    assert torch.equal(kl, k[2]) and torch.equal(vl, v[2])
+    # a corrupt compressed layer is caught before it reaches the decompressor
+    _corrupt_byte(tier, 4, 0, offset=int(lens[0]) + 3)  # inside layer 1's packed bytes
+    tier.read_layer(0, [4], kl[:, :8], vl[:, :8])
+    with pytest.raises(BlockCorruptError) as info:
+        tier.read_layer(1, [4], kl[:, :8], vl[:, :8])
+    assert info.value.slots == [4]
+    tier.close()
+
+
+# -- damage -------------------------------------------------------------------------------
+def test_corrupt_byte_is_reported_never_served(tmp_path):
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 3)
+    tier.write_blocks([0, 1, 2], k, v)
+    _corrupt_byte(tier, slot=1, layer=2)
+    k_out, v_out = torch.zeros_like(k), torch.zeros_like(v)
+    with pytest.raises(BlockCorruptError) as info:
+        tier.read_blocks([0, 1, 2], k_out, v_out)
+    assert info.value.slots == [1]
+    assert info.value.path == str(tmp_path / ARENA_FILE)
+    assert "slots [1]" in str(info.value) and ARENA_FILE in str(info.value)
+    assert tier.stats.read_errors == 1
+    # other layers of the same block and other blocks are still served
+    kl, vl = torch.empty(2, 8, 8), torch.empty(2, 8, 8)
+    tier.read_layer(1, [1, 2], kl, vl)
+    assert torch.equal(kl[:, :4], k[1, :, 4:8])
+    with pytest.raises(BlockCorruptError):
+        tier.read_layer(2, [2, 1], kl, vl)
+    with pytest.raises(BlockCorruptError):
+        tier.read_encoded([1])
+    # rewriting the slot heals it
+    tier.write_blocks([1], k[:, :, 4:8], v[:, :, 4:8])
+    tier.read_blocks([0, 1, 2], k_out, v_out)
+    assert torch.equal(k_out, k)
+    tier.close()
+
+
+def test_truncated_file_is_missing(tmp_path):
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 4)
+    tier.write_blocks([0, 1, 2, 3], k, v)
+    os.truncate(tier.path, 2 * tier.slot_bytes + 100)
+    with pytest.raises(BlockMissingError) as info:
+        tier.read_blocks([2], k[:, :, :4].clone(), v[:, :, :4].clone())
+    assert info.value.slots == [2]
+    assert isinstance(info.value, TierIOError)
+    kl, vl = torch.empty(2, 4, 8), torch.empty(2, 4, 8)
+    with pytest.raises(BlockMissingError):
+        tier.read_layer(2, [3], kl, vl)
+    tier.read_layer(0, [1], kl, vl)  # before the cut: fine
+    assert torch.equal(kl, k[0, :, 4:8])
+
+
+def test_unwritten_slot_is_missing(tmp_path):
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 1)
+    with pytest.raises(BlockMissingError) as info:
+        tier.read_blocks([3], k, v)
+    assert info.value.slots == [3]
+
+
+def test_deleted_file_is_missing_while_open_and_after_reopen(tmp_path):
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 1)
+    tier.write_blocks([2], k, v)
+    tier.put_key(2, b"h" * 16, [1, 2, 3, 4])
+    os.remove(tier.path)
+    with pytest.raises(BlockMissingError, match="deleted"):
+        tier.read_blocks([2], torch.empty_like(k), torch.empty_like(v))
+    tier.close()
+    tier = DiskTier(LAYOUT, 4, tmp_path)  # index says slot 2 is keyed; its file is new
+    assert tier.lookup(b"h" * 16) == (2, [1, 2, 3, 4])
+    with pytest.raises(BlockMissingError) as info:
+        tier.read_blocks([2], torch.empty_like(k), torch.empty_like(v))
+    assert info.value.slots == [2]
+    tier.free([2])  # the caller recomputes: the slot is reusable, the key is gone
+    assert tier.lookup(b"h" * 16) is None
+    tier.close()
+
+
+# -- full disk ----------------------------------------------------------------------------
+def test_budget_over_cap_is_tier_full_at_construction(tmp_path):
+    with pytest.raises(TierFullError, match="max_file_bytes"):
+        DiskTier(LAYOUT, 100, tmp_path, max_file_bytes=99 * 4096)
+    assert not (tmp_path / ARENA_FILE).exists()
+
+
+def test_enospc_at_creation_is_tier_full(tmp_path, monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space, raising=False)
+    with pytest.raises(TierFullError, match="disk full"):
+        DiskTier(LAYOUT, 4, tmp_path)
+
+
+def test_enospc_on_write_is_tier_full_and_leaves_slot_free(tmp_path, monkeypatch):
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 2)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", no_space)
+    with pytest.raises(TierFullError) as info:
+        tier.write_blocks([0, 1], k, v)
+    assert info.value.slots == [0, 1]
+    monkeypatch.undo()
+    with pytest.raises(BlockMissingError):  # nothing half-written is ever served
+        tier.read_blocks([0], k[:, :, :4].clone(), v[:, :, :4].clone())
+
+
+# -- keys and restarts --------------------------------------------------------------------
+def test_keys_put_lookup_free(tmp_path):
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 2)
+    slots = tier.allocate(2)
+    assert slots == [0, 1]
+    tier.write_blocks(slots, k, v)
+    tier.put_key(0, b"a" * 16, [1, 2, 3, 4])
+    tier.put_key(1, b"b" * 16, [5, 6, 7, 8])
+    assert tier.lookup(b"a" * 16) == (0, [1, 2, 3, 4])
+    assert tier.keyed_slots() == {0: b"a" * 16, 1: b"b" * 16}
+    tier.write_blocks([1], k[:, :, :4], v[:, :, :4])  # new content: the old key goes
+    assert tier.lookup(b"b" * 16) is None
+    tier.free([0])
+    assert tier.lookup(b"a" * 16) is None
+    assert tier.allocator.free_slots() == [2, 3, 0]
+    with pytest.raises(BlockMissingError):
+        tier.put_key(3, b"c" * 16, [0, 0, 0, 0])
+
+
+def test_reopen_with_other_layout_is_config_error(tmp_path):
+    DiskTier(LAYOUT, 4, tmp_path).close()
+    other = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=8)
+    with pytest.raises(ConfigError, match="layout") as info:
+        DiskTier(other, 4, tmp_path)
+    assert str(tmp_path) in str(info.value)
+    with pytest.raises(ConfigError, match="checksum"):
+        DiskTier(LAYOUT, 4, tmp_path, checksum="crc32")
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, torch
+    from kvstrata.hashing import sequence_block_hashes
+    from kvstrata.layout import BlockLayout
+    from kvstrata.tiers.disk import DiskTier
+    layout = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
+    tier = DiskTier(layout, 8, sys.argv[1])
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(layout.raw_shape("k", 3), generator=g)
+    v = torch.randn(layout.raw_shape("v", 3), generator=g)
+    tokens = list(range(100, 112))
+    hashes = sequence_block_hashes(tokens, 4, {"model": "tiny"})
+    slots = tier.allocate(3, after=3)  # [4, 5, 6]
+    tier.write_blocks(slots, k, v)
+    for i, (slot, h) in enumerate(zip(slots, hashes)):
+        tier.put_key(slot, h, tokens[4 * i : 4 * i + 4])
+    tier.write_blocks([1], k[:, :, :4], v[:, :, :4])  # unkeyed: free after restart
+    os._exit(0)  # no close(), no clean shutdown
+    """
+)
+
+
+def test_killed_process_blocks_are_found_after_reopen(tmp_path):
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], check=True, env=env)
+    tier = DiskTier(LAYOUT, 8, tmp_path)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(LAYOUT.raw_shape("k", 3), generator=g)
+    v = torch.randn(LAYOUT.raw_shape("v", 3), generator=g)
+    tokens = list(range(100, 112))
+    hashes = sequence_block_hashes(tokens, 4, {"model": "tiny"})
+    found = [tier.lookup(h) for h in hashes]
+    assert found == [(4, tokens[0:4]), (5, tokens[4:8]), (6, tokens[8:12])]
+    assert tier.allocator.free_slots() == [0, 1, 2, 3, 7]
+    k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+    tier.read_blocks([4, 5, 6], k_out, v_out)
+    assert torch.equal(k_out, k) and torch.equal(v_out, v)
+    with pytest.raises(BlockMissingError):  # slot 1 was never keyed: treated as free
+        tier.read_blocks([1], k_out[:, :, :4], v_out[:, :, :4])
+    tier.close()
+
+
+def test_interrupted_rewrite_leaves_no_stale_key(tmp_path, monkeypatch):
+    """A crash after the data of a rewrite but before its index row: the slot is free
+    on reopen, and its old key is gone (the old checksum would not match anyway)."""
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 1)
+    tier.write_blocks([3], k, v)
+    tier.put_key(3, b"x" * 16, [9, 9, 9, 9])
+
+    def crash(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DiskTier, "_commit_rows", crash)
+    with pytest.raises(KeyboardInterrupt):
+        tier.write_blocks([3], k + 1, v + 1)
+    monkeypatch.undo()
+    tier.close()
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    assert tier.lookup(b"x" * 16) is None
+    assert tier.num_used == 0
+
+
+def test_index_names_block_but_bytes_differ_is_corrupt_after_reopen(tmp_path):
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 1)
+    tier.write_blocks([0], k, v)
+    (h,) = sequence_block_hashes([1, 2, 3, 4], 4)
+    tier.put_key(0, h, [1, 2, 3, 4])
+    tier.close()
+    # simulate a torn write: the index row survived, part of the data did not
+    with open(tmp_path / ARENA_FILE, "r+b") as f:
+        f.write(b"\0" * 64)
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    assert tier.lookup(h) == (0, [1, 2, 3, 4])
+    with pytest.raises(BlockCorruptError) as info:
+        tier.read_blocks([0], torch.empty_like(k), torch.empty_like(v))
+    assert info.value.slots == [0]
+    tier.close()
