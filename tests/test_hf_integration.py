@@ -24,6 +24,10 @@ PLACEMENTS = {
     "resident10_host_staged": dict(
         max_tokens=1536, resident_fraction=0.1, host_budget="8MiB", cold_attention="stage"
     ),
+    # 16 KiB blocks: 8 fit on the host, the oldest ~half of the 20 blocks go to disk
+    "oldest_half_disk": dict(
+        max_tokens=1536, resident_fraction=0.1, host_budget="128KiB", disk_budget="4MiB"
+    ),
 }
 
 
@@ -83,11 +87,14 @@ def test_reference_depends_on_old_context(family, references):
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_tokens_identical(family, placement, references):
+def test_tokens_identical(family, placement, references, tmp_path):
     model, ids, ref = references[family]
     enable(model)
+    kwargs = dict(PLACEMENTS[placement])
+    if "disk_budget" in kwargs:
+        kwargs["disk_dir"] = str(tmp_path)
     try:
-        cache = TieredCache(model.config, block_size=64, **PLACEMENTS[placement])
+        cache = TieredCache(model.config, block_size=64, **kwargs)
         out = _greedy(model, ids, cache)
     finally:
         model.set_attn_implementation(_reference_attn(family))
@@ -95,6 +102,9 @@ def test_tokens_identical(family, placement, references):
     tiers = cache.stats()["tiers"]
     if placement != "device":
         assert tiers["host"]["used_blocks"] > 0
+    if "disk" in tiers:
+        total = sum(t["used_blocks"] for t in tiers.values())
+        assert tiers["disk"]["used_blocks"] >= total // 2 - 1, tiers
         assert tiers["device"]["used_blocks"] <= tiers["device"]["budget_blocks"]
 
 

@@ -242,6 +242,8 @@ class TieredCache(Cache):
         self._manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)
         self._tiers = self._manager.tiers
         self._device_name = tiers[0].name
+        # tiers whose raw arenas take token writes and zero-copy views directly
+        self._arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
         self._local = {
             t.name
             for t in tiers
@@ -307,7 +309,8 @@ class TieredCache(Cache):
         flat_k = flat_v = None
         for tw in self._writes:
             tier = self._tiers[tw.tier]
-            if tier.zero_copy and tw.contiguous is not None and batch == 1:
+            in_place = tw.tier in self._arena_tiers
+            if in_place and tw.contiguous is not None and batch == 1:
                 first, count = tw.contiguous
                 tier.k_arena[layer, :, first : first + count].copy_(k[0, :, :count])
                 tier.v_arena[layer, :, first : first + count].copy_(v[0, :, :count])
@@ -316,7 +319,7 @@ class TieredCache(Cache):
                 flat_k = k.transpose(0, 1).reshape(heads, batch * num_new, -1)
                 flat_v = v.transpose(0, 1).reshape(heads, batch * num_new, -1)
             src = tw.src.to(k.device)
-            if tier.zero_copy:
+            if in_place:
                 rows = tw.rows.to(tier.device)
                 tier.k_arena[layer].index_copy_(
                     1, rows, flat_k.index_select(1, src).to(tier.device)

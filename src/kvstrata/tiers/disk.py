@@ -160,6 +160,7 @@ class DiskTier(Tier):
         self._init_format()
         self._checksum = _Checksum(checksum, self.layer_bytes)
         self._lock = threading.RLock()
+        self._pending: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, set[int]]] = {}
         self._local = threading.local()
         L = layout.num_layers
         self._sums = np.zeros((num_slots, L), dtype=np.uint64)
@@ -468,6 +469,29 @@ class DiskTier(Tier):
             return encoded[(kind, i0)][fname]
 
         self._write(slots, fields)
+
+    def write_layer(self, layer: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Collect one layer of new full blocks; the blocks are encoded, checksummed and
+        written once their last layer arrives (a block on disk is always whole).
+
+        Used when a long prefill overflows the faster tiers: the pending layers sit in
+        host memory for the duration of one forward pass."""
+        key = tuple(slots)
+        pending = self._pending.get(key)
+        if pending is None:
+            n = len(slots)
+            pending = (
+                torch.empty(self.layout.raw_shape("k", n), dtype=self.layout.dtype),
+                torch.empty(self.layout.raw_shape("v", n), dtype=self.layout.dtype),
+                set(),
+            )
+            self._pending[key] = pending
+        pending[0][layer].copy_(k)
+        pending[1][layer].copy_(v)
+        pending[2].add(layer)
+        if len(pending[2]) == self.layout.num_layers:
+            del self._pending[key]
+            self.write_blocks(slots, pending[0], pending[1])
 
     def write_encoded(self, slots: list[int], data: Encoded) -> None:
         rows = {key: s.rows for kind in KINDS for key, s in self._prefixed(kind)}

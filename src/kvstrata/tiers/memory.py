@@ -125,12 +125,13 @@ class MemoryTier(Tier):
                 }
                 self.codec.encode(kind, raw, enc)
             for fname, spec in specs.items():
-                arena = self.arenas[f"{kind}.{fname}"][layer]
-                arena.index_copy_(1, self._rows_index(slots, spec.rows), enc[fname])
+                arena = _indexable(self.arenas[f"{kind}.{fname}"][layer])
+                arena.index_copy_(1, self._rows_index(slots, spec.rows), _indexable(enc[fname]))
         self.stats.bytes_written += n * self.block_bytes // self.layout.num_layers
 
     def _scatter(self, key: str, slots: list[int], rows: int, data: torch.Tensor) -> None:
-        arena = self.arenas[key]
+        arena = _indexable(self.arenas[key])
+        data = _indexable(data)
         runs = self.slot_runs(slots)
         if len(runs) == 1:  # the common case: one contiguous copy
             first, count = runs[0]
@@ -143,6 +144,11 @@ class MemoryTier(Tier):
     ) -> torch.Tensor:
         arena = self.arenas[key] if layer is None else self.arenas[key][layer]
         runs = self.slot_runs(slots)
+        if len(runs) > 1 and arena.dtype != _indexable(arena).dtype:
+            picked = _indexable(arena).index_select(
+                2 if layer is None else 1, self._rows_index(slots, rows)
+            )
+            return picked.view(arena.dtype)
         dim = 2 if layer is None else 1
         if len(runs) == 1:
             first, count = runs[0]
@@ -194,6 +200,14 @@ class MemoryTier(Tier):
                 self._scatter(key, slots, spec.rows, data[key].to(self.device, non_blocking=True))
         self.stats.blocks_written += len(slots)
         self.stats.bytes_written += len(slots) * self.block_bytes
+
+
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    """index_copy_/index_select have no float8 kernels on the CPU: move such
+    tensors as bytes (same element size, so the view is free)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
 
 
 def num_slots_for_budget(budget_bytes: int, block_bytes: int) -> int:
