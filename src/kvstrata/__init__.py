@@ -16,6 +16,23 @@ from kvstrata.units import parse_size, parse_tokens
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "TieredCache": "kvstrata.integrations.hf",
+    "enable": "kvstrata.integrations.hf",
+    "plan": "kvstrata.planner",
+    "load_geometry": "kvstrata.geometry",
+    "get_codec": "kvstrata.codecs.registry",
+}
+
+
+def __getattr__(name: str):
+    # transformers is imported only when the integration is used (fast CLI start-up)
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvstrata' has no attribute {name!r}")
+
 __all__ = [
     "BlockCorruptError",
     "BlockMissingError",
@@ -27,6 +44,11 @@ __all__ = [
     "TierFullError",
     "TierIOError",
     "UnsupportedModelError",
+    "TieredCache",
+    "enable",
+    "get_codec",
+    "load_geometry",
+    "plan",
     "parse_size",
     "parse_tokens",
 ]
