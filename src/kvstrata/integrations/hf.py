@@ -14,7 +14,9 @@ a dense 4-D mask.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ from kvstrata.errors import ConfigError, UnsupportedModelError
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier, resolve_device
+from kvstrata.transfer import TransferEngine
 from kvstrata.units import format_bytes
 
 ATTENTION_NAME = "kvstrata"
@@ -257,21 +260,30 @@ class TieredCache(Cache):
         }
         if cc.cold_attention == "stage":
             self._local = {self._device_name}
-        staging_tokens = max(cc.staging_tokens, cc.block_size)
-        staging_tokens -= staging_tokens % cc.block_size
-        self._staging_tokens = staging_tokens
-        self._staging = (
-            torch.empty(
-                (layout.num_kv_heads, staging_tokens, layout.head_dim),
-                dtype=layout.dtype,
-                device=self.device,
-            ),
-            torch.empty(
-                (layout.num_kv_heads, staging_tokens, layout.dim_v),
-                dtype=layout.dtype,
-                device=self.device,
-            ),
-        )
+        # Two staging buffers (double buffering): chunk i+1 of the cold blocks loads
+        # into one while the attention works on chunk i in the other.
+        per_buffer = max(cc.staging_tokens // 2, cc.block_size)
+        per_buffer -= per_buffer % cc.block_size
+        self._staging_tokens = per_buffer
+        self._staging = [
+            (
+                torch.empty(
+                    (layout.num_kv_heads, per_buffer, layout.head_dim),
+                    dtype=layout.dtype,
+                    device=self.device,
+                ),
+                torch.empty(
+                    (layout.num_kv_heads, per_buffer, layout.dim_v),
+                    dtype=layout.dtype,
+                    device=self.device,
+                ),
+            )
+            for _ in range(2)
+        ]
+        self._current_buf = 1
+        self._inflight: dict[tuple, tuple[Future, int]] = {}
+        staged = [t for t in tiers if t.name not in self._local]
+        self._engine = TransferEngine(max_workers=1) if staged else None
 
     @property
     def manager(self) -> BlockManager:
@@ -337,7 +349,7 @@ class TieredCache(Cache):
     def _track_peak(self) -> None:
         dev = self._tiers[self._device_name]
         used = dev.num_used * dev.block_bytes
-        staging = sum(t.numel() * t.element_size() for t in self._staging or ())
+        staging = self._staging_bytes()
         self.peak_device_bytes = max(self.peak_device_bytes, used + staging)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -418,20 +430,90 @@ class TieredCache(Cache):
                 continue
             yield from self._staged(layer, run, lo, hi, bs)
 
-    def _staged(self, layer: int, run: Run, lo: int, hi: int, bs: int):
-        tier = self._tiers[run.tier]
+    def _staging_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self._staging or () for t in pair)
+
+    def _chunks(self, run: Run, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Staging chunks of a cold run clipped to [lo, hi): (first_slot, count, base)."""
+        bs = self.layout.block_size
         first_block = (lo - run.token_start) // bs
         last_block = (hi - 1 - run.token_start) // bs
         per_chunk = self._staging_tokens // bs
-        sk, sv = self._staging
-        for c0 in range(first_block, last_block + 1, per_chunk):
-            c1 = min(c0 + per_chunk, last_block + 1)
-            slots = list(range(run.first_slot + c0, run.first_slot + c1))
-            n = (c1 - c0) * bs
-            tier.read_layer(layer, slots, sk[:, :n], sv[:, :n])
-            base = run.token_start + c0 * bs
-            a, b = max(lo, base) - base, min(hi, base + n) - base
+        return [
+            (run.first_slot + c0, min(per_chunk, last_block + 1 - c0), run.token_start + c0 * bs)
+            for c0 in range(first_block, last_block + 1, per_chunk)
+        ]
+
+    def _submit_load(self, key: tuple, buf: int) -> Future:
+        layer, tier_name, first, count = key
+        tier = self._tiers[tier_name]
+        n = count * self.layout.block_size
+        bk, bv = self._staging[buf]
+        slots = list(range(first, first + count))
+        nbytes = count * tier.block_bytes // self.layout.num_layers
+        return self._engine.submit(
+            lambda: tier.read_layer(layer, slots, bk[:, :n], bv[:, :n]),
+            link=f"{tier_name}->{self._device_name}",
+            nbytes=nbytes,
+        )
+
+    def _prefetch(self, key: tuple) -> None:
+        """Start loading a chunk into the buffer the attention is not using."""
+        if key in self._inflight:
+            return
+        target = 1 - self._current_buf
+        self._drop_inflight(target)
+        self._inflight[key] = (self._submit_load(key, target), target)
+
+    def _drop_inflight(self, buf: int) -> None:
+        """Let a stale (unused) prefetch into `buf` finish before the buffer is reused.
+        Its errors are moot: a real load of the same blocks reports them."""
+        for other, (fut, target) in list(self._inflight.items()):
+            if target == buf:
+                del self._inflight[other]
+                with contextlib.suppress(Exception):
+                    self._engine.wait(fut)
+
+    def _load(self, key: tuple) -> int:
+        """The staging buffer holding chunk `key`, waiting for its prefetch if any."""
+        hit = self._inflight.pop(key, None)
+        if hit is not None:
+            self._engine.wait(hit[0])
+            self._current_buf = hit[1]
+            return hit[1]
+        target = 1 - self._current_buf
+        self._drop_inflight(target)
+        self._engine.wait(self._submit_load(key, target))
+        self._current_buf = target
+        return target
+
+    def _staged(self, layer: int, run: Run, lo: int, hi: int, bs: int):
+        chunks = self._chunks(run, lo, hi)
+        for i, (first, count, base) in enumerate(chunks):
+            buf = self._load((layer, run.tier, first, count))
+            if i + 1 < len(chunks):
+                nxt = chunks[i + 1]
+                self._prefetch((layer, run.tier, nxt[0], nxt[1]))
+            sk, sv = self._staging[buf]
+            a, b = max(lo, base) - base, min(hi, base + count * bs) - base
             yield sk[:, a:b], sv[:, a:b]
+
+    def prefetch_next_layer(self, layer: int) -> None:
+        """After layer `layer`'s attention: start loading the first cold chunk that
+        layer + 1 will need, so its transfer overlaps that layer's projections."""
+        if self._engine is None or layer + 1 >= self.num_layers:
+            return
+        mgr = self.manager
+        for seq_id in sorted(mgr.tables):
+            # only history: this step's blocks may not be written for layer + 1 yet
+            past = mgr.num_tokens(seq_id) - self._step_tokens
+            for run in mgr.runs(seq_id):
+                if run.tier in self._local or run.token_start >= past:
+                    continue
+                hi = min(past, run.token_start + run.num_tokens)
+                first, count, _ = self._chunks(run, run.token_start, hi)[0]
+                self._prefetch((layer + 1, run.tier, first, count))
+                return
 
     def attend(
         self,
@@ -496,7 +578,7 @@ class TieredCache(Cache):
         """Tier occupancy, bytes moved per link, peak device bytes, staging size."""
         if self._manager is None:
             return {"initialized": False}
-        staging = sum(t.numel() * t.element_size() for t in self._staging or ())
+        staging = self._staging_bytes()
         dev = self._tiers[self._device_name]
         return {
             "initialized": True,
@@ -507,6 +589,7 @@ class TieredCache(Cache):
             "device_budget_bytes": dev.num_slots * dev.block_bytes,
             "staging_bytes": staging,
             "peak_device_bytes": self.peak_device_bytes,
+            "transfers": self._engine.stats.as_dict() if self._engine else None,
             "tokens": {s: self.manager.num_tokens(s) for s in self.manager.tables},
         }
 
@@ -574,6 +657,7 @@ def kvstrata_attention(
             s_aux,
         )
         out[b].copy_(o.transpose(0, 1))
+    cache.prefetch_next_layer(key.layer_idx)
     return out, None
 
 
