@@ -233,3 +233,39 @@ def test_attention_without_tiered_cache_is_a_clear_error():
     enable(model)
     with pytest.raises(kvstrata.UnsupportedModelError, match="TieredCache"):
         model(_prompt(length=8), cache=DynamicCache(config=model.config))
+
+
+def _greedy_loop(model, ids, cache, n, on_step=None):
+    """Plain greedy decoding with model(...) in a loop (no logits processors)."""
+    tokens = ids
+    with torch.no_grad():
+        logits = model(tokens, cache=cache).logits[:, -1]
+        for step in range(n):
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            if on_step is not None:
+                on_step(step)
+            logits = model(nxt, cache=cache).logits[:, -1]
+    return tokens
+
+
+def test_budget_change_mid_generation_keeps_tokens():
+    """The dynamic offload ratio: shrink the device budget halfway, blocks move to
+    the host, and decoding goes on with the same tokens."""
+    model = _llama()
+    ids = _prompt(length=300)
+    ref = _greedy_loop(model, ids, DynamicCache(config=model.config), 80)
+    enable(model)
+    cache = TieredCache(model.config, block_size=16, max_tokens=512, host_budget="4MiB")
+    seen = {}
+
+    def shrink(step):
+        if step == 40:
+            seen["before"] = cache.stats()["tiers"]["host"]["used_blocks"]
+            cache.set_budget("device", 8 * cache.stats()["tiers"]["device"]["block_bytes"])
+            seen["after"] = cache.stats()["tiers"]
+
+    tokens = _greedy_loop(model, ids, cache, 80, on_step=shrink)
+    assert seen["before"] == 0 and seen["after"]["host"]["used_blocks"] > 0
+    assert seen["after"]["device"]["used_blocks"] <= 8
+    assert torch.equal(tokens, ref)

@@ -542,11 +542,11 @@ class TieredCache(Cache):
             start = first_valid if window is None else max(first_valid, total - window)
             qp = pack_gqa(q, hkv)
             for k, v in self._parts(layer, seq_id, start, total):
-                acc = merge(acc, partial_attention(qp, k, v, scale, softcap))
+                acc = merge(acc, _partial_where_kv_lives(qp, k, v, scale, softcap))
         elif dense is None and window is None and first_valid <= past:
             qp = pack_gqa(q, hkv)
             for k, v in self._parts(layer, seq_id, first_valid, past):
-                acc = merge(acc, partial_attention(qp, k, v, scale, softcap))
+                acc = merge(acc, _partial_where_kv_lives(qp, k, v, scale, softcap))
             acc = merge(acc, _causal_new(q, new_k, new_v, scale, softcap, hkv))
         else:
             start = 0 if dense is not None else first_valid
@@ -573,6 +573,18 @@ class TieredCache(Cache):
             return out
         return unpack_gqa(acc[0], hq)
 
+    def set_budget(self, tier: str, budget: int | str) -> None:
+        """Change a tier's budget at run time (the seed's dynamic offload ratio), in
+        bytes ("256MiB") of that tier's stored blocks; at most the arena it was built
+        with. Blocks over budget move down now."""
+        from kvstrata.units import parse_size
+
+        mgr = self.manager
+        if tier not in mgr.tiers:
+            raise ConfigError.field("tier", tier, f"one of {', '.join(mgr.tier_order)}")
+        nbytes = parse_size(budget, f"{tier}_budget", allow_zero=True)
+        mgr.set_budget(tier, min(nbytes // mgr.tiers[tier].block_bytes, mgr.tiers[tier].num_slots))
+
     # -- reporting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Tier occupancy, bytes moved per link, peak device bytes, staging size."""
@@ -592,6 +604,18 @@ class TieredCache(Cache):
             "transfers": self._engine.stats.as_dict() if self._engine else None,
             "tokens": {s: self.manager.num_tokens(s) for s in self.manager.tables},
         }
+
+
+def _partial_where_kv_lives(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention computed on the device that holds k/v: host blocks attended
+    in place on the CPU (FlexGen's "CPU attention"), only q and the partial result
+    ([Hkv, R*Q, D] + LSE, tiny in decode) cross the link."""
+    if k.device == q.device:
+        return partial_attention(q, k, v, scale, softcap)
+    out, lse = partial_attention(q.to(k.device), k, v, scale, softcap)
+    return out.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
 
 
 def _causal_new(
