@@ -269,3 +269,25 @@ def test_budget_change_mid_generation_keeps_tokens():
     assert seen["before"] == 0 and seen["after"]["host"]["used_blocks"] > 0
     assert seen["after"]["device"]["used_blocks"] <= 8
     assert torch.equal(tokens, ref)
+
+
+def test_staged_path_under_inference_mode():
+    """Cold chunks load on a transfer thread; it must honour inference mode."""
+    model = _llama()
+    ids = _prompt(length=300)
+    with torch.inference_mode():
+        ref = model(ids, cache=DynamicCache(config=model.config)).logits
+    enable(model)
+    cache = TieredCache(
+        model.config,
+        block_size=16,
+        max_tokens=512,
+        resident_fraction=0.1,
+        host_budget="4MiB",
+        cold_attention="stage",
+    )
+    with torch.inference_mode():
+        model(ids[:, :-1], cache=cache)
+        last = model(ids[:, -1:], cache=cache).logits
+    torch.testing.assert_close(last[:, -1], ref[:, -1], rtol=1e-4, atol=1e-4)
+    assert cache.stats()["transfers"]["num_transfers"] > 0

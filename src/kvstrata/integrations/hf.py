@@ -451,8 +451,16 @@ class TieredCache(Cache):
         bk, bv = self._staging[buf]
         slots = list(range(first, first + count))
         nbytes = count * tier.block_bytes // self.layout.num_layers
+        # Worker threads do not inherit inference mode; writing the (inference-mode)
+        # staging buffers from one outside it is an error.
+        inference = torch.is_inference_mode_enabled()
+
+        def load() -> None:
+            with torch.inference_mode(inference):
+                tier.read_layer(layer, slots, bk[:, :n], bv[:, :n])
+
         return self._engine.submit(
-            lambda: tier.read_layer(layer, slots, bk[:, :n], bv[:, :n]),
+            load,
             link=f"{tier_name}->{self._device_name}",
             nbytes=nbytes,
         )

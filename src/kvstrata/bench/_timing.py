@@ -1,0 +1,116 @@
+"""Shared helpers of the decode benchmarks: interleaved repeated timing (medians), a
+machine-idle check, and the rich-table / JSON report.
+
+The machines these run on are shared and noisy (DESIGN.md, "Noise"): compared
+variants run round-robin, each repeat visiting every variant once, so a burst of
+load hits all of them alike, and the report quotes medians and ratios against a
+baseline from the same run, never absolute targets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# 1-minute load above (cores - threads) + this margin means another process competes
+# for the cores the benchmark uses: the numbers are then slowed many times over.
+LOAD_MARGIN = 0.5
+
+
+def machine_load() -> tuple[float, int]:
+    """(1-minute load average, CPU count); load is 0.0 where the OS does not report it."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every OS
+        load = 0.0
+    return load, os.cpu_count() or 1
+
+
+def load_warning(threads: int) -> str | None:
+    """A one-line warning when the machine is busy, else None.
+
+    Args:
+        threads: torch threads the benchmark itself uses.
+
+    Returns:
+        The warning text, or None when the load leaves the benchmark's cores free.
+    """
+    load, cores = machine_load()
+    if load <= max(0, cores - threads) + LOAD_MARGIN:
+        return None
+    text = (
+        f"machine busy: load average {load:.2f} on {cores} cores while this benchmark "
+        f"uses {threads} threads; timings are slowed and noisy, compare ratios only "
+        "and re-measure on an idle machine"
+    )
+    if threads > 1:
+        # Measured: with 2 threads on 2 busy cores every parallel kernel waited ~16 ms
+        # (a scheduler slice) for its second thread, so variants that launch more
+        # kernels per step (more attention partials) look far slower than they are.
+        text += (
+            f"; with {threads} threads each parallel kernel may wait a scheduler slice, "
+            "which penalises variants with more kernel calls per step (--threads 1 is "
+            "less distorted)"
+        )
+    return text
+
+
+def interleaved(
+    fns: dict[str, Callable[[], float]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Run every variant `repeats` times, round-robin; each call returns its own
+    measured seconds (so untimed setup such as building a cache stays outside).
+
+    Args:
+        fns: variant name -> callable returning the seconds it measured.
+        repeats: timed rounds (each round calls every variant once, in order).
+        warmup: untimed rounds first (caches, allocator, lazy kernels).
+
+    Returns:
+        variant name -> the `repeats` measured seconds, in call order.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(fn())
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
+def spread(values: Sequence[float]) -> float:
+    """(max - min) / median: how noisy a variant's repeats were."""
+    mid = median(values)
+    return float((max(values) - min(values)) / mid) if mid else 0.0
+
+
+def print_table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str] = ()
+) -> None:
+    """Print a rich table (first column left-aligned, the rest right-aligned), then notes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    console = Console()
+    console.print(table)
+    for note in notes:
+        console.print(note, highlight=False)
+
+
+def print_json(report: dict[str, Any]) -> None:
+    """Print the report as indented JSON (machine-readable `--json` output)."""
+    print(json.dumps(report, indent=2, sort_keys=False))
