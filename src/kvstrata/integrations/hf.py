@@ -44,7 +44,8 @@ from kvstrata.transfer import TransferEngine
 from kvstrata.units import format_bytes
 
 ATTENTION_NAME = "kvstrata"
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+# Chunked attention (Llama 4) has its own mask semantics, not implemented: refused.
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 @dataclass
@@ -100,6 +101,7 @@ class _TieredLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    # The cache-level reset/crop act on all layers at once (blocks span layers).
     def reset(self) -> None:
         pass
 
