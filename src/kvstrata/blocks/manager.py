@@ -147,6 +147,19 @@ class BlockManager:
             return
         bs = self.layout.block_size
         keep = -(-num_tokens // bs)
+        if keep and num_tokens % bs:
+            # Fix: check the room for bringing a now-partial block back to the device
+            # before changing anything (a refused crop used to drop blocks first).
+            last = self.pool.blocks[table.block_ids[keep - 1]]
+            device = self.tier_order[0]
+            if last.ref_count == 1 and last.tier != device:
+                freed = sum(
+                    1
+                    for i in table.block_ids[keep:]
+                    if self.pool.blocks[i].ref_count == 1 and self.pool.blocks[i].tier == device
+                )
+                if self.tiers[device].num_free + freed < 1:
+                    raise OutOfBlocksError(self._no_device_slot("a cropped block"))
         for block_id in table.block_ids[keep:]:
             self._decref(block_id)
         del table.block_ids[keep:]
@@ -178,8 +191,15 @@ class BlockManager:
                 num_slots,
                 f"between 0 and the arena's {self.tiers[tier].num_slots} slots",
             )
+        old_budget = self.budget_slots[tier]
         self.budget_slots[tier] = num_slots
-        self._place([], pinned=set())
+        try:
+            self._place([], pinned=set())
+        except OutOfBlocksError:
+            # Fix: a refused budget must not stick (_place decides before moving, so
+            # restoring the number restores the whole state).
+            self.budget_slots[tier] = old_budget
+            raise
 
     # -- the step ---------------------------------------------------------------------------
     def append(self, seq_ids: list[int], num_new: int) -> list[TokenWrites]:
@@ -193,28 +213,48 @@ class BlockManager:
         device = self.tier_order[0]
         new_blocks: list[Block] = []
         pinned: set[int] = set()
-        for seq_id in seq_ids:
-            self.seq_last_access[seq_id] = self.clock
-            self.seq_access_count[seq_id] += 1
-            table = self.tables[seq_id]
-            if table.block_ids and table.num_tokens % bs:
-                last = self.pool.blocks[table.block_ids[-1]]
-                if last.ref_count > 1:
-                    self._copy_on_write(seq_id)
+        copied: list[tuple[int, int, bool]] = []  # (seq_id, old block, sole owner)
+        try:
+            for seq_id in seq_ids:
+                self.seq_last_access[seq_id] = self.clock
+                self.seq_access_count[seq_id] += 1
+                table = self.tables[seq_id]
+                if table.block_ids and table.num_tokens % bs:
                     last = self.pool.blocks[table.block_ids[-1]]
-                pinned.add(last.block_id)
-            total = table.num_tokens + num_new
-            first_new = len(table.block_ids)
-            for idx in range(first_new, -(-total // bs)):
-                block = Block(block_id=-1, ref_count=1, is_sink=idx < self.num_sink_blocks)
-                block.num_tokens = min(bs, total - idx * bs)
-                new_blocks.append(block)
-                table_pos = (seq_id, idx)
-                block.slot = -1
-                block.tier = ""
-                block._table_pos = table_pos  # type: ignore[attr-defined]
-        if new_blocks:
-            self._place(new_blocks, pinned)
+                    if last.ref_count > 1 or last.tier != device:
+                        # Fix: an open block this sequence owns alone can sit below the
+                        # device once the other owners of a shared full block are gone
+                        # (crop, then free/remap); it is copied up too, and the original
+                        # is released only when the step succeeds (pinned until then).
+                        sole = last.ref_count == 1
+                        self._copy_on_write(seq_id, pinned, release=not sole)
+                        copied.append((seq_id, last.block_id, sole))
+                        if sole:
+                            pinned.add(last.block_id)
+                        last = self.pool.blocks[table.block_ids[-1]]
+                    pinned.add(last.block_id)
+                total = table.num_tokens + num_new
+                first_new = len(table.block_ids)
+                for idx in range(first_new, -(-total // bs)):
+                    block = Block(block_id=-1, ref_count=1, is_sink=idx < self.num_sink_blocks)
+                    block.num_tokens = min(bs, total - idx * bs)
+                    new_blocks.append(block)
+                    table_pos = (seq_id, idx)
+                    block.slot = -1
+                    block.tier = ""
+                    block._table_pos = table_pos  # type: ignore[attr-defined]
+            if new_blocks or copied:
+                # Fix: copies on write take device slots too; place (and check the
+                # device budget) even when the step needs no new block.
+                self._place(new_blocks, pinned)
+        except OutOfBlocksError:
+            # Fix: a refused step changes nothing: undo this step's copies on write
+            # (they used to stay, leaving a copied block behind after the error).
+            self._undo_copy_on_write(copied)
+            raise
+        for _seq_id, old_id, sole in copied:
+            if sole:
+                self._decref(old_id)
         # Build the token write plan.
         rows_by_tier: dict[str, list[int]] = {}
         src_by_tier: dict[str, list[int]] = {}
@@ -260,11 +300,14 @@ class BlockManager:
         return writes
 
     # -- placement --------------------------------------------------------------------------
-    def _views(self) -> dict[int, BlockView]:
-        """Policy views of every live block (shared blocks: newest / most used owner)."""
+    def _views(self, new_count: dict[int, int] | None = None) -> dict[int, BlockView]:
+        """Policy views of every live block (shared blocks: newest / most used owner).
+        `new_count`: blocks each sequence gains this step (they come after its others)."""
         views: dict[int, BlockView] = {}
         for seq_id, table in self.tables.items():
-            n = len(table.block_ids)
+            # Fix: count this step's new blocks, as their own views do; an old last block
+            # used to look as new as the newest new block (blocks_from_end 0).
+            n = len(table.block_ids) + (new_count or {}).get(seq_id, 0)
             last, count = self.seq_last_access[seq_id], self.seq_access_count[seq_id]
             for i, block_id in enumerate(table.block_ids):
                 block = self.pool.blocks.get(block_id)
@@ -278,11 +321,11 @@ class BlockManager:
 
     def _place(self, new_blocks: list[Block], pinned: set[int]) -> None:
         bs = self.layout.block_size
-        views = self._views()
         new_count: dict[int, int] = {}
         for block in new_blocks:
             seq_id = block._table_pos[0]  # type: ignore[attr-defined]
             new_count[seq_id] = new_count.get(seq_id, 0) + 1
+        views = self._views(new_count)
         for i, block in enumerate(new_blocks):
             seq_id, idx = block._table_pos  # type: ignore[attr-defined]
             total_blocks = len(self.tables[seq_id].block_ids) + new_count[seq_id]
@@ -327,8 +370,8 @@ class BlockManager:
             leave = [b for b in spill if b.tier == name]
             decisions.append((name, arrive, leave))
             incoming = spill
-            if not incoming:
-                break
+            # Fix: no early exit when nothing spills: a lower tier whose budget just
+            # shrank (set_budget) must still demote its own surplus.
         if incoming:
             need = len(incoming) * self.layout.raw_block_bytes
             avail = ", ".join(
@@ -340,11 +383,16 @@ class BlockManager:
                 f"({format_bytes(need)} raw) needed, budgets {avail}; raise host_budget "
                 f"or disk_budget (or use a smaller codec on the lower tiers)"
             )
-        # Execute, deepest tier first so every move finds a free slot.
-        for name, _arrive, leave in reversed(decisions):
-            depth = self.tier_order.index(name)
-            if leave:
-                self._move(sorted(leave, key=lambda b: b.block_id), self.tier_order[depth + 1])
+        # Execute, deepest tier first so every move finds a free slot. Fix: a block that
+        # spills through several tiers moves straight to the tier that keeps it (it used
+        # to move one tier down only, overfilling that tier past its budget).
+        dest = {id(b): name for name, arrive, _leave in decisions for b in arrive}
+        for _name, _arrive, leave in reversed(decisions):
+            by_dest: dict[str, list[Block]] = {}
+            for b in sorted(leave, key=lambda b: b.block_id):
+                by_dest.setdefault(dest[id(b)], []).append(b)
+            for dst_name in sorted(by_dest, key=self.tier_order.index, reverse=True):
+                self._move(by_dest[dst_name], dst_name)
         for name, arrive, _leave in decisions:
             fresh = [b for b in arrive if b.block_id == -1]
             self._install_new(name, fresh)
@@ -407,27 +455,51 @@ class BlockManager:
         src.read_blocks(src_slots, k, v)
         dst.write_blocks(dst_slots, k, v)
 
-    def _copy_on_write(self, seq_id: int) -> None:
+    def _copy_on_write(self, seq_id: int, pinned: set[int], release: bool = True) -> None:
         table = self.tables[seq_id]
         old = self.pool.blocks[table.block_ids[-1]]
         device = self.tiers[self.tier_order[0]]
         if not device.can_allocate(1):
-            self._place([], pinned=set())
+            # Fix: keep this step's open blocks pinned (an earlier copy, full by its
+            # metadata, could otherwise be demoted while the step writes into it).
+            self._place([], pinned=pinned)
         slots = device.allocate(1)
         if slots is None:
-            raise OutOfBlocksError("device tier has no slot for a copy-on-write block")
+            # Fix: the message now states bytes and the budget to raise.
+            raise OutOfBlocksError(self._no_device_slot("a copy-on-write block"))
         self._copy_data(self.tiers[old.tier], [old.slot], device, slots)
         new = self.pool.new_block(device.name, slots[0])
         new.num_tokens, new.is_sink = old.num_tokens, old.is_sink
         self.on_tier[device.name].add(new.block_id)
         table.block_ids[-1] = new.block_id
-        self._decref(old.block_id)
+        if release:
+            self._decref(old.block_id)
         self._runs.pop(seq_id, None)
+
+    def _undo_copy_on_write(self, copied: list[tuple[int, int, bool]]) -> None:
+        """Point each sequence back at the block it copied and drop the copy."""
+        for seq_id, shared_id, sole in reversed(copied):
+            table = self.tables[seq_id]
+            if not sole:
+                self.pool.incref(shared_id)
+            copy_id = table.block_ids[-1]
+            table.block_ids[-1] = shared_id
+            self._decref(copy_id)
+            self._runs.pop(seq_id, None)
+
+    def _no_device_slot(self, what: str) -> str:
+        device = self.tiers[self.tier_order[0]]
+        return (
+            f"device tier has no free slot ({format_bytes(device.block_bytes)}) for {what}: "
+            f"all {device.num_slots} slots "
+            f"({format_bytes(device.capacity_bytes)}) hold blocks being written; "
+            f"raise device_budget or lower block_size"
+        )
 
     def _place_partial_on_device(self, block: Block) -> None:
         device = self.tier_order[0]
         if not self.tiers[device].can_allocate(1):
-            raise OutOfBlocksError("device tier has no slot to bring back a cropped block")
+            raise OutOfBlocksError(self._no_device_slot("a cropped block"))
         self._move([block], device)
 
     # -- reading ----------------------------------------------------------------------------

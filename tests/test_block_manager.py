@@ -1,0 +1,391 @@
+"""BlockManager: stateful property tests over device + host (+ disk) tiers, and
+exact-order tests (slot allocation, id recycling, cascade placement) in vLLM style."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from blockstore_harness import (
+    SeqModel,
+    check_accounting,
+    check_contents,
+    check_step,
+    read_sequence,
+    snapshot,
+    tiny_layout,
+    write_step,
+)
+from kvstrata.blocks.manager import BlockManager, Run
+from kvstrata.errors import ConfigError, OutOfBlocksError
+from kvstrata.policies.eviction import EvictionPolicy
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.memory import DeviceTier, HostTier
+
+BYTES_RE = re.compile(r"\d+(\.\d+)? (B|KiB|MiB|GiB)")
+
+
+def assert_actionable(err: OutOfBlocksError) -> None:
+    """(e) the message states bytes and which budget to raise."""
+    msg = str(err)
+    assert BYTES_RE.search(msg), msg
+    assert re.search(r"raise (device|host|disk)_budget", msg), msg
+
+
+# -- stateful property test -----------------------------------------------------------------
+
+
+class BlockStoreMachine(RuleBasedStateMachine):
+    """Random sequence operations; after every step all tokens read back bit-exact."""
+
+    block_size = 2
+    policy = "window"
+    sink_tokens = 0
+    slots = (5, 5, 6)  # device, host, disk arenas; disk only when use_disk
+    use_disk = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layout = tiny_layout(self.block_size)
+        tiers = [DeviceTier(self.layout, self.slots[0], device="cpu")]
+        tiers.append(HostTier(self.layout, self.slots[1]))
+        self.tmp = None
+        if self.use_disk:
+            self.tmp = tempfile.TemporaryDirectory()
+            tiers.append(DiskTier(self.layout, self.slots[2], self.tmp.name))
+        self.tier_list = tiers
+        self.mgr = BlockManager(
+            self.layout, tiers, EvictionPolicy(self.policy), sink_tokens=self.sink_tokens
+        )
+        self.model = SeqModel(self.layout)
+
+    def teardown(self) -> None:
+        for t in self.tier_list:
+            t.close()
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+    # helpers
+    def _seq_ids(self) -> list[int]:
+        return sorted(self.mgr.tables)
+
+    def _refused(self, before: dict, err: OutOfBlocksError) -> None:
+        assert_actionable(err)
+        assert snapshot(self.mgr) == before, "a refused operation changed the state"
+
+    def _within_budgets(self) -> None:
+        for name, tier in self.mgr.tiers.items():
+            assert tier.num_used <= self.mgr.budget_slots[name], (
+                f"{name}: {tier.num_used} blocks over a budget of {self.mgr.budget_slots[name]}"
+            )
+
+    # rules
+    @precondition(lambda self: len(self.mgr.tables) < 4)
+    @rule()
+    def add_sequence(self) -> None:
+        seq_id = max(self.mgr.tables, default=-1) + 1
+        self.mgr.add_sequence(seq_id)
+        self.model.add(seq_id)
+
+    @precondition(lambda self: self.mgr.tables)
+    @rule(data=st.data(), num_new=st.integers(1, 5), seed=st.integers(0, 2**16))
+    def append(self, data: st.DataObject, num_new: int, seed: int) -> None:
+        seq_ids = data.draw(
+            st.lists(st.sampled_from(self._seq_ids()), min_size=1, max_size=4, unique=True)
+        )
+        lay = self.layout
+        gen = torch.Generator().manual_seed(seed)
+        shape = (len(seq_ids), lay.num_kv_heads, num_new, lay.head_dim)
+        ks = [torch.randn(shape, generator=gen) for _ in range(lay.num_layers)]
+        vs = [torch.randn(shape, generator=gen) for _ in range(lay.num_layers)]
+        before = snapshot(self.mgr)
+        try:
+            writes = self.mgr.append(seq_ids, num_new)
+        except OutOfBlocksError as err:
+            self._refused(before, err)
+            return
+        check_step(self.mgr, seq_ids, writes)
+        write_step(self.mgr, writes, ks, vs)
+        self.model.append(seq_ids, ks, vs)
+        # (d) the device (and every tier) is within its budget after a step.
+        self._within_budgets()
+
+    @precondition(lambda self: self.mgr.tables and len(self.mgr.tables) < 4)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        src = data.draw(st.sampled_from(self._seq_ids()))
+        dst = max(self.mgr.tables) + 1
+        self.mgr.fork(src, dst)
+        self.model.fork(src, dst)
+
+    @precondition(lambda self: self.mgr.tables)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(self._seq_ids()))
+        self.mgr.free_sequence(seq_id)
+        self.model.free(seq_id)
+
+    @precondition(lambda self: self.mgr.tables)
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(self._seq_ids()))
+        n = data.draw(st.integers(0, self.mgr.num_tokens(seq_id)))
+        before = snapshot(self.mgr)
+        try:
+            self.mgr.truncate(seq_id, n)
+        except OutOfBlocksError as err:
+            self._refused(before, err)
+            return
+        self.model.truncate(seq_id, n)
+
+    @precondition(lambda self: self.mgr.tables)
+    @rule(data=st.data())
+    def remap(self, data: st.DataObject) -> None:
+        sources = data.draw(st.lists(st.sampled_from(self._seq_ids()), min_size=0, max_size=4))
+        self.mgr.remap(sources)
+        self.model.remap(sources)
+
+    @rule(data=st.data())
+    def set_budget(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(self.mgr.tier_order))
+        n = data.draw(st.integers(0, self.mgr.tiers[name].num_slots))
+        before = snapshot(self.mgr)
+        try:
+            self.mgr.set_budget(name, n)
+        except OutOfBlocksError as err:
+            self._refused(before, err)
+            return
+        assert self.mgr.budget_slots[name] == n
+        self._within_budgets()
+
+    @invariant()
+    def consistent(self) -> None:
+        check_accounting(self.mgr)
+        check_contents(self.mgr, self.model)
+
+
+# Shrinking a failing run through the disk tier can take minutes: failures print
+# unshrunk unless BLOCKSTORE_SHRINK=1. BLOCKSTORE_EXAMPLES=300 explores further.
+_PHASES = [Phase.explicit, Phase.reuse, Phase.generate]
+if os.environ.get("BLOCKSTORE_SHRINK") == "1":
+    _PHASES.append(Phase.shrink)
+_FAST = settings(
+    phases=_PHASES,
+    max_examples=int(os.environ.get("BLOCKSTORE_EXAMPLES", "20")),
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class WindowDiskMachine(BlockStoreMachine):
+    block_size = 2
+    policy = "window"
+    use_disk = True
+
+
+class LruSinkMachine(BlockStoreMachine):
+    block_size = 3
+    policy = "lru"
+    sink_tokens = 3
+    use_disk = False
+    slots = (6, 4, 0)
+
+
+class LfuDiskMachine(BlockStoreMachine):
+    block_size = 4
+    policy = "lfu"
+    sink_tokens = 4
+    slots = (4, 3, 5)
+
+
+TestWindowDisk = WindowDiskMachine.TestCase
+TestWindowDisk.settings = _FAST
+TestLruSink = LruSinkMachine.TestCase
+TestLruSink.settings = _FAST
+TestLfuDisk = LfuDiskMachine.TestCase
+TestLfuDisk.settings = _FAST
+
+
+# -- exact orders (vLLM style) --------------------------------------------------------------
+
+
+def _manager(policy: str, slots: list[int], block_size: int = 2, sink_tokens: int = 0, tmp=None):
+    layout = tiny_layout(block_size)
+    tiers = [DeviceTier(layout, slots[0], device="cpu"), HostTier(layout, slots[1])]
+    if len(slots) > 2:
+        tiers.append(DiskTier(layout, slots[2], tmp))
+    return BlockManager(layout, tiers, EvictionPolicy(policy), sink_tokens=sink_tokens)
+
+
+def _placement(mgr: BlockManager, seq_id: int) -> list[tuple[str, int]]:
+    return [(b.tier, b.slot) for b in mgr.blocks_of(seq_id)]
+
+
+def _on_tier(mgr: BlockManager) -> dict[str, list[int]]:
+    return {name: sorted(ids) for name, ids in mgr.on_tier.items()}
+
+
+def test_window_keeps_sinks_and_newest_demotes_oldest() -> None:
+    mgr = _manager("window", [3, 6], sink_tokens=2)
+    mgr.add_sequence(0)
+    mgr.append([0], 8)  # 4 full blocks: sink + the 2 newest fit on the device
+    assert mgr.tables[0].block_ids == [0, 3, 1, 2]
+    assert _placement(mgr, 0) == [("device", 0), ("host", 0), ("device", 1), ("device", 2)]
+    mgr.append([0], 1)  # an open block: the oldest non-sink device block goes down
+    assert mgr.tables[0].block_ids == [0, 3, 1, 2, 4]
+    assert _placement(mgr, 0) == [
+        ("device", 0),
+        ("host", 0),
+        ("host", 1),
+        ("device", 2),
+        ("device", 1),
+    ]
+    assert _on_tier(mgr) == {"device": [0, 2, 4], "host": [1, 3]}
+    assert mgr.runs(0) == [
+        Run("device", 0, 1, 0, 2),
+        Run("host", 0, 2, 2, 4),
+        Run("device", 2, 1, 6, 2),
+        Run("device", 1, 1, 8, 1),
+    ]
+    assert mgr.bytes_moved == {"device->host": 256}
+    assert mgr.blocks_of(0)[0].is_sink and not mgr.blocks_of(0)[1].is_sink
+
+
+def test_window_with_two_sequences() -> None:
+    mgr = _manager("window", [4, 8])
+    mgr.add_sequence(0)
+    mgr.add_sequence(1)
+    mgr.append([0, 1], 4)
+    assert mgr.tables == {0: mgr.tables[0], 1: mgr.tables[1]}
+    # Installed in rank order: seq 1's newest block ranks first (ties: newer step index).
+    assert [mgr.tables[0].block_ids, mgr.tables[1].block_ids] == [[2, 3], [0, 1]]
+    assert _placement(mgr, 0) == [("device", 2), ("device", 3)]
+    assert _placement(mgr, 1) == [("device", 0), ("device", 1)]
+    mgr.set_budget("device", 2)  # each sequence keeps its newest block
+    assert _on_tier(mgr) == {"device": [1, 3], "host": [0, 2]}
+    assert _placement(mgr, 0) == [("host", 1), ("device", 3)]
+    assert _placement(mgr, 1) == [("host", 0), ("device", 1)]
+    views = sorted(mgr._views().values(), key=lambda v: v.block_id)
+    assert mgr.policy.eviction_order(views) == [2, 0, 3, 1]
+
+
+@pytest.mark.parametrize(
+    ("policy", "device", "host"),
+    [("window", [0, 1, 3], [2]), ("lru", [1, 2, 3], [0]), ("lfu", [0, 1, 3], [2])],
+)
+def test_policy_decides_the_demoted_block(policy: str, device: list[int], host: list[int]) -> None:
+    # seq 0: 2 blocks, accessed 3 times (last at step 3); seq 1: 1 block, then a
+    # second one at step 5 that needs room on a full 3-slot device.
+    mgr = _manager(policy, [3, 4])
+    mgr.add_sequence(0)
+    mgr.add_sequence(1)
+    mgr.append([0], 2)
+    mgr.append([0], 2)
+    mgr.append([0], 0)
+    mgr.append([1], 2)
+    assert _on_tier(mgr) == {"device": [0, 1, 2], "host": []}
+    mgr.append([1], 2)
+    assert _on_tier(mgr) == {"device": device, "host": host}
+    assert mgr.num_moves == 1
+
+
+def test_cascade_three_tiers_moves_each_block_to_its_final_tier() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mgr = _manager("window", [2, 2, 4], tmp=tmp)
+        mgr.add_sequence(0)
+        mgr.append([0], 10)  # 5 full blocks: 2 device, 2 host, the oldest on disk
+        assert mgr.tables[0].block_ids == [4, 2, 3, 0, 1]
+        assert _placement(mgr, 0) == [
+            ("disk", 0),
+            ("host", 0),
+            ("host", 1),
+            ("device", 0),
+            ("device", 1),
+        ]
+        mgr.append([0], 2)  # one more: every tier passes its oldest block down
+        assert mgr.tables[0].block_ids == [4, 2, 3, 0, 1, 5]
+        assert _placement(mgr, 0) == [
+            ("disk", 0),
+            ("disk", 1),
+            ("host", 1),
+            ("host", 0),
+            ("device", 1),
+            ("device", 0),
+        ]
+        assert _on_tier(mgr) == {"device": [1, 5], "host": [0, 3], "disk": [2, 4]}
+        assert mgr.bytes_moved == {"host->disk": 256, "device->host": 256}
+        # A shrinking device budget sends blocks two tiers down in one move.
+        mgr.set_budget("host", 0)
+        assert _on_tier(mgr) == {"device": [1, 5], "host": [], "disk": [0, 2, 3, 4]}
+        assert mgr.bytes_moved == {"host->disk": 768, "device->host": 256}
+        for t in mgr.tiers.values():
+            t.close()
+
+
+def test_out_of_blocks_messages_and_refused_budget() -> None:
+    mgr = _manager("window", [2, 2])
+    for s in range(3):
+        mgr.add_sequence(s)
+    with pytest.raises(OutOfBlocksError) as err:
+        mgr.append([0, 1, 2], 1)  # three open blocks, two device slots
+    assert str(err.value) == (
+        "device tier needs 768 B for blocks being written (open blocks of 3 sequences) "
+        "but its budget is 512 B: raise device_budget or lower block_size"
+    )
+    assert mgr.pool.num_live == 0 and mgr.num_tokens(0) == 0
+    mgr.append([0, 1], 1)
+    with pytest.raises(OutOfBlocksError) as err:
+        mgr.set_budget("device", 1)
+    assert_actionable(err.value)
+    assert mgr.budget_slots["device"] == 2  # a refused budget does not stick
+    with pytest.raises(ConfigError, match=r"device_budget=3 is invalid: between 0 and"):
+        mgr.set_budget("device", 3)
+    with pytest.raises(OutOfBlocksError) as err:
+        mgr.append([0], 9)  # 5 full blocks; seq 1's open block holds a device slot
+    assert str(err.value) == (
+        "all tiers are full: 2 more blocks (512 B raw) needed, budgets device=512 B, "
+        "host=512 B; raise host_budget or disk_budget (or use a smaller codec on the "
+        "lower tiers)"
+    )
+    assert_actionable(err.value)
+    assert [mgr.num_tokens(0), mgr.num_tokens(1)] == [1, 1]
+
+
+def test_fork_copy_on_write_and_free() -> None:
+    mgr = _manager("window", [4, 4])
+    model = SeqModel(mgr.layout)
+    mgr.add_sequence(0)
+    model.add(0)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(seq_ids: list[int], n: int) -> None:
+        shape = (len(seq_ids), 2, n, 4)
+        ks = [torch.randn(shape, generator=gen) for _ in range(2)]
+        vs = [torch.randn(shape, generator=gen) for _ in range(2)]
+        write_step(mgr, mgr.append(seq_ids, n), ks, vs)
+        model.append(seq_ids, ks, vs)
+
+    step([0], 3)
+    mgr.fork(0, 1)
+    model.fork(0, 1)
+    assert [b.ref_count for b in mgr.blocks_of(1)] == [2, 2]
+    step([1], 1)  # the shared open block is copied for seq 1
+    assert mgr.tables == {0: mgr.tables[0], 1: mgr.tables[1]}
+    assert [mgr.tables[0].block_ids, mgr.tables[1].block_ids] == [[0, 1], [0, 2]]
+    check_contents(mgr, model)
+    mgr.free_sequence(0)
+    model.free(0)
+    assert mgr.pool.free_ids() == [1]
+    assert _on_tier(mgr) == {"device": [0, 2], "host": []}
+    check_accounting(mgr)
+    check_contents(mgr, model)
+    k, _ = read_sequence(mgr, 1, 1)
+    assert k.shape == (2, 4, 4)
