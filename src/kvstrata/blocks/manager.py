@@ -33,6 +33,14 @@ from kvstrata.tiers.base import Tier
 from kvstrata.units import format_bytes
 
 
+@dataclass
+class PendingBlock(Block):
+    """A block this step needs, before placement gives it an id, a tier and a slot."""
+
+    seq_id: int = -1
+    index: int = -1  # position in the sequence's block table
+
+
 @dataclass(frozen=True)
 class Run:
     """Consecutive blocks of one sequence in consecutive slots of one tier."""
@@ -211,7 +219,7 @@ class BlockManager:
         self.clock += 1
         bs = self.layout.block_size
         device = self.tier_order[0]
-        new_blocks: list[Block] = []
+        new_blocks: list[PendingBlock] = []
         pinned: set[int] = set()
         copied: list[tuple[int, int, bool]] = []  # (seq_id, old block, sole owner)
         try:
@@ -236,13 +244,16 @@ class BlockManager:
                 total = table.num_tokens + num_new
                 first_new = len(table.block_ids)
                 for idx in range(first_new, -(-total // bs)):
-                    block = Block(block_id=-1, ref_count=1, is_sink=idx < self.num_sink_blocks)
-                    block.num_tokens = min(bs, total - idx * bs)
-                    new_blocks.append(block)
-                    table_pos = (seq_id, idx)
-                    block.slot = -1
-                    block.tier = ""
-                    block._table_pos = table_pos  # type: ignore[attr-defined]
+                    new_blocks.append(
+                        PendingBlock(
+                            block_id=-1,
+                            ref_count=1,
+                            is_sink=idx < self.num_sink_blocks,
+                            num_tokens=min(bs, total - idx * bs),
+                            seq_id=seq_id,
+                            index=idx,
+                        )
+                    )
             if new_blocks or copied:
                 # Fix: copies on write take device slots too; place (and check the
                 # device budget) even when the step needs no new block.
@@ -319,15 +330,15 @@ class BlockManager:
                     views[block_id] = v
         return views
 
-    def _place(self, new_blocks: list[Block], pinned: set[int]) -> None:
+    def _place(self, new_blocks: list[PendingBlock], pinned: set[int]) -> None:
         bs = self.layout.block_size
         new_count: dict[int, int] = {}
         for block in new_blocks:
-            seq_id = block._table_pos[0]  # type: ignore[attr-defined]
+            seq_id = block.seq_id
             new_count[seq_id] = new_count.get(seq_id, 0) + 1
         views = self._views(new_count)
         for i, block in enumerate(new_blocks):
-            seq_id, idx = block._table_pos  # type: ignore[attr-defined]
+            seq_id, idx = block.seq_id, block.index
             total_blocks = len(self.tables[seq_id].block_ids) + new_count[seq_id]
             views[-(i + 1)] = BlockView(
                 -(i + 1),
@@ -397,14 +408,14 @@ class BlockManager:
             fresh = [b for b in arrive if b.block_id == -1]
             self._install_new(name, fresh)
 
-    def _install_new(self, tier_name: str, blocks: list[Block]) -> None:
+    def _install_new(self, tier_name: str, blocks: list[PendingBlock]) -> None:
         tier = self.tiers[tier_name]
         # Group by sequence so each sequence's new blocks get consecutive slots.
         by_seq: dict[int, list[Block]] = {}
         for b in blocks:
-            by_seq.setdefault(b._table_pos[0], []).append(b)  # type: ignore[attr-defined]
+            by_seq.setdefault(b.seq_id, []).append(b)
         for seq_id, group in by_seq.items():
-            group.sort(key=lambda b: b._table_pos[1])  # type: ignore[attr-defined]
+            group.sort(key=lambda b: b.index)
             table = self.tables[seq_id]
             after = None
             if table.block_ids:
@@ -418,7 +429,7 @@ class BlockManager:
                 real = self.pool.new_block(tier_name, slot)
                 real.num_tokens = 0
                 real.is_sink = b.is_sink
-                _, idx = b._table_pos  # type: ignore[attr-defined]
+                idx = b.index
                 # table positions are appended in order: fill holes in order of idx
                 while len(table.block_ids) <= idx:
                     table.block_ids.append(-1)

@@ -35,7 +35,6 @@ import json
 import os
 import sqlite3
 import threading
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,73 +51,29 @@ from kvstrata.errors import (
 )
 from kvstrata.layout import KINDS, BlockLayout
 from kvstrata.tiers.base import Encoded, Tier
+from kvstrata.tiers.disk_format import (
+    CHECKSUMS,
+    Checksum,
+    Template,
+    build_template,
+    direct_view,
+    iovecs,
+    load_compressor,
+    round_up,
+    vector_io,
+)
+
+__all__ = ["ARENA_FILE", "CHECKSUMS", "DiskTier", "FORMAT_VERSION", "INDEX_FILE"]
 
 FORMAT_VERSION = 1  # bump when the slot layout or the index schema changes
 ARENA_FILE = "blocks.bin"
 INDEX_FILE = "index.sqlite"
-CHUNK_BYTES = 4 << 20  # staged I/O per call: amortizes Python overhead, stays in L3
+# I/O per chunk: amortizes Python overhead; small enough that a chunk just read is
+# still in L2/L3 when its checksum is computed.
+CHUNK_BYTES = 8 << 20
 _FIELD_ALIGN = 16
 _SLOT_ALIGN = 4096
-CHECKSUMS = ("mlh64", "crc32")
-
-
-def _round_up(x: int, align: int) -> int:
-    return -(-x // align) * align
-
-
-def _mlh_keys(n: int) -> np.ndarray:
-    """Fixed odd 64-bit multipliers (splitmix64 of 1..n): identical in every process."""
-    with np.errstate(over="ignore"):
-        z = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return (z ^ (z >> np.uint64(31))) | np.uint64(1)
-
-
-class _Checksum:
-    """Per-region checksums.
-
-    `mlh64` (default): sum of 64-bit words times fixed odd multipliers, mod 2^64, one
-    numpy matmul over many regions at memory speed (~4x zlib.crc32 here). It detects
-    every change confined to one word (torn, stale or zeroed sectors change many
-    words and escape with negligible probability); it is not a cryptographic MAC.
-    `crc32`: zlib.crc32 per region, slower, the classic guarantee for burst errors.
-    """
-
-    def __init__(self, name: str, max_bytes: int) -> None:
-        if name not in CHECKSUMS:
-            raise ConfigError.field("checksum", name, f"one of {', '.join(CHECKSUMS)}")
-        self.name = name
-        self._keys = _mlh_keys(max_bytes // 8 + 1) if name == "mlh64" else None
-
-    def rows(self, regions: np.ndarray) -> np.ndarray:
-        """Checksums of the last axis of a [..., nbytes] uint8 array (nbytes % 8 == 0,
-        last axis contiguous): one value per region, shape [...]."""
-        if self._keys is None:
-            flat = regions.reshape(-1, regions.shape[-1])
-            sums = np.array([zlib.crc32(r) for r in flat], dtype=np.uint64)
-            return sums.reshape(regions.shape[:-1])
-        words = regions.view(np.uint64)
-        return words @ self._keys[: words.shape[-1]]
-
-    def one(self, data: np.ndarray) -> int:
-        """Checksum of one uint8 buffer of any length."""
-        if self._keys is None:
-            return zlib.crc32(data)
-        padded = np.zeros(_round_up(len(data), 8), dtype=np.uint8)
-        padded[: len(data)] = data
-        return int(self.rows(padded[None])[0])
-
-
-def _load_compressor() -> tuple:
-    """(compress, decompress) from kvstrata.codecs.compress, or ConfigError."""
-    try:
-        from kvstrata.codecs import compress as mod
-    except ImportError as exc:
-        raise ConfigError.field(
-            "compress", True, f"needs kvstrata.codecs.compress, which failed to import: {exc}"
-        ) from exc
-    return mod.compress, mod.decompress
+_load_compressor = load_compressor  # module attribute: tests substitute a stand-in
 
 
 class DiskTier(Tier):
@@ -158,7 +113,8 @@ class DiskTier(Tier):
         self.zero_copy = isinstance(codec, NoneCodec)
         self._compressor = _load_compressor() if compress else None
         self._init_format()
-        self._checksum = _Checksum(checksum, self.layer_bytes)
+        self._checksum = Checksum(checksum, self.layer_bytes)
+        self._templates: dict[tuple, Template] = {}
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, set[int]]] = {}
         self._local = threading.local()
@@ -201,14 +157,16 @@ class DiskTier(Tier):
         lay = self.layout
         self.field_specs = {kind: self.codec.fields(kind, lay) for kind in KINDS}
         self.regions: dict[str, tuple[int, int]] = {}
+        self._spec_of: dict[str, object] = {}
         off = 0
         for kind in KINDS:
             for fname, spec in self.field_specs[kind].items():
                 nbytes = lay.num_kv_heads * spec.nbytes
                 self.regions[f"{kind}.{fname}"] = (off, nbytes)
-                off += _round_up(nbytes, _FIELD_ALIGN)
+                self._spec_of[f"{kind}.{fname}"] = spec
+                off += round_up(nbytes, _FIELD_ALIGN)
         self.layer_bytes = off
-        self.slot_bytes = _round_up(lay.num_layers * off, _SLOT_ALIGN)
+        self.slot_bytes = round_up(lay.num_layers * off, _SLOT_ALIGN)
         biggest = max(
             (s for specs in self.field_specs.values() for s in specs.values()),
             key=lambda s: s.nbytes,
@@ -526,6 +484,10 @@ class DiskTier(Tier):
             c, chunk = i1 - i0, slots[i0:i1]
             full = self._staging(c * self.slot_bytes).reshape(c, self.slot_bytes)
             stag_np = full[:, : L * lb].reshape(c, L, lb)
+            if self._compressor is None and self._checksum.linear:
+                src = {key: fields(key, i0, i1) for key in self.regions}
+                sums[i0:i1] = self._direct_write(chunk, src, full, stag_np)
+                continue
             for key in self.regions:
                 self._exchange(self._field_bytes(stag_np, key), fields(key, i0, i1), True)
             if self._compressor is None:
@@ -609,7 +571,13 @@ class DiskTier(Tier):
             c = i1 - i0
             full = self._staging(c * item_bytes).reshape(c, item_bytes)
             stag_np = full[:, : nl * lb].reshape(c, nl, lb)
-            if not self._read_chunk(slots[i0:i1], layer, full, stag_np, missing, corrupt):
+            chunk = slots[i0:i1]
+            if self._checksum.linear and not (self._lens[idx[i0:i1]] < lb).any():
+                dest, finish = self._read_targets(outs, i0, i1, layer, encoded)
+                if self._direct_read(chunk, layer, dest, full, stag_np, missing, corrupt):
+                    finish()
+                continue
+            if not self._read_chunk(chunk, layer, full, stag_np, missing, corrupt):
                 continue
             self._unstage(stag_np if layer is None else stag_np[:, 0], outs, i0, i1, layer, encoded)
         if missing or corrupt:
@@ -709,6 +677,158 @@ class DiskTier(Tier):
                 enc[key.split(".", 1)[1]] = t = torch.empty(shape, dtype=spec.dtype)
                 self._exchange(self._field_bytes(stag_np, key), t, False)
             self.codec.decode(kind, {f: t.to(out.device) for f, t in enc.items()}, out)
+
+    # -- direct (vectored) I/O --------------------------------------------------------
+    def _plan(
+        self, tensors: dict[str, torch.Tensor], nl: int, item_bytes: int
+    ) -> tuple[Template, list[np.ndarray]]:
+        """Template and in-place views for moving `tensors` (key -> field tensor of
+        the chunk); keys that cannot be viewed in place go through staging."""
+        views = {}
+        for key, t in tensors.items():
+            spec = self._spec_of[key]
+            view = direct_view(t, spec.rows, spec.nbytes)
+            if view is not None:
+                views[key] = view
+        direct = tuple(key for key in self.regions if key in views)
+        tkey = (direct, nl, item_bytes)
+        tpl = self._templates.get(tkey)
+        if tpl is None:
+            tpl = build_template(
+                self.regions, list(direct), self.layout.num_kv_heads, self.layer_bytes, nl,
+                item_bytes,
+            )  # fmt: skip
+            self._templates[tkey] = tpl
+        return tpl, [views[key] for key in direct]
+
+    def _direct_sums(self, tpl: Template, views: list[np.ndarray], stag3: np.ndarray) -> np.ndarray:
+        """Per-layer mlh64 [c, nl] of a chunk: in-place pieces plus staged gaps."""
+        keys = self._checksum.keys
+        sums = np.zeros(stag3.shape[:2], dtype=np.uint64)
+        for key, view in zip(tpl.keys, views, strict=True):
+            off, nbytes = self.regions[key]
+            kw = keys[off // 8 : (off + nbytes) // 8].reshape(self.layout.num_kv_heads, -1, 1)
+            part = np.matmul(view.view(np.uint64), kw)[..., 0]  # [nl, Hkv, c]
+            sums += part.sum(axis=1, dtype=np.uint64).T
+        for g0, g1 in tpl.gaps:
+            sums += stag3[:, :, g0:g1].view(np.uint64) @ keys[g0 // 8 : g1 // 8]
+        return sums
+
+    def _direct_io(
+        self,
+        chunk: list[int],
+        layer: int | None,
+        tpl: Template,
+        views: list[np.ndarray],
+        full: np.ndarray,
+        write: bool,
+    ) -> list[int]:
+        """One preadv/pwritev per run of consecutive slots (per slot for one layer).
+        Returns the slots a read found past the end of the file."""
+        sb, item = self.slot_bytes, full.shape[1]
+        if layer is None:
+            runs = [(j, count, first * sb) for j, first, count in self._runs(chunk)]
+            run_of = np.repeat(np.arange(len(runs)), [r[1] for r in runs])
+        else:
+            base = layer * self.layer_bytes
+            runs = [(j, 1, slot * sb + base) for j, slot in enumerate(chunk)]
+            run_of = np.arange(len(chunk))
+        iov, bounds, cum = iovecs(tpl, views, full, item, run_of)
+        missing: list[int] = []
+        for r, (j, count, offset) in enumerate(runs):
+            b0, b1 = int(bounds[r]), int(bounds[r + 1])
+            try:
+                ok = vector_io(self._fd, iov[b0:b1], cum[b0 : b1 + 1] - cum[b0], offset, write)
+            except OSError as exc:
+                if write:
+                    raise self._io_error(exc, chunk, f"writing slots {chunk}") from exc
+                raise
+            if not ok:
+                missing.extend(chunk[j : j + count])
+        return missing
+
+    def _direct_write(
+        self,
+        chunk: list[int],
+        src: dict[str, torch.Tensor],
+        full: np.ndarray,
+        stag3: np.ndarray,
+    ) -> np.ndarray:
+        """Checksum and write a chunk straight from the field tensors; returns sums."""
+        L, lb = self.layout.num_layers, self.layer_bytes
+        tpl, views = self._plan(src, L, self.slot_bytes)
+        for g0, g1 in tpl.gaps:  # padding is written as zeros
+            stag3[:, :, g0:g1] = 0
+        full[:, L * lb :] = 0
+        for key in self.regions:
+            if key not in tpl.keys:
+                self._exchange(self._field_bytes(stag3, key), src[key], True)
+        sums = self._direct_sums(tpl, views, stag3)  # also brings the chunk into cache
+        self._direct_io(chunk, None, tpl, views, full, write=True)
+        return sums
+
+    def _direct_read(
+        self,
+        chunk: list[int],
+        layer: int | None,
+        dest: dict[str, torch.Tensor],
+        full: np.ndarray,
+        stag3: np.ndarray,
+        missing: list[int],
+        corrupt: list[int],
+    ) -> bool:
+        """Read a chunk straight into the field tensors `dest` and verify it while it
+        is in cache. Appends bad slots to missing/corrupt and zeroes their bytes in
+        `dest` (nothing unverified is left behind); False if any."""
+        tpl, views = self._plan(dest, stag3.shape[1], full.shape[1])
+        short = self._direct_io(chunk, layer, tpl, views, full, write=False)
+        got = self._direct_sums(tpl, views, stag3)
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        want = self._sums[np.asarray(chunk)][:, layers]
+        bad = np.flatnonzero((got != want).any(axis=1))
+        if len(bad) == 0 and not short:
+            for key in self.regions:
+                if key not in tpl.keys:
+                    self._exchange(self._field_bytes(stag3, key), dest[key], False)
+            return True
+        missing.extend(short)
+        corrupt.extend(s for s in (chunk[j] for j in bad) if s not in short)
+        for view in views:
+            view[:, :, bad] = 0
+        return False
+
+    def _read_targets(
+        self,
+        outs: dict[str, torch.Tensor],
+        i0: int,
+        i1: int,
+        layer: int | None,
+        encoded: bool,
+    ) -> tuple[dict[str, torch.Tensor], object]:
+        """Field tensors to read blocks i0..i1 into, and what to run once verified:
+        the outputs themselves, or (lossy codec) temporaries that are then decoded."""
+        dim = 2 if layer is None else 1
+        dest: dict[str, torch.Tensor] = {}
+        if encoded or self.zero_copy:
+            for kind in KINDS:
+                for key, spec in self._prefixed(kind):
+                    out = outs[key] if encoded else outs[kind]
+                    dest[key] = self._narrow(out, spec.rows, i0, i1, dim)
+            return dest, lambda: None
+        bs = self.layout.block_size
+        for kind in KINDS:
+            out = self._narrow(outs[kind], bs, i0, i1, dim)
+            for key, spec in self._prefixed(kind):
+                shape = out.shape[:dim] + ((i1 - i0) * spec.rows, spec.cols)
+                dest[key] = torch.empty(shape, dtype=spec.dtype)
+
+        def decode() -> None:
+            for kind in KINDS:
+                out = self._narrow(outs[kind], bs, i0, i1, dim)
+                enc = {k.split(".", 1)[1]: dest[k].to(out.device) for k, _ in self._prefixed(kind)}
+                self.codec.decode(kind, enc, out)
+
+        return dest, decode
 
     # -- lifecycle --------------------------------------------------------------------
     def drop_cache(self) -> None:

@@ -1,0 +1,252 @@
+"""DiskTier helpers: per-layer checksums and vectored (zero-staging) file I/O.
+
+The direct path moves bytes between the arena file and the caller's tensors with
+os.preadv / os.pwritev, one iovec per contiguous piece: for a field stored as
+[Hkv, rows, cols] per (block, layer), one piece per head of each block. Field
+padding, the slot tail and fields that cannot be viewed directly (a GPU tensor, a
+4-byte scale) go through a small staging buffer. The `mlh64` checksum is linear
+in the words of a layer, so it is summed piece by piece right after each chunk is
+read (the bytes are still in cache) with no copy at all.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstrata.errors import ConfigError
+
+CHECKSUMS = ("mlh64", "crc32")
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+STAGE = 0  # iovec source 0 is the staging buffer; 1.. are direct field views
+
+
+def round_up(x: int, align: int) -> int:
+    """`x` rounded up to a multiple of `align`."""
+    return -(-x // align) * align
+
+
+def mlh_keys(n: int) -> np.ndarray:
+    """Fixed odd 64-bit multipliers (splitmix64 of 1..n): identical in every process."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (z ^ (z >> np.uint64(31))) | np.uint64(1)
+
+
+class Checksum:
+    """Per-region checksums.
+
+    `mlh64` (default): sum of 64-bit words times fixed odd multipliers, mod 2^64, one
+    numpy matmul over many regions. It detects every change confined to one word
+    (torn, stale or zeroed sectors change many words and escape with negligible
+    probability); it is not a cryptographic MAC. Being linear, a region's value is
+    the sum of its pieces' values (`keys` at the pieces' word offsets), which is what
+    lets the direct path checksum the caller's tensors in place.
+    `crc32`: zlib.crc32 per region, slower, the classic guarantee for burst errors.
+    """
+
+    def __init__(self, name: str, max_bytes: int) -> None:
+        if name not in CHECKSUMS:
+            raise ConfigError.field("checksum", name, f"one of {', '.join(CHECKSUMS)}")
+        self.name = name
+        self.linear = name == "mlh64"
+        self.keys = mlh_keys(max_bytes // 8 + 1) if self.linear else None
+
+    def rows(self, regions: np.ndarray) -> np.ndarray:
+        """Checksums of the last axis of a [..., nbytes] uint8 array (nbytes % 8 == 0,
+        last axis contiguous): one value per region, shape [...]."""
+        if self.keys is None:
+            flat = regions.reshape(-1, regions.shape[-1])
+            sums = np.array([zlib.crc32(r) for r in flat], dtype=np.uint64)
+            return sums.reshape(regions.shape[:-1])
+        words = regions.view(np.uint64)
+        return words @ self.keys[: words.shape[-1]]
+
+    def one(self, data: np.ndarray) -> int:
+        """Checksum of one uint8 buffer of any length."""
+        if self.keys is None:
+            return zlib.crc32(data)
+        padded = np.zeros(round_up(len(data), 8), dtype=np.uint8)
+        padded[: len(data)] = data
+        return int(self.rows(padded[None])[0])
+
+
+def load_compressor() -> tuple:
+    """(compress, decompress) from kvstrata.codecs.compress, or ConfigError."""
+    try:
+        from kvstrata.codecs import compress as mod
+    except ImportError as exc:
+        raise ConfigError.field(
+            "compress", True, f"needs kvstrata.codecs.compress, which failed to import: {exc}"
+        ) from exc
+    return mod.compress, mod.decompress
+
+
+def direct_view(t: torch.Tensor, rows: int, piece_bytes: int) -> np.ndarray | None:
+    """Field tensor [L, Hkv, c*rows, cols] (or [Hkv, c*rows, cols] for one layer) as a
+    uint8 array [nl, Hkv, c, piece_bytes] sharing its memory, or None when it cannot
+    be moved in place (not on the CPU, a block's rows not contiguous, unaligned)."""
+    if t.device.type != "cpu" or t.dtype == torch.bool or piece_bytes % 8:
+        return None
+    if t.stride(-1) != 1 or (rows > 1 and t.stride(-2) != t.shape[-1]):
+        return None
+    if t.dim() == 3:
+        t = t.unsqueeze(0)
+    es = t.element_size()
+    s0, s1, s2 = (s * es for s in t.stride()[:3])
+    if t.data_ptr() % 8 or s0 % 8 or s1 % 8 or (rows * s2) % 8:
+        return None
+    base = t.detach().view(torch.uint8).numpy()
+    c = t.shape[2] // rows
+    return np.lib.stride_tricks.as_strided(
+        base, shape=(t.shape[0], t.shape[1], c, piece_bytes), strides=(s0, s1, rows * s2, 1)
+    )
+
+
+def flat_bytes(arr: np.ndarray) -> memoryview:
+    """A flat byte memoryview from `arr`'s first byte to its last (strides >= 0)."""
+    span = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides, strict=True)) + 1
+    return memoryview(np.lib.stride_tricks.as_strided(arr, shape=(span,), strides=(1,)))
+
+
+@dataclass
+class Template:
+    """File-order segments of one item (a slot, or one layer of a slot).
+
+    Arrays of length P: src (STAGE or 1 + index into `keys`), layer (0..nl-1), head,
+    off (byte offset in the item for staged segments), nbytes. `gaps`: per-layer byte
+    ranges [a, b) not covered by direct fields (checksummed from the staging buffer).
+    """
+
+    keys: list[str]
+    src: np.ndarray
+    layer: np.ndarray
+    head: np.ndarray
+    off: np.ndarray
+    nbytes: np.ndarray
+    gaps: list[tuple[int, int]]
+
+
+def build_template(
+    regions: dict[str, tuple[int, int]],
+    direct: list[str],
+    num_heads: int,
+    layer_bytes: int,
+    nl: int,
+    item_bytes: int,
+) -> Template:
+    """The segment template for items of `nl` layers (`item_bytes` with any tail).
+
+    Args:
+        regions: field key -> (offset in the layer, bytes), in file order.
+        direct: keys moved in place (their per-head pieces become iovecs).
+        num_heads: Hkv.
+        layer_bytes: bytes of one layer of a slot (16-aligned).
+        nl: layers per item.
+        item_bytes: bytes per item (a slot with its 4 KiB padding, or one layer).
+    """
+    gaps, pos = [], 0
+    for key, (off, nbytes) in regions.items():
+        if key in direct:
+            if off > pos:
+                gaps.append((pos, off))
+            pos = off + nbytes
+    if layer_bytes > pos:
+        gaps.append((pos, layer_bytes))
+    segs = []
+    for li in range(nl):
+        for key, (off, nbytes) in regions.items():
+            if key not in direct:
+                continue
+            for g0, g1 in gaps:  # staged bytes before this field (in file order)
+                if g1 == off:
+                    segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0))
+            piece = nbytes // num_heads
+            src = 1 + direct.index(key)
+            segs.extend((src, li, h, 0, piece) for h in range(num_heads))
+        if gaps and gaps[-1][1] == layer_bytes:
+            g0, g1 = gaps[-1]
+            segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0))
+    if item_bytes > nl * layer_bytes:
+        segs.append((STAGE, 0, 0, nl * layer_bytes, item_bytes - nl * layer_bytes))
+    cols = np.array(segs, dtype=np.int64).reshape(-1, 5).T
+    return Template(list(direct), *cols, gaps=gaps)
+
+
+def iovecs(
+    tpl: Template,
+    views: list[np.ndarray],
+    stage: np.ndarray,
+    item_bytes: int,
+    run_of_block: np.ndarray,
+) -> tuple[list[memoryview], np.ndarray, np.ndarray]:
+    """iovecs for c items, adjacent pieces merged; the run boundaries in the list.
+
+    Args:
+        tpl: the item template.
+        views: direct views [nl, Hkv, c, piece], in `tpl.keys` order.
+        stage: staging bytes [c, item_bytes] (C-contiguous).
+        item_bytes: bytes per item in the staging buffer.
+        run_of_block: [c] run index of each item (items of one run are contiguous
+            in the file, so their iovecs go to the same syscall).
+
+    Returns:
+        (iovecs, bounds [runs+1] into iovecs, cumulative bytes [len(iovecs)+1]).
+    """
+    c = len(run_of_block)
+    bufs = [memoryview(stage.reshape(-1))] + [flat_bytes(v) for v in views]
+    strides = np.zeros((len(bufs), 3), dtype=np.int64)
+    strides[STAGE] = (0, 0, item_bytes)
+    for i, v in enumerate(views, 1):
+        strides[i] = v.strides[:3]
+    st = strides[tpl.src]
+    base = tpl.off + tpl.layer * st[:, 0] + tpl.head * st[:, 1]
+    start = (base[None, :] + np.arange(c)[:, None] * st[None, :, 2]).reshape(-1)
+    src = np.broadcast_to(tpl.src, (c, len(tpl.src))).reshape(-1)
+    length = np.broadcast_to(tpl.nbytes, (c, len(tpl.src))).reshape(-1)
+    run = np.repeat(run_of_block, len(tpl.src))
+    brk = np.ones(len(src), dtype=bool)
+    brk[1:] = (
+        (src[1:] != src[:-1]) | (start[1:] != start[:-1] + length[:-1]) | (run[1:] != run[:-1])
+    )
+    idx = np.flatnonzero(brk)
+    m_len = np.add.reduceat(length, idx)
+    iov = [
+        bufs[s][a : a + n]
+        for s, a, n in zip(src[idx].tolist(), start[idx].tolist(), m_len.tolist(), strict=True)
+    ]
+    bounds = np.searchsorted(run[idx], np.arange(run_of_block[-1] + 2))
+    cum = np.zeros(len(iov) + 1, dtype=np.int64)
+    np.cumsum(m_len, out=cum[1:])
+    return iov, bounds, cum
+
+
+def vector_io(fd: int, iov: list[memoryview], cum: np.ndarray, offset: int, write: bool) -> bool:
+    """pwritev / preadv `iov` at `offset`, IOV_MAX buffers per call, resuming after a
+    short transfer. `cum`: cumulative sizes, cum[0] == 0. False when a read hits the
+    end of the file."""
+    call = os.pwritev if write else os.preadv
+    i = 0
+    while i < len(iov):
+        n = min(IOV_MAX, len(iov) - i)
+        got = call(fd, iov[i : i + n], offset)
+        if got == 0 and not write:
+            return False
+        offset += got
+        if got == cum[i + n] - cum[i]:
+            i += n
+            continue
+        # short transfer (a signal, a huge request): restart inside buffer j
+        j = int(np.searchsorted(cum, cum[i] + got, side="right")) - 1
+        skip = int(cum[i] + got - cum[j])
+        iov = [iov[j][skip:], *iov[j + 1 :]]
+        cum = cum[j:] - (cum[j] + skip)
+        cum[0] = 0
+        i = 0
+    return True
