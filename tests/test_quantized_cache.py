@@ -13,7 +13,7 @@ from transformers import DynamicCache, LlamaConfig
 
 import kvstrata
 from hf_models import tiny_model
-from kvstrata.attention import reference_attention
+from kvstrata.attention import pack_gqa, partial_attention, unpack_gqa
 from kvstrata.integrations.hf import TieredCache, kvstrata_attention
 
 HEAD_DIM = 64
@@ -90,11 +90,13 @@ def test_int4_attention_error_does_not_trend_upward_over_2000_steps():
     for t in range(steps):
         k_h, v_h = cache.update(keys[:, :, t : t + 1], values[:, :, t : t + 1], 0)
         out, _ = kvstrata_attention(None, queries[:, :, t : t + 1], k_h, v_h, None)
-        exact = reference_attention(
-            queries[:, :, t : t + 1], keys[:, :, : t + 1], values[:, :, : t + 1]
+        # exact attention over the full-precision history (flash kernel, pack-GQA)
+        exact, _ = partial_attention(
+            pack_gqa(queries[0, :, t : t + 1], 2), keys[0, :, : t + 1], values[0, :, : t + 1], 0.125
         )
+        exact = unpack_gqa(exact, 4).transpose(0, 1)[None]
         errors.append(((out - exact).norm() / exact.norm()).item())
-        host_tokens = cache.stats()["tiers"]["host"]["used_blocks"] * 64
+        host_tokens = cache.manager.tiers["host"].num_used * 64
         quantized.append(host_tokens / (t + 1))
     err = np.array(errors)
     frac = np.array(quantized)
