@@ -1,0 +1,275 @@
+"""`kvstrata eval ppl`: perplexity through the tiered cache vs the exact cache.
+
+kvstrata eval ppl --model default --codec none,int8,fp8,int4 --context 2048
+kvstrata eval ppl --model ./my-model --codec none --resident 1,0.25,0.1 --disk --json
+
+Every configuration and the exact reference (transformers' DynamicCache + sdpa) run over
+the same held-out windows, token by token through the cache, so the figures compare like
+with like. A lossless codec must reproduce the exact cache: its row is checked and the
+command exits 1 when one is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from typing import Any
+
+from kvstrata.cli.generate import apply_threads, parse_threads, quiet_transformers
+from kvstrata.errors import ConfigError
+from kvstrata.evaluate import (
+    LOSSLESS_TOLERANCE_PCT,
+    Comparison,
+    compare,
+    heldout_windows,
+    placement,
+)
+from kvstrata.units import parse_tokens
+
+DEFAULT_CODECS = "none,int8,fp8,int4"
+
+
+def _positive_int(value: str, field: str, minimum: int = 1) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = minimum - 1
+    if number < minimum:
+        raise ConfigError.field(field, value, f"an integer >= {minimum}")
+    return number
+
+
+def _fraction(value: str) -> float:
+    text = value.strip()
+    try:
+        frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        frac = -1.0
+    if not 0 < frac <= 1:
+        raise ConfigError.field("resident", value, "a fraction in (0, 1] such as 0.1 or '10%'")
+    return frac
+
+
+def _split(values: list[str] | None, default: str) -> list[str]:
+    """Repeatable, comma-separated flag values, in order, without duplicates."""
+    items = [part.strip() for v in (values or [default]) for part in v.split(",")]
+    return list(dict.fromkeys(i for i in items if i))
+
+
+def _label(codec: str, resident: float, disk: bool) -> str:
+    where = "device" if resident >= 1 else f"{resident:.0%} device"
+    return f"{codec} @ {where}" + (" + disk" if disk else "")
+
+
+def parse_grid(args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    """The codecs and resident fractions asked for (validated before any model loads)."""
+    from kvstrata.codecs.registry import get_codec
+
+    codecs = _split(args.codec, DEFAULT_CODECS)
+    for codec in codecs:
+        get_codec(codec, "codec")
+    return codecs, [_fraction(r) for r in _split(args.resident, "0.1")]
+
+
+def build_configs(
+    model: Any, args: argparse.Namespace, context: int, disk_dir: str | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, bool]]:
+    """name -> CacheConfig fields, and name -> whether the codec is lossless."""
+    from kvstrata.codecs.registry import get_codec
+
+    codecs, residents = parse_grid(args)
+    block_size = parse_tokens(args.block_size, "block_size")
+    residual = _positive_int(args.residual, "residual", 0)
+    configs: dict[str, dict[str, Any]] = {}
+    lossless: dict[str, bool] = {}
+    for codec in codecs:
+        is_lossless = get_codec(codec, "codec").lossless
+        for resident in residents:
+            name = _label(codec, resident, disk_dir is not None)
+            configs[name] = placement(
+                model,
+                context,
+                codec=codec,
+                resident=resident,
+                block_size=block_size,
+                residual_tokens=residual,
+                disk_dir=disk_dir,
+            )
+            lossless[name] = is_lossless
+    return configs, lossless
+
+
+def _tiers(kwargs: dict[str, Any], none_block_bytes: int) -> str:
+    """'device 256 tok, host int8' — where the window's tokens may live."""
+    device_tokens = kwargs["device_budget"] // none_block_bytes * kwargs["block_size"]
+    parts = [f"device {device_tokens} tok"]
+    if kwargs.get("host_budget"):
+        parts.append(f"host {kwargs['host_codec']}")
+    if kwargs.get("disk_budget"):
+        parts.append(f"disk {kwargs['disk_codec']}")
+    return ", ".join(parts)
+
+
+def lossless_failures(report: Comparison, lossless: dict[str, bool]) -> list[str]:
+    """Names of lossless configurations that did not reproduce the exact cache."""
+    return [
+        name
+        for name, res in report.configs.items()
+        if lossless.get(name)
+        and (abs(res.delta_ppl_pct) > LOSSLESS_TOLERANCE_PCT or res.top1_agreement != 1.0)
+    ]
+
+
+def render(
+    report: Comparison, lossless: dict[str, bool], failures: list[str], none_block_bytes: int
+) -> None:
+    """Print the comparison as a rich table (none_block_bytes sizes the device column)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 140, soft_wrap=False)
+    table = Table(
+        title=f"Perplexity through the cache: {report.num_windows} window(s) x "
+        f"{report.context} tokens, {report.exact.num_tokens} predictions",
+        caption=f"one token per step through each cache; ΔPPL % = 100 (PPL / exact PPL - 1); "
+        f"a lossless row must stay within ±{LOSSLESS_TOLERANCE_PCT:g} % (float rounding) "
+        "and agree on every top-1 token",
+    )
+    for col, justify in (
+        ("config", "left"),
+        ("tiers", "left"),
+        ("PPL", "right"),
+        ("bits/byte", "right"),
+        ("ΔPPL %", "right"),
+        ("top-1 agree", "right"),
+        ("check", "left"),
+    ):
+        table.add_column(col, justify=justify)
+    ex = report.exact
+    table.add_row(
+        "exact (DynamicCache)", "device", f"{ex.ppl:.4f}", f"{ex.bits_per_byte:.4f}", "-", "-", ""
+    )
+    for name, res in report.configs.items():
+        if not lossless.get(name):
+            check = "lossy"
+        elif name in failures:
+            check = "[red]NOT EXACT[/]"
+        else:
+            check = "[green]exact[/]"
+        table.add_row(
+            name,
+            _tiers(res.cache_kwargs, none_block_bytes),
+            f"{res.result.ppl:.4f}",
+            f"{res.result.bits_per_byte:.4f}",
+            f"{res.delta_ppl_pct:+.4f}",
+            f"{res.top1_agreement:.2%}",
+            check,
+        )
+    console.print(table)
+
+
+def run_ppl(args: argparse.Namespace) -> int:
+    """Run `kvstrata eval ppl`; exit 1 when a lossless configuration is not exact."""
+    from kvstrata.modelzoo import BYTE_VOCAB_SIZE, EOS_ID, load_model
+
+    context = parse_tokens(args.context, "context")
+    if context < 2:
+        raise ConfigError.field("context", args.context, "a window of at least 2 tokens")
+    num_windows = _positive_int(args.windows, "windows", 1)
+    parse_grid(args)
+    parse_threads(args.threads)
+    parse_tokens(args.block_size, "block_size")
+    _positive_int(args.residual, "residual", 0)
+    quiet_transformers()
+    model, tokenizer = load_model(args.model)
+    apply_threads(model, args.threads)
+    byte_level = len(tokenizer) == BYTE_VOCAB_SIZE and tokenizer.eos_token_id == EOS_ID
+    windows = heldout_windows(
+        args.model, context, num_windows, tokenizer=None if byte_level else tokenizer
+    )
+
+    def bytes_of(ids: list[int]) -> int:
+        return len(tokenizer.decode(ids, skip_special_tokens=True).encode())
+
+    with tempfile.TemporaryDirectory(prefix="kvstrata-eval-") as tmp:
+        configs, lossless = build_configs(model, args, context, tmp if args.disk else None)
+        from tqdm import tqdm
+
+        total = (1 + len(configs)) * sum(len(w) - 1 for w in windows)
+        # disable=None: a bar on a terminal, silence in logs and pipes.
+        with tqdm(total=total, desc="eval ppl", unit="tok", disable=None, leave=False) as bar:
+            report = compare(
+                model,
+                windows,
+                configs,
+                context,
+                bytes_of=None if byte_level else bytes_of,
+                progress=bar.update,
+            )
+    failures = lossless_failures(report, lossless)
+    if args.json:
+        data = report.to_dict()
+        for row in data["configs"]:
+            row["lossless"] = lossless[row["name"]]
+            row["exact_match"] = row["name"] not in failures if row["lossless"] else None
+        print(json.dumps(data, indent=2))
+    else:
+        from kvstrata.codecs.registry import get_codec
+        from kvstrata.evaluate import block_layout
+
+        block_size = parse_tokens(args.block_size, "block_size")
+        none_bytes = get_codec("none").block_nbytes(block_layout(model, block_size))
+        render(report, lossless, failures, none_bytes)
+    if failures:
+        print(
+            f"kvstrata eval: lossless configurations differ from the exact cache: "
+            f"{', '.join(failures)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `eval` subcommand (with its `ppl` action)."""
+    p = sub.add_parser(
+        "eval",
+        help="quality harness: perplexity through the tiered cache vs the exact cache",
+        description="Measure what the cache configuration does to model quality.",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    ppl = actions.add_parser(
+        "ppl",
+        help="held-out perplexity, ΔPPL vs DynamicCache and top-1 agreement",
+        description="Teacher-forced perplexity, one token per step through the cache, on "
+        "held-out text, for each codec and placement, against the exact DynamicCache.",
+    )
+    ppl.add_argument("--model", default="default", help="'default' or a model directory")
+    ppl.add_argument(
+        "--codec",
+        action="append",
+        help=f"codec of the lower tiers; repeat or comma-separate (default {DEFAULT_CODECS})",
+    )
+    ppl.add_argument(
+        "--resident",
+        action="append",
+        help="fraction of the context on the device, rest on the host; repeat or "
+        "comma-separate (default 0.1)",
+    )
+    ppl.add_argument(
+        "--residual", default="128", help="newest tokens kept exact with lossy codecs (128)"
+    )
+    ppl.add_argument("--block-size", default="64", help="tokens per block (default 64)")
+    ppl.add_argument(
+        "--disk", action="store_true", help="also put half of the cold blocks on a disk tier"
+    )
+    ppl.add_argument("--context", default="2048", help="tokens per window (default 2048)")
+    ppl.add_argument("--windows", default="2", help="held-out windows (default 2)")
+    ppl.add_argument(
+        "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"
+    )
+    ppl.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    ppl.set_defaults(func=run_ppl)

@@ -1,0 +1,335 @@
+"""`kvstrata generate`: generate text with the KV cache spread over tiers.
+
+kvstrata generate --prompt 'def fibonacci(n):' --max-new-tokens 200
+kvstrata generate --resident-fraction 0.25 --host-codec int8 --block-size 16 --stats
+kvstrata generate --model ./my-model --resident-fraction 0.1 --disk-dir /tmp/kv --stats
+
+The placement flags are CacheConfig fields. With an offloading placement and no
+--host-budget, the host tier is sized to hold every block the generation can produce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvstrata.errors import ConfigError
+from kvstrata.units import format_bytes, parse_size, parse_tokens
+
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def parse_threads(value: str) -> int | None:
+    """'auto' -> None; '2' -> 2 (ConfigError otherwise)."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError.field("threads", value, "'auto' or a thread count >= 1")
+    return number
+
+
+def quiet_transformers() -> None:
+    """No per-weight loading bars on stderr: the commands print their own output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def apply_threads(model: Any, value: str) -> None:
+    """Set torch's thread count: the given number, or kvstrata.evaluate.auto_threads."""
+    import torch
+
+    from kvstrata.evaluate import auto_threads
+
+    threads = parse_threads(value)
+    if threads is None:
+        threads = auto_threads(model)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def _float(value: str, field: str, minimum: float = 0.0) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = minimum - 1
+    if not number >= minimum:
+        raise ConfigError.field(field, value, f"a number >= {minimum:g}")
+    return number
+
+
+def _fraction(value: str | None) -> float | None:
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        frac = -1.0
+    if not 0 < frac <= 1:
+        raise ConfigError.field(
+            "resident_fraction", value, "a fraction in (0, 1] such as 0.1 or '10%'"
+        )
+    return frac
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """Validate the generation flags (before any model loads)."""
+    parse_tokens(args.max_new_tokens, "max_new_tokens")
+    _float(args.temperature, "temperature")
+    if args.top_k is not None and int(_float(args.top_k, "top_k", 1)) != float(args.top_k):
+        raise ConfigError.field("top_k", args.top_k, "a whole number >= 1")
+    if not args.prompt:
+        raise ConfigError.field("prompt", args.prompt, "a non-empty prompt")
+    parse_threads(args.threads)
+    _float(args.no_repeat_ngram, "no_repeat_ngram")
+    from kvstrata.codecs.registry import get_codec
+
+    get_codec(args.host_codec, "host_codec")
+    if args.disk_codec is not None:
+        get_codec(args.disk_codec, "disk_codec")
+    parse_tokens(args.block_size, "block_size")
+    _fraction(args.resident_fraction)
+
+
+def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[str, Any]:
+    """CacheConfig fields from the placement flags.
+
+    Args:
+        args: Parsed flags.
+        model: The model (sizes the automatic host/disk budgets).
+        max_tokens: Tokens the cache must hold (prompt + new tokens).
+
+    Returns:
+        Keyword fields for TieredCache.
+    """
+    from kvstrata.codecs.registry import get_codec
+    from kvstrata.evaluate import block_layout
+
+    block_size = parse_tokens(args.block_size, "block_size")
+    kw: dict[str, Any] = {
+        "block_size": block_size,
+        "max_tokens": parse_tokens(args.max_tokens, "max_tokens")
+        if args.max_tokens
+        else max_tokens,
+        "host_codec": args.host_codec,
+        "disk_codec": args.disk_codec or args.host_codec,
+        "residual_tokens": int(_float(args.residual, "residual_tokens")),
+        "sink_tokens": int(_float(args.sinks, "sink_tokens")),
+        "cold_attention": args.cold_attention,
+    }
+    if args.staging_tokens is not None:
+        kw["staging_tokens"] = parse_tokens(args.staging_tokens, "staging_tokens")
+    if args.device_budget is not None:
+        kw["device_budget"] = parse_size(args.device_budget, "device_budget")
+    frac = _fraction(args.resident_fraction)
+    if frac is not None:
+        kw["resident_fraction"] = frac
+    offloading = "device_budget" in kw or "resident_fraction" in kw
+    # Enough lower-tier room for every block plus a spare (see evaluate.placement).
+    num_blocks = -(-kw["max_tokens"] // block_size) + 1
+    layout = block_layout(model, block_size)
+    if args.host_budget is not None:
+        kw["host_budget"] = parse_size(args.host_budget, "host_budget", allow_zero=True)
+    elif offloading and args.disk_dir is None:
+        kw["host_budget"] = num_blocks * get_codec(kw["host_codec"], "host_codec").block_nbytes(
+            layout
+        )
+    if args.disk_dir is not None:
+        kw["disk_dir"] = args.disk_dir
+        kw["disk_budget"] = (
+            parse_size(args.disk_budget, "disk_budget")
+            if args.disk_budget
+            else num_blocks * get_codec(kw["disk_codec"], "disk_codec").block_nbytes(layout)
+        )
+    elif args.disk_budget:
+        raise ConfigError.field("disk_budget", args.disk_budget, "set --disk-dir to add a disk")
+    return kw
+
+
+def generate_ids(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    cache: Any,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    min_new_tokens: int | None = None,
+    no_repeat_ngram_size: int = 0,
+    streamer: Any = None,
+) -> Any:
+    """Generate from `prompt` with `cache` (greedy when temperature is 0).
+
+    Args:
+        model: A causal LM whose attention suits the cache (kvstrata.enable for a
+            TieredCache, sdpa for DynamicCache).
+        tokenizer: Its tokenizer.
+        prompt: The prompt text.
+        cache: An empty transformers Cache.
+        max_new_tokens: Tokens to generate at most.
+        temperature: 0 = greedy; > 0 samples.
+        top_k: Sample among the k most likely tokens (None = all).
+        seed: Sampling seed.
+        min_new_tokens: Suppress <eos> until this many tokens (None = allow it).
+        no_repeat_ngram_size: Forbid repeating any n-gram of this size (0 = off); keeps
+            greedy decoding of a small model out of loops, and stays deterministic.
+        streamer: A transformers streamer (e.g. TextStreamer) or None.
+
+    Returns:
+        The token ids [1, prompt + new].
+    """
+    import torch
+
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
+    if temperature > 0:
+        torch.manual_seed(seed)
+        kwargs.update(temperature=temperature, top_k=top_k or 0)
+    else:
+        # Greedy: no sampling knobs, so transformers does not warn they are unused.
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if min_new_tokens:
+        kwargs["min_new_tokens"] = min_new_tokens
+    if no_repeat_ngram_size:
+        kwargs["no_repeat_ngram_size"] = no_repeat_ngram_size
+    if tokenizer.pad_token_id is not None:
+        kwargs["pad_token_id"] = tokenizer.pad_token_id
+    with torch.inference_mode():
+        return model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            cache=cache,
+            streamer=streamer,
+            **kwargs,
+        )
+
+
+def render_stats(stats: dict[str, Any]) -> None:
+    """Print TieredCache.stats() as small tables: tier occupancy, links, device peak."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 120, soft_wrap=False)
+    if not stats.get("initialized"):
+        console.print("cache stats: the cache was never used")
+        return
+    bs = stats["block_size"]
+    tiers = Table(title=f"KV cache tiers (block size {bs} tokens)")
+    for col in ("tier", "blocks used", "peak blocks", "budget blocks", "bytes used"):
+        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    for name, occ in stats["tiers"].items():
+        tiers.add_row(
+            name,
+            str(occ["used_blocks"]),
+            str(occ["peak_used_blocks"]),
+            str(occ["budget_blocks"]),
+            format_bytes(occ["used_bytes"]),
+        )
+    console.print(tiers)
+    moved = stats["bytes_moved"]
+    if moved:
+        links = Table(title=f"bytes moved ({stats['blocks_moved']} block moves)")
+        links.add_column("link")
+        links.add_column("bytes", justify="right")
+        for link, num in moved.items():
+            links.add_row(link, format_bytes(num))
+        console.print(links)
+    else:
+        console.print("bytes moved: none (every block stayed where it was written)")
+    console.print(
+        f"peak device bytes: {format_bytes(stats['peak_device_bytes'])} "
+        f"(device budget {format_bytes(stats['device_budget_bytes'])} + staging "
+        f"{format_bytes(stats['staging_bytes'])}); tokens cached: "
+        f"{sum(stats['tokens'].values())}",
+        highlight=False,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kvstrata generate`; exit code 0."""
+    from transformers import TextStreamer
+
+    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.modelzoo import load_model
+
+    check_sampling(args)
+    max_new = parse_tokens(args.max_new_tokens, "max_new_tokens")
+    quiet_transformers()
+    model, tokenizer = load_model(args.model)
+    apply_threads(model, args.threads)
+    prompt_len = len(tokenizer(args.prompt).input_ids)
+    cache = TieredCache(model.config, **cache_kwargs(args, model, prompt_len + max_new))
+    enable(model)
+    streamer = (
+        None
+        if args.no_stream
+        else TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
+    )
+    out = generate_ids(
+        model,
+        tokenizer,
+        args.prompt,
+        cache,
+        max_new,
+        temperature=_float(args.temperature, "temperature"),
+        top_k=int(args.top_k) if args.top_k is not None else None,
+        seed=args.seed,
+        no_repeat_ngram_size=int(_float(args.no_repeat_ngram, "no_repeat_ngram")),
+        streamer=streamer,
+    )
+    if streamer is None:
+        print(tokenizer.decode(out[0], skip_special_tokens=True))
+    if args.stats:
+        render_stats(cache.stats())
+    return 0
+
+
+def add_placement_flags(p: argparse.ArgumentParser) -> None:
+    """The CacheConfig flags shared by commands that build a TieredCache."""
+    g = p.add_argument_group("KV placement (CacheConfig fields)")
+    g.add_argument("--block-size", default="64", help="tokens per block (default 64)")
+    g.add_argument("--max-tokens", default=None, help="cache capacity (default prompt + new)")
+    g.add_argument("--resident-fraction", default=None, help="KV kept on the device, e.g. 0.1")
+    g.add_argument("--device-budget", default=None, help="device KV bytes, e.g. 64MiB")
+    g.add_argument("--host-budget", default=None, help="host KV bytes (default: enough)")
+    g.add_argument("--host-codec", default="none", help="none, int8, fp8, int4, int4-g32 ...")
+    g.add_argument("--disk-dir", default=None, help="directory of a disk tier (none)")
+    g.add_argument("--disk-budget", default=None, help="disk KV bytes (default: enough)")
+    g.add_argument("--disk-codec", default=None, help="disk codec (default: the host codec)")
+    g.add_argument("--residual", default="128", help="newest tokens kept exact (lossy codecs)")
+    g.add_argument("--sinks", default="4", help="first tokens kept on the device (default 4)")
+    g.add_argument("--staging-tokens", default=None, help="device staging buffer (4096)")
+    g.add_argument("--cold-attention", default="auto", help="auto, local or stage")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `generate` subcommand."""
+    p = sub.add_parser(
+        "generate",
+        help="generate text with the KV cache spread over device, host and disk",
+        description="Generate text with a kvstrata TieredCache (transformers generate).",
+    )
+    p.add_argument("--model", default="default", help="'default' or a model directory")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt (default {DEFAULT_PROMPT!r})")
+    p.add_argument("--max-new-tokens", default="200", help="tokens to generate (default 200)")
+    p.add_argument("--temperature", default="0", help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", default=None, help="sample among the k most likely tokens")
+    p.add_argument(
+        "--no-repeat-ngram", default="0", help="forbid repeating n-grams of this size (0 = off)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--stats", action="store_true", help="print the cache statistics")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end")
+    p.add_argument(
+        "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"
+    )
+    add_placement_flags(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,185 @@
+"""CLI smoke tests for `kvstrata eval ppl`, `kvstrata generate` and `kvstrata demo` on a
+tiny random byte-level model; bad flags exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstrata.modelzoo
+from kvstrata.cli import main
+from kvstrata.cli.eval import lossless_failures
+from kvstrata.evaluate import Comparison, ConfigResult, PplResult
+from test_evaluate import make_tiny_model_dir
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restore_threads():
+    """The commands pick one thread for tiny models; give other modules theirs back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cli-model"))
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_eval_ppl_json(tiny_dir, capsys):
+    code, out, err = _run(
+        capsys,
+        "eval", "ppl", "--model", str(tiny_dir), "--codec", "none,int8", "--codec", "none",
+        "--resident", "1,0.25", "--context", "48", "--windows", "1", "--block-size", "16",
+        "--residual", "16", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["context"], data["windows"]) == (48, 1)
+    assert data["exact"]["tokens"] == 47
+    names = [row["name"] for row in data["configs"]]
+    assert names == [
+        "none @ device",
+        "none @ 25% device",
+        "int8 @ device",
+        "int8 @ 25% device",
+    ]
+    rows = {row["name"]: row for row in data["configs"]}
+    for name in ("none @ device", "none @ 25% device"):
+        assert rows[name]["lossless"] is True
+        assert rows[name]["exact_match"] is True
+        assert rows[name]["top1_agreement"] == 1.0
+    # everything resident: the codec never applies, so int8 is exact too
+    assert abs(rows["int8 @ device"]["delta_ppl_pct"]) < 1e-4
+    assert rows["int8 @ 25% device"]["lossless"] is False
+    assert rows["int8 @ 25% device"]["exact_match"] is None
+    assert rows["none @ 25% device"]["cache"]["host_codec"] == "none"
+
+
+def test_eval_ppl_table_with_disk(tiny_dir, capsys):
+    code, out, err = _run(
+        capsys,
+        "eval", "ppl", "--model", str(tiny_dir), "--codec", "none", "--resident", "25%",
+        "--context", "48", "--windows", "1", "--block-size", "16", "--disk",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "exact (DynamicCache)" in out
+    assert "none @ 25% device + disk" in out
+    assert "device 16 tok, host none, disk none" in out
+    assert "exact" in out.split("none @ 25% device + disk")[1].splitlines()[0]
+
+
+def test_lossless_failures_flags_a_drift():
+    exact = PplResult(10.0, 10, 10, [1] * 10)
+    drift = ConfigResult("none @ 10% device", {}, PplResult(10.1, 10, 10, [1] * 10), 1.0, 1.0)
+    flip = ConfigResult("b", {}, PplResult(10.0, 10, 10, [2] + [1] * 9), 0.0, 0.9)
+    ok = ConfigResult("c", {}, PplResult(10.0, 10, 10, [1] * 10), 1e-7, 1.0)
+    lossy = ConfigResult("int8", {}, PplResult(10.1, 10, 10, [1] * 10), 1.0, 1.0)
+    report = Comparison(10, 1, exact, {c.name: c for c in (drift, flip, ok, lossy)})
+    lossless = {"none @ 10% device": True, "b": True, "c": True, "int8": False}
+    assert lossless_failures(report, lossless) == ["none @ 10% device", "b"]
+
+
+def test_generate_greedy_with_host_tier_and_stats(tiny_dir, capsys):
+    code, out, err = _run(
+        capsys,
+        "generate", "--model", str(tiny_dir), "--prompt", PROMPT, "--max-new-tokens", "24",
+        "--resident-fraction", "0.34", "--block-size", "16", "--stats",
+    )  # fmt: skip
+    assert code == 0, err
+    assert out.startswith(PROMPT)
+    assert "KV cache tiers (block size 16 tokens)" in out
+    assert "device->host" in out
+    assert "tokens cached: 40" in out  # 17 prompt + 24 new - the last one never fed
+
+
+def test_generate_matches_between_placements_and_samples_with_seed(tiny_dir, capsys):
+    base = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "12", "--no-stream"]
+    texts = []
+    for extra in ([], ["--resident-fraction", "0.5", "--block-size", "16"]):
+        code, out, err = _run(capsys, *base, *extra)
+        assert code == 0, err
+        texts.append(out)
+    assert texts[0] == texts[1]  # a lossless placement changes no token
+    sampled = []
+    for _ in range(2):
+        code, out, err = _run(capsys, *base, "--temperature", "1.0", "--top-k", "5", "--seed", "3")
+        assert code == 0, err
+        sampled.append(out)
+    assert sampled[0] == sampled[1]  # the seed makes sampling repeatable
+
+
+def test_demo_with_model(tiny_dir, capsys, monkeypatch):
+    monkeypatch.setattr(kvstrata.modelzoo, "default_model_dir", lambda: tiny_dir)
+    code, out, err = _run(capsys, "demo", "--max-new-tokens", "40")
+    assert code == 0, err
+    assert out.startswith("plan: ")
+    assert PROMPT in out
+    assert "device->host" in out
+    assert "tokens identical to DynamicCache: yes (57 tokens)" in out
+
+
+def test_demo_without_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(kvstrata.modelzoo, "default_model_dir", lambda: tmp_path / "absent")
+    code, out, err = _run(capsys, "demo")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("kvstrata demo: the embedded model kvstrata-code-tiny is not")
+    assert lines[1].startswith("plan: kvstrata-code-tiny: llama: 4 layers x 2 KV heads x 64")
+    assert "4,096 B/token" in lines[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["eval", "ppl", "--codec", "banana"], "codec='banana'"),
+        (["eval", "ppl", "--context", "0"], "context='0'"),
+        (["eval", "ppl", "--context", "1"], "context='1'"),
+        (["eval", "ppl", "--windows", "0"], "windows='0'"),
+        (["eval", "ppl", "--resident", "2"], "resident='2'"),
+        (["eval", "ppl", "--threads", "none"], "threads='none'"),
+        (["generate", "--host-codec", "banana"], "host_codec='banana'"),
+        (["generate", "--temperature", "-1"], "temperature='-1'"),
+        (["generate", "--max-new-tokens", "0"], "max_new_tokens='0'"),
+        (["generate", "--resident-fraction", "0"], "resident_fraction='0'"),
+        (["generate", "--top-k", "0.5"], "top_k='0.5'"),
+        (["generate", "--no-repeat-ngram", "-1"], "no_repeat_ngram='-1'"),
+        (["demo", "--max-new-tokens", "x"], "max_new_tokens='x'"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv, field, capsys):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1
+    assert field in err
+
+
+def test_model_dir_errors_exit_2(tmp_path, capsys):
+    code, _, err = _run(capsys, "eval", "ppl", "--model", str(tmp_path / "nope"))
+    assert code == 2
+    assert err.count("\n") == 1 and "not a local directory" in err
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path), "--max-new-tokens", "1")
+    assert code == 2
+    assert err.count("\n") == 1 and "config.json: missing" in err
+
+
+def test_lossy_host_codec_without_room_for_the_residual_window_exits_2(tiny_dir, capsys):
+    code, _, err = _run(
+        capsys,
+        "generate", "--model", str(tiny_dir), "--max-new-tokens", "24", "--no-stream",
+        "--resident-fraction", "0.25", "--block-size", "16", "--host-codec", "int8",
+    )  # fmt: skip
+    assert code == 2
+    assert err.count("\n") == 1 and "residual window" in err
