@@ -95,7 +95,7 @@ def test_generate_greedy_with_host_tier_and_stats(tiny_dir, capsys):
     code, out, err = _run(
         capsys,
         "generate", "--model", str(tiny_dir), "--prompt", PROMPT, "--max-new-tokens", "24",
-        "--resident-fraction", "0.34", "--block-size", "16", "--stats",
+        "--resident-fraction", "0.34", "--block-size", "16", "--stats", "--temperature", "0",
     )  # fmt: skip
     assert code == 0, err
     assert out.startswith(PROMPT)

@@ -33,6 +33,7 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kvstrata' has no attribute {name!r}")
 
+
 __all__ = [
     "BlockCorruptError",
     "BlockMissingError",

@@ -55,7 +55,7 @@ class CacheConfig:
     residual_tokens: int = 128
     sink_tokens: int = 4
     policy: str = "window"
-    staging_tokens: int = 4096
+    staging_tokens: int = 16384
     cold_attention: str = "auto"
     device: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)

@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvstrata.attention import (
     masked_attention,
-    merge,
+    merge_all,
     merge_sink,
     pack_gqa,
     partial_attention,
@@ -551,13 +551,19 @@ class TieredCache(Cache):
         if num_q == 1 and dense is None:
             start = first_valid if window is None else max(first_valid, total - window)
             qp = pack_gqa(q, hkv)
-            for k, v in self._parts(layer, seq_id, start, total):
-                acc = merge(acc, _partial_where_kv_lives(qp, k, v, scale, softcap))
+            parts = [
+                _partial_where_kv_lives(qp, k, v, scale, softcap)
+                for k, v in self._parts(layer, seq_id, start, total)
+            ]
+            acc = merge_all(parts) if parts else None
         elif dense is None and window is None and first_valid <= past:
             qp = pack_gqa(q, hkv)
-            for k, v in self._parts(layer, seq_id, first_valid, past):
-                acc = merge(acc, _partial_where_kv_lives(qp, k, v, scale, softcap))
-            acc = merge(acc, _causal_new(q, new_k, new_v, scale, softcap, hkv))
+            parts = [
+                _partial_where_kv_lives(qp, k, v, scale, softcap)
+                for k, v in self._parts(layer, seq_id, first_valid, past)
+            ]
+            parts.append(_causal_new(q, new_k, new_v, scale, softcap, hkv))
+            acc = merge_all(parts)
         else:
             start = 0 if dense is not None else first_valid
             if window is not None:
