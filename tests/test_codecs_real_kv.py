@@ -56,9 +56,7 @@ def _quantize_history(codec, kind, x):
     part = x[0, :, lo:hi].contiguous()
     n = (hi - lo) // BLOCK
     fields = codec.fields(kind, layout)
-    enc = {
-        f: torch.empty((hkv, n * s.rows, s.cols), dtype=s.dtype) for f, s in fields.items()
-    }
+    enc = {f: torch.empty((hkv, n * s.rows, s.cols), dtype=s.dtype) for f, s in fields.items()}
     codec.encode(kind, part, enc)
     out = x.clone()
     codec.decode(kind, enc, out[0, :, lo:hi])
