@@ -52,3 +52,13 @@ def test_parse_tokens_rejects_and_names_the_field(bad):
 def test_format_bytes():
     assert format_bytes(4 * 2**30) == "4.00 GiB"
     assert format_bytes(512) == "512 B"
+
+
+def test_parse_fraction():
+    from kvstrata.units import parse_fraction
+
+    assert parse_fraction("10%", "resident") == 0.1
+    assert parse_fraction(0.25) == 0.25
+    for bad in ("0", "1.5", "banana", "-5%"):
+        with pytest.raises(ConfigError, match="resident="):
+            parse_fraction(bad, "resident")

@@ -80,3 +80,19 @@ def format_bytes(num: float) -> str:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
         num /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_fraction(value: float | str, field: str = "fraction") -> float:
+    """Parse a fraction in (0, 1]: 0.1, "0.1" or "10%".
+
+    Raises:
+        ConfigError: unparseable or out of range.
+    """
+    text = str(value).strip()
+    try:
+        frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        frac = -1.0
+    if not 0 < frac <= 1:
+        raise ConfigError.field(field, value, "a fraction in (0, 1] such as 0.1 or '10%'")
+    return frac

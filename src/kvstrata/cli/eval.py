@@ -26,7 +26,7 @@ from kvstrata.evaluate import (
     heldout_windows,
     placement,
 )
-from kvstrata.units import parse_tokens
+from kvstrata.units import parse_fraction, parse_tokens
 
 DEFAULT_CODECS = "none,int8,fp8,int4"
 
@@ -42,14 +42,7 @@ def _positive_int(value: str, field: str, minimum: int = 1) -> int:
 
 
 def _fraction(value: str) -> float:
-    text = value.strip()
-    try:
-        frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        frac = -1.0
-    if not 0 < frac <= 1:
-        raise ConfigError.field("resident", value, "a fraction in (0, 1] such as 0.1 or '10%'")
-    return frac
+    return parse_fraction(value, "resident")
 
 
 def _split(values: list[str] | None, default: str) -> list[str]:

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from kvstrata.errors import ConfigError
-from kvstrata.units import format_bytes, parse_size, parse_tokens
+from kvstrata.units import format_bytes, parse_fraction, parse_size, parse_tokens
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -64,18 +64,7 @@ def _float(value: str, field: str, minimum: float = 0.0) -> float:
 
 
 def _fraction(value: str | None) -> float | None:
-    if value is None:
-        return None
-    text = value.strip()
-    try:
-        frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        frac = -1.0
-    if not 0 < frac <= 1:
-        raise ConfigError.field(
-            "resident_fraction", value, "a fraction in (0, 1] such as 0.1 or '10%'"
-        )
-    return frac
+    return None if value is None else parse_fraction(value, "resident_fraction")
 
 
 def check_sampling(args: argparse.Namespace) -> None:

@@ -14,7 +14,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.geometry import DTYPES, load_geometry
 from kvstrata.hardware import DISKS, GPUS, LINKS, make_hardware
 from kvstrata.planner import PRIORITIES, Plan, Workload, plan
-from kvstrata.units import format_bytes, parse_size, parse_tokens
+from kvstrata.units import format_bytes, parse_fraction, parse_size, parse_tokens
 
 
 def _bandwidth(value: str | None, field: str) -> float | None:
@@ -68,15 +68,7 @@ def _count(value: str) -> int:
 
 
 def _fraction(value: str | None) -> float | None:
-    if value is None:
-        return None
-    text = value.strip()
-    try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise ConfigError.field(
-            "resident_fraction", value, "a fraction like 0.1 or '10%'"
-        ) from None
+    return None if value is None else parse_fraction(value, "resident_fraction")
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
