@@ -14,9 +14,7 @@ a dense 4-D mask.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +31,14 @@ from kvstrata.attention import (
     partial_attention,
     unpack_gqa,
 )
-from kvstrata.blocks.manager import BlockManager, Run
+from kvstrata.blocks.manager import BlockManager
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError, UnsupportedModelError
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
+from kvstrata.staging import Stager
 from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier, resolve_device
-from kvstrata.transfer import TransferEngine
 from kvstrata.units import format_bytes
 
 ATTENTION_NAME = "kvstrata"
@@ -184,7 +182,7 @@ class TieredCache(Cache):
         self._writes: list = []
         self._mask_key: int | None = None
         self._row_masks: list[_RowMask] | None = None
-        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stager: Stager | None = None
         self.peak_device_bytes = 0
         self._step_tokens = 0
 
@@ -262,30 +260,12 @@ class TieredCache(Cache):
         }
         if cc.cold_attention == "stage":
             self._local = {self._device_name}
-        # Two staging buffers (double buffering): chunk i+1 of the cold blocks loads
-        # into one while the attention works on chunk i in the other.
-        per_buffer = max(cc.staging_tokens // 2, cc.block_size)
-        per_buffer -= per_buffer % cc.block_size
-        self._staging_tokens = per_buffer
-        self._staging = [
-            (
-                torch.empty(
-                    (layout.num_kv_heads, per_buffer, layout.head_dim),
-                    dtype=layout.dtype,
-                    device=self.device,
-                ),
-                torch.empty(
-                    (layout.num_kv_heads, per_buffer, layout.dim_v),
-                    dtype=layout.dtype,
-                    device=self.device,
-                ),
-            )
-            for _ in range(2)
-        ]
-        self._current_buf = 1
-        self._inflight: dict[tuple, tuple[Future, int]] = {}
-        staged = [t for t in tiers if t.name not in self._local]
-        self._engine = TransferEngine(max_workers=1) if staged else None
+        staged = any(t.name not in self._local for t in tiers)
+        self._stager = (
+            Stager(self._tiers, layout, self.device, cc.staging_tokens, self._device_name)
+            if staged
+            else None
+        )
 
     @property
     def manager(self) -> BlockManager:
@@ -351,7 +331,7 @@ class TieredCache(Cache):
     def _track_peak(self) -> None:
         dev = self._tiers[self._device_name]
         used = dev.num_used * dev.block_bytes
-        staging = self._staging_bytes()
+        staging = self._stager.nbytes if self._stager else 0
         self.peak_device_bytes = max(self.peak_device_bytes, used + staging)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -419,7 +399,6 @@ class TieredCache(Cache):
     def _parts(self, layer: int, seq_id: int, start: int, end: int):
         """(k, v) parts covering keys [start, end) of a sequence, in order: zero-copy
         views where the data may be attended in place, staged copies otherwise."""
-        bs = self.layout.block_size
         for run in self.manager.runs(seq_id):
             lo = max(start, run.token_start)
             hi = min(end, run.token_start + run.num_tokens)
@@ -430,88 +409,12 @@ class TieredCache(Cache):
                 off = run.token_start
                 yield k[:, lo - off : hi - off], v[:, lo - off : hi - off]
                 continue
-            yield from self._staged(layer, run, lo, hi, bs)
-
-    def _staging_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self._staging or () for t in pair)
-
-    def _chunks(self, run: Run, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """Staging chunks of a cold run clipped to [lo, hi): (first_slot, count, base)."""
-        bs = self.layout.block_size
-        first_block = (lo - run.token_start) // bs
-        last_block = (hi - 1 - run.token_start) // bs
-        per_chunk = self._staging_tokens // bs
-        return [
-            (run.first_slot + c0, min(per_chunk, last_block + 1 - c0), run.token_start + c0 * bs)
-            for c0 in range(first_block, last_block + 1, per_chunk)
-        ]
-
-    def _submit_load(self, key: tuple, buf: int) -> Future:
-        layer, tier_name, first, count = key
-        tier = self._tiers[tier_name]
-        n = count * self.layout.block_size
-        bk, bv = self._staging[buf]
-        slots = list(range(first, first + count))
-        nbytes = count * tier.block_bytes // self.layout.num_layers
-        # Worker threads do not inherit inference mode; writing the (inference-mode)
-        # staging buffers from one outside it is an error.
-        inference = torch.is_inference_mode_enabled()
-
-        def load() -> None:
-            with torch.inference_mode(inference):
-                tier.read_layer(layer, slots, bk[:, :n], bv[:, :n])
-
-        return self._engine.submit(
-            load,
-            link=f"{tier_name}->{self._device_name}",
-            nbytes=nbytes,
-        )
-
-    def _prefetch(self, key: tuple) -> None:
-        """Start loading a chunk into the buffer the attention is not using."""
-        if key in self._inflight:
-            return
-        target = 1 - self._current_buf
-        self._drop_inflight(target)
-        self._inflight[key] = (self._submit_load(key, target), target)
-
-    def _drop_inflight(self, buf: int) -> None:
-        """Let a stale (unused) prefetch into `buf` finish before the buffer is reused.
-        Its errors are moot: a real load of the same blocks reports them."""
-        for other, (fut, target) in list(self._inflight.items()):
-            if target == buf:
-                del self._inflight[other]
-                with contextlib.suppress(Exception):
-                    self._engine.wait(fut)
-
-    def _load(self, key: tuple) -> int:
-        """The staging buffer holding chunk `key`, waiting for its prefetch if any."""
-        hit = self._inflight.pop(key, None)
-        if hit is not None:
-            self._engine.wait(hit[0])
-            self._current_buf = hit[1]
-            return hit[1]
-        target = 1 - self._current_buf
-        self._drop_inflight(target)
-        self._engine.wait(self._submit_load(key, target))
-        self._current_buf = target
-        return target
-
-    def _staged(self, layer: int, run: Run, lo: int, hi: int, bs: int):
-        chunks = self._chunks(run, lo, hi)
-        for i, (first, count, base) in enumerate(chunks):
-            buf = self._load((layer, run.tier, first, count))
-            if i + 1 < len(chunks):
-                nxt = chunks[i + 1]
-                self._prefetch((layer, run.tier, nxt[0], nxt[1]))
-            sk, sv = self._staging[buf]
-            a, b = max(lo, base) - base, min(hi, base + count * bs) - base
-            yield sk[:, a:b], sv[:, a:b]
+            yield from self._stager.parts(layer, run, lo, hi)
 
     def prefetch_next_layer(self, layer: int) -> None:
         """After layer `layer`'s attention: start loading the first cold chunk that
         layer + 1 will need, so its transfer overlaps that layer's projections."""
-        if self._engine is None or layer + 1 >= self.num_layers:
+        if self._stager is None or layer + 1 >= self.num_layers:
             return
         mgr = self.manager
         for seq_id in sorted(mgr.tables):
@@ -521,8 +424,8 @@ class TieredCache(Cache):
                 if run.tier in self._local or run.token_start >= past:
                     continue
                 hi = min(past, run.token_start + run.num_tokens)
-                first, count, _ = self._chunks(run, run.token_start, hi)[0]
-                self._prefetch((layer + 1, run.tier, first, count))
+                first, count, _ = self._stager.chunks(run, run.token_start, hi)[0]
+                self._stager.prefetch((layer + 1, run.tier, first, count))
                 return
 
     def attend(
@@ -606,7 +509,7 @@ class TieredCache(Cache):
         """Tier occupancy, bytes moved per link, peak device bytes, staging size."""
         if self._manager is None:
             return {"initialized": False}
-        staging = self._staging_bytes()
+        staging = self._stager.nbytes if self._stager else 0
         dev = self._tiers[self._device_name]
         return {
             "initialized": True,
@@ -617,7 +520,7 @@ class TieredCache(Cache):
             "device_budget_bytes": dev.num_slots * dev.block_bytes,
             "staging_bytes": staging,
             "peak_device_bytes": self.peak_device_bytes,
-            "transfers": self._engine.stats.as_dict() if self._engine else None,
+            "transfers": self._stager.engine.stats.as_dict() if self._stager else None,
             "tokens": {s: self.manager.num_tokens(s) for s in self.manager.tables},
         }
 
