@@ -291,3 +291,27 @@ def test_staged_path_under_inference_mode():
         last = model(ids[:, -1:], cache=cache).logits
     torch.testing.assert_close(last[:, -1], ref[:, -1], rtol=1e-4, atol=1e-4)
     assert cache.stats()["transfers"]["num_transfers"] > 0
+
+
+def test_windowed_prefill_over_many_staged_chunks():
+    """A second prefill chunk of a sliding-window model gathers its history from
+    the host through tiny staging buffers (many chunks, buffers reused)."""
+    model = tiny_model("mistral", "sdpa")
+    ids = _prompt(length=400)
+    with torch.no_grad():
+        ref = model(ids, cache=DynamicCache(config=model.config)).logits
+    enable(model)
+    cache = TieredCache(
+        model.config,
+        block_size=16,
+        max_tokens=512,
+        resident_fraction=0.1,
+        host_budget="4MiB",
+        cold_attention="stage",
+        staging_tokens=32,
+    )
+    with torch.no_grad():
+        first = model(ids[:, :300], cache=cache).logits
+        second = model(ids[:, 300:], cache=cache).logits
+    torch.testing.assert_close(torch.cat([first, second], 1), ref, rtol=1e-4, atol=1e-4)
+    assert cache.stats()["transfers"]["num_transfers"] >= 4

@@ -42,6 +42,7 @@ from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier, resolve_devi
 from kvstrata.units import format_bytes
 
 ATTENTION_NAME = "kvstrata"
+SMALL_PART_TOKENS = 2048
 # Chunked attention (Llama 4) has its own mask semantics, not implemented: refused.
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -397,19 +398,52 @@ class TieredCache(Cache):
         return self._row_masks
 
     def _parts(self, layer: int, seq_id: int, start: int, end: int):
-        """(k, v) parts covering keys [start, end) of a sequence, in order: zero-copy
-        views where the data may be attended in place, staged copies otherwise."""
+        """(k, v) parts covering keys [start, end) of a sequence, in order.
+
+        Where the data may be attended in place, parts are zero-copy views of the
+        arenas, and consecutive small ones (< SMALL_PART_TOKENS together, e.g. the
+        sink block and the two halves of the device ring) are joined into one copy:
+        a partial costs a kernel launch, thread synchronisation and a merge, more
+        than copying a few blocks. Cold runs come through the stager's buffers; such
+        a view is valid only until the generator resumes (the buffer is reused)."""
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pending_tokens = 0
+
+        def flush():
+            if len(pending) == 1:
+                return pending[0]
+            return (
+                torch.cat([k for k, _ in pending], dim=1),
+                torch.cat([v for _, v in pending], dim=1),
+            )
+
         for run in self.manager.runs(seq_id):
             lo = max(start, run.token_start)
             hi = min(end, run.token_start + run.num_tokens)
             if lo >= hi:
                 continue
-            if run.tier in self._local:
-                k, v = self._tiers[run.tier].layer_view(layer, run.first_slot, run.num_slots)
-                off = run.token_start
-                yield k[:, lo - off : hi - off], v[:, lo - off : hi - off]
+            if run.tier not in self._local:
+                if pending:
+                    yield flush()
+                    pending, pending_tokens = [], 0
+                yield from self._stager.parts(layer, run, lo, hi)
                 continue
-            yield from self._stager.parts(layer, run, lo, hi)
+            k, v = self._tiers[run.tier].layer_view(layer, run.first_slot, run.num_slots)
+            off = run.token_start
+            k, v = k[:, lo - off : hi - off], v[:, lo - off : hi - off]
+            n = hi - lo
+            if pending and (
+                pending_tokens + n > SMALL_PART_TOKENS or k.device != pending[0][0].device
+            ):
+                yield flush()
+                pending, pending_tokens = [], 0
+            if n >= SMALL_PART_TOKENS:
+                yield k, v
+            else:
+                pending.append((k, v))
+                pending_tokens += n
+        if pending:
+            yield flush()
 
     def prefetch_next_layer(self, layer: int) -> None:
         """After layer `layer`'s attention: start loading the first cold chunk that
@@ -472,7 +506,8 @@ class TieredCache(Cache):
             if window is not None:
                 start = max(start, past - window + 1)
             start = min(start, past)
-            parts = list(self._parts(layer, seq_id, start, past))
+            # clone: staged views are only valid until the generator moves on
+            parts = [(k.clone(), v.clone()) for k, v in self._parts(layer, seq_id, start, past)]
             keys = torch.cat([k for k, _ in parts] + [new_k], dim=1)
             values = torch.cat([v for _, v in parts] + [new_v], dim=1)
             kpos = torch.arange(start, total, device=q.device)
