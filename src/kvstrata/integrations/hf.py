@@ -181,7 +181,7 @@ class TieredCache(Cache):
         )
         self._manager: BlockManager | None = None
         self._writes: list = []
-        self._mask_key: int | None = None
+        self._mask_key: tuple | None = None
         self._row_masks: list[_RowMask] | None = None
         self._stager: Stager | None = None
         self.peak_device_bytes = 0
@@ -293,6 +293,7 @@ class TieredCache(Cache):
                 if not mgr.has_sequence(seq_id):
                     mgr.add_sequence(seq_id)
             self._writes = mgr.append(list(range(batch)), num_new)
+            self._mask_key = None  # a new forward: its padding mask is analysed afresh
             self._step_tokens = num_new
             self._track_peak()
         self._write_layer(layer_idx, key_states, value_states)
@@ -386,7 +387,8 @@ class TieredCache(Cache):
     def _row_mask(self, attention_mask: torch.Tensor | None, batch: int) -> list[_RowMask] | None:
         if attention_mask is None:
             return None
-        key = id(attention_mask)
+        # id() alone can be reused by the next step's mask once the old one is freed
+        key = (id(attention_mask), tuple(attention_mask.shape))
         if key != self._mask_key:
             rows = []
             for b in range(batch):
