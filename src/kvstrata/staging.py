@@ -80,9 +80,12 @@ class Stager:
             for c0 in range(first_block, last_block + 1, per_chunk)
         ]
 
-    def parts(self, layer: int, run: Run, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    def parts(
+        self, layer: int, run: Run, lo: int, hi: int, then: ChunkKey | None = None
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """(k, v) views of the staged keys [lo, hi) of a cold run, chunk by chunk; the
-        next chunk loads while the caller attends the current one."""
+        next chunk loads while the caller attends the current one, and after the last
+        chunk `then` (e.g. the next layer's first chunk) starts loading."""
         bs = self.layout.block_size
         chunks = self.chunks(run, lo, hi)
         for i, (first, count, base) in enumerate(chunks):
@@ -90,6 +93,8 @@ class Stager:
             if i + 1 < len(chunks):
                 nxt = chunks[i + 1]
                 self.prefetch((layer, run.tier, nxt[0], nxt[1]))
+            elif then is not None:
+                self.prefetch(then)
             sk, sv = self.buffers[buf]
             a, b = max(lo, base) - base, min(hi, base + count * bs) - base
             yield sk[:, a:b], sv[:, a:b]

@@ -31,7 +31,7 @@ from kvstrata.attention import (
     partial_attention,
     unpack_gqa,
 )
-from kvstrata.blocks.manager import BlockManager
+from kvstrata.blocks.manager import BlockManager, Run
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError, UnsupportedModelError
@@ -419,7 +419,9 @@ class TieredCache(Cache):
                 torch.cat([v for _, v in pending], dim=1),
             )
 
-        for run in self.manager.runs(seq_id):
+        runs = self.manager.runs(seq_id)
+        then = self._next_layer_chunk(layer, seq_id, runs)
+        for run in runs:
             lo = max(start, run.token_start)
             hi = min(end, run.token_start + run.num_tokens)
             if lo >= hi:
@@ -428,7 +430,8 @@ class TieredCache(Cache):
                 if pending:
                     yield flush()
                     pending, pending_tokens = [], 0
-                yield from self._stager.parts(layer, run, lo, hi)
+                last = then is not None and then[1:3] == (run.tier, run.first_slot)
+                yield from self._stager.parts(layer, run, lo, hi, then if last else None)
                 continue
             k, v = self._tiers[run.tier].layer_view(layer, run.first_slot, run.num_slots)
             off = run.token_start
@@ -446,6 +449,21 @@ class TieredCache(Cache):
                 pending_tokens += n
         if pending:
             yield flush()
+
+    def _next_layer_chunk(self, layer: int, seq_id: int, runs: list[Run]) -> tuple | None:
+        """The first cold chunk layer + 1 will read for a lone sequence: loading it
+        can start as soon as this layer's last cold chunk is in (its buffer is free
+        then), overlapping this layer's attention and the next layer's projections."""
+        if self._stager is None or layer + 1 >= self.num_layers or len(self.manager.tables) != 1:
+            return None
+        past = self.manager.num_tokens(seq_id) - self._step_tokens
+        cold = [r for r in runs if r.tier not in self._local and r.token_start < past]
+        if len(cold) != 1:
+            return None
+        run = cold[0]
+        hi = min(past, run.token_start + run.num_tokens)
+        first, count, _ = self._stager.chunks(run, run.token_start, hi)[0]
+        return (layer + 1, run.tier, first, count)
 
     def prefetch_next_layer(self, layer: int) -> None:
         """After layer `layer`'s attention: start loading the first cold chunk that
