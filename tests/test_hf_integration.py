@@ -132,6 +132,12 @@ def _llama():
     return model
 
 
+def _small_cache(model, **overrides) -> TieredCache:
+    """16-token blocks, 4 MiB of host: every test prompt spills to the host tier."""
+    kwargs = dict(block_size=16, max_tokens=512, host_budget="4MiB")
+    return TieredCache(model.config, **{**kwargs, **overrides})
+
+
 def test_left_padded_batch_of_three():
     model = _llama()
     g = torch.Generator().manual_seed(5)
@@ -143,9 +149,7 @@ def test_left_padded_batch_of_three():
         mask[i, 300 - n :] = 1
     ref = _greedy(model, ids, DynamicCache(config=model.config), n=60, attention_mask=mask)
     enable(model)
-    cache = TieredCache(
-        model.config, block_size=16, resident_fraction=0.2, max_tokens=1200, host_budget="4MiB"
-    )
+    cache = _small_cache(model, resident_fraction=0.2, max_tokens=1200)
     out = _greedy(model, ids, cache, n=60, attention_mask=mask)
     assert torch.equal(out, ref), (out != ref).nonzero()[:5].tolist()
 
@@ -156,9 +160,7 @@ def test_beam_search_three_beams():
     kw = dict(num_beams=3, max_new_tokens=40, min_new_tokens=40, do_sample=False)
     ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
     enable(model)
-    cache = TieredCache(
-        model.config, block_size=16, resident_fraction=0.2, max_tokens=1200, host_budget="4MiB"
-    )
+    cache = _small_cache(model, resident_fraction=0.2, max_tokens=1200)
     out = model.generate(ids, cache=cache, **kw)
     assert torch.equal(out, ref)
 
@@ -171,9 +173,7 @@ def test_prompt_lookup_decoding_uses_crop():
     kw = dict(prompt_lookup_num_tokens=8, max_new_tokens=80, min_new_tokens=80, do_sample=False)
     ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
     enable(model)
-    cache = TieredCache(
-        model.config, block_size=16, resident_fraction=0.3, max_tokens=800, host_budget="4MiB"
-    )
+    cache = _small_cache(model, resident_fraction=0.3, max_tokens=800)
     crops = []
     original = cache.crop
     cache.crop = lambda n: (crops.append(n), original(n))[1]
@@ -212,6 +212,10 @@ def test_peak_device_bytes_bounded_by_budget_plus_staging():
         stats = cache.stats()
         assert cache.get_seq_length() == context + 64 - 1 or cache.get_seq_length() == context + 64
         assert stats["peak_device_bytes"] <= stats["device_budget_bytes"] + stats["staging_bytes"]
+        # and the tensors really allocated on the device are no bigger than that
+        arenas = cache.manager.tiers["device"].arenas.values()
+        allocated = sum(t.numel() * t.element_size() for t in arenas)
+        assert allocated == stats["device_budget_bytes"]
         peaks[context] = stats["peak_device_bytes"]
     assert peaks[4096] == peaks[16384 - 64], peaks  # does not grow with context
 
@@ -256,7 +260,7 @@ def test_budget_change_mid_generation_keeps_tokens():
     ids = _prompt(length=300)
     ref = _greedy_loop(model, ids, DynamicCache(config=model.config), 80)
     enable(model)
-    cache = TieredCache(model.config, block_size=16, max_tokens=512, host_budget="4MiB")
+    cache = _small_cache(model)
     seen = {}
 
     def shrink(step):
@@ -278,14 +282,7 @@ def test_staged_path_under_inference_mode():
     with torch.inference_mode():
         ref = model(ids, cache=DynamicCache(config=model.config)).logits
     enable(model)
-    cache = TieredCache(
-        model.config,
-        block_size=16,
-        max_tokens=512,
-        resident_fraction=0.1,
-        host_budget="4MiB",
-        cold_attention="stage",
-    )
+    cache = _small_cache(model, resident_fraction=0.1, cold_attention="stage")
     with torch.inference_mode():
         model(ids[:, :-1], cache=cache)
         last = model(ids[:, -1:], cache=cache).logits
@@ -301,15 +298,7 @@ def test_windowed_prefill_over_many_staged_chunks():
     with torch.no_grad():
         ref = model(ids, cache=DynamicCache(config=model.config)).logits
     enable(model)
-    cache = TieredCache(
-        model.config,
-        block_size=16,
-        max_tokens=512,
-        resident_fraction=0.1,
-        host_budget="4MiB",
-        cold_attention="stage",
-        staging_tokens=32,
-    )
+    cache = _small_cache(model, resident_fraction=0.1, cold_attention="stage", staging_tokens=32)
     with torch.no_grad():
         first = model(ids[:, :300], cache=cache).logits
         second = model(ids[:, 300:], cache=cache).logits

@@ -6,7 +6,7 @@ the log-sum-exp merge of the partials over each part:
 
     o = sum_i exp(lse_i - lse) * o_i,   lse = logsumexp_i(lse_i)
 
-done pairwise as o = lerp(o_a, o_b, sigmoid(lse_b - lse_a)).
+done for all parts at once (`merge_all`): decode steps are dispatch-bound.
 
 Queries are "pack-GQA": [Hq, Q, D] viewed as [Hkv, R*Q, D] so each KV head is
 attended once, with no K/V expansion and no mask (valid whenever every query may see
@@ -102,28 +102,9 @@ def masked_attention(
     return out.reshape(hq, nq, -1), lse.reshape(hq, nq)
 
 
-def merge(
-    acc: tuple[torch.Tensor, torch.Tensor] | None, part: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partials (out, lse) exactly; `acc` may be None."""
-    if acc is None:
-        return part
-    o_a, l_a = acc
-    o_b, l_b = part
-    lse = torch.logaddexp(l_a, l_b)
-    # weight of b; where both are -inf (no keys at all) keep 0 instead of NaN
-    w = torch.exp(l_b - lse).nan_to_num(0.0).unsqueeze(-1)
-    out = (
-        torch.lerp(o_a.float(), o_b.float(), w).to(o_a.dtype)
-        if o_a.dtype != torch.float32
-        else (torch.lerp(o_a, o_b, w))
-    )
-    return out, lse
-
-
 def merge_all(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge any number of partials (out, lse) in one pass: a handful of ops whatever
-    the count, instead of five per pairwise merge (decode steps are dispatch-bound)."""
+    the count (decode steps are dispatch-bound, so op count matters more than flops)."""
     if len(parts) == 1:
         return parts[0]
     lses = torch.stack([lse for _, lse in parts])  # [P, H, M]

@@ -114,3 +114,31 @@ def print_table(
 def print_json(report: dict[str, Any]) -> None:
     """Print the report as indented JSON (machine-readable `--json` output)."""
     print(json.dumps(report, indent=2, sort_keys=False))
+
+
+def add_decode_arguments(parser: Any, init_range: float, init_help: str) -> None:
+    """The flags the decode-loop scenarios share (decode, quantized)."""
+    parser.add_argument("--contexts", default="2048,8192", help="comma-separated prompt lengths")
+    parser.add_argument("--steps", type=int, default=128, help="timed decode steps per call")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-range", type=float, default=init_range, help=init_help)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (1 layer)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def parse_contexts(text: str | Sequence[int], count: int | None = None) -> tuple[int, ...]:
+    """ "2048,8k" -> (2048, 8192); ConfigError (exit 2) on bad input or wrong count."""
+    from kvstrata.errors import ConfigError
+    from kvstrata.units import parse_tokens
+
+    if not isinstance(text, str):
+        return tuple(text)
+    contexts = tuple(parse_tokens(c, "contexts") for c in text.split(",") if c.strip())
+    if not contexts or (count is not None and len(contexts) != count):
+        want = f"{count} token counts" if count else "token counts"
+        raise ConfigError.field("contexts", text, f"{want}, e.g. 2048,8192")
+    return contexts

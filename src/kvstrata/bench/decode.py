@@ -305,25 +305,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--contexts", default="2048,8192", help="SHORT,LONG prompt lengths in tokens"
-    )
-    parser.add_argument("--steps", type=int, default=128, help="timed decode steps per call")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--init-range",
-        type=float,
-        default=0.3,
-        help="model initializer_range (0.3 keeps a random model sensitive to old context, "
-        "so identical tokens mean something)",
+    _timing.add_decode_arguments(
+        parser,
+        init_range=0.3,
+        init_help="model initializer_range (0.3 keeps a random model sensitive to old "
+        "context, so identical tokens mean something)",
     )
     parser.add_argument("--no-stage", action="store_true", help="skip the staged variant (f)")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (1 layer)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -333,12 +321,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.contexts = "128,512"
         args.steps, args.repeats, args.layers = 6, 2, 1
         args.block_size = 16
-    if isinstance(args.contexts, str):
-        args.contexts = tuple(int(c) for c in args.contexts.split(","))
-    if len(args.contexts) != 2 or min(args.contexts) < 1:
-        from kvstrata.errors import ConfigError
-
-        raise ConfigError.field("contexts", args.contexts, "two token counts, e.g. 2048,8192")
+    args.contexts = _timing.parse_contexts(args.contexts, count=2)
     return args
 
 

@@ -201,25 +201,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--contexts", default="2048,8192", help="comma-separated prompt lengths")
-    parser.add_argument("--steps", type=int, default=128, help="timed decode steps per call")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
+    _timing.add_decode_arguments(
+        parser,
+        init_range=0.02,
+        init_help="model initializer_range (0.02: logits of realistic scale; 0.3 makes "
+        "the random model's attention so peaky that any int4 cache flips half the tokens)",
+    )
     parser.add_argument("--codec", default="int4", help="kvstrata host codec (int4 = g64)")
     parser.add_argument("--residual", type=int, default=128, help="full-precision newest tokens")
     parser.add_argument("--group", type=int, default=64, help="QuantizedCache q_group_size")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--init-range",
-        type=float,
-        default=0.02,
-        help="model initializer_range (0.02: logits of realistic scale; 0.3 makes the "
-        "random model's attention so peaky that any int4 cache flips half the tokens)",
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (1 layer)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -229,12 +219,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.contexts = "384,640"
         args.steps, args.repeats, args.layers = 6, 2, 1
         args.residual = 64
-    if isinstance(args.contexts, str):
-        args.contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
-    if not args.contexts or min(args.contexts) < 1:
-        from kvstrata.errors import ConfigError
-
-        raise ConfigError.field("contexts", args.contexts, "token counts, e.g. 2048,8192")
+    args.contexts = _timing.parse_contexts(args.contexts)
     return args
 
 

@@ -176,7 +176,6 @@ class BlockManager:
             last = self.pool.blocks[table.block_ids[-1]]
             if last.ref_count == 1:
                 last.num_tokens = num_tokens % bs
-                last.block_hash = None
                 if last.tier != self.tier_order[0]:
                     # A partial block must be on the device: bring it back.
                     self._place_partial_on_device(last)
@@ -282,7 +281,6 @@ class BlockManager:
                 src0 = b_idx * num_new + (pos - start)
                 src_by_tier.setdefault(block.tier, []).extend(range(src0, src0 + take))
                 block.num_tokens = off + take
-                block.block_hash = None
                 pos += take
             table.num_tokens = start + num_new
             runs = self._runs.get(seq_id)
@@ -304,10 +302,6 @@ class BlockManager:
             if src == list(range(len(src))) and rows == list(range(rows[0], rows[0] + len(rows))):
                 contiguous = (rows[0], len(rows))
             writes.append(TokenWrites(tier_name, torch.tensor(rows), torch.tensor(src), contiguous))
-        if device in self.tiers:
-            self.tiers[device].stats.peak_used_slots = max(
-                self.tiers[device].stats.peak_used_slots, self.tiers[device].num_used
-            )
         return writes
 
     # -- placement --------------------------------------------------------------------------
@@ -457,7 +451,7 @@ class BlockManager:
         self._runs.clear()
 
     def _copy_data(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
-        if type(src.codec) is type(dst.codec) and src.codec.name == dst.codec.name:
+        if src.codec.name == dst.codec.name:  # encoded as is: quantized once, never twice
             dst.write_encoded(dst_slots, src.read_encoded(src_slots))
             return
         n = len(src_slots)

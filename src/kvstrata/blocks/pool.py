@@ -23,7 +23,6 @@ class Block:
     is_sink: bool = False
     last_access: int = 0
     access_count: int = 0
-    block_hash: bytes | None = None
 
 
 class BlockPool:

@@ -31,7 +31,7 @@ from kvstrata.attention import (
     partial_attention,
     unpack_gqa,
 )
-from kvstrata.blocks.manager import BlockManager, Run
+from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError, UnsupportedModelError
@@ -39,7 +39,7 @@ from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.staging import Stager
 from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier, resolve_device
-from kvstrata.units import format_bytes
+from kvstrata.units import format_bytes, parse_size
 
 ATTENTION_NAME = "kvstrata"
 SMALL_PART_TOKENS = 2048
@@ -184,7 +184,6 @@ class TieredCache(Cache):
         self._mask_key: tuple | None = None
         self._row_masks: list[_RowMask] | None = None
         self._stager: Stager | None = None
-        self.peak_device_bytes = 0
         self._step_tokens = 0
 
     # -- construction of the tiers (lazy: dtype and device come with the first K/V) ----------
@@ -292,49 +291,48 @@ class TieredCache(Cache):
             for seq_id in range(batch):
                 if not mgr.has_sequence(seq_id):
                     mgr.add_sequence(seq_id)
-            self._writes = mgr.append(list(range(batch)), num_new)
+            self._writes = self._plan_writes(mgr.append(list(range(batch)), num_new), batch)
             self._mask_key = None  # a new forward: its padding mask is analysed afresh
             self._step_tokens = num_new
-            self._track_peak()
         self._write_layer(layer_idx, key_states, value_states)
         handle = TieredKV(self, layer_idx, key_states, value_states)
         return handle, handle
 
+    def _plan_writes(self, writes: list[TokenWrites], batch: int) -> list[tuple]:
+        """Turn the manager's token writes into what every layer of this step does,
+        once per step: ("slice", tier, first, count) for a contiguous single-sequence
+        write, ("rows", tier, rows, src) for scattered rows of an arena tier,
+        ("blocks", tier, slots, src) for whole new blocks of an encoded tier."""
+        plan: list[tuple] = []
+        bs = self.layout.block_size
+        for tw in writes:
+            tier = self._tiers[tw.tier]
+            src = tw.src.to(self.device)
+            if tw.tier not in self._arena_tiers:
+                plan.append(("blocks", tier, (tw.rows[::bs] // bs).tolist(), src))
+            elif tw.contiguous is not None and batch == 1:
+                plan.append(("slice", tier, *tw.contiguous))
+            else:
+                plan.append(("rows", tier, tw.rows.to(tier.device), src))
+        return plan
+
     def _write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         batch, heads, num_new, _ = k.shape
         flat_k = flat_v = None
-        for tw in self._writes:
-            tier = self._tiers[tw.tier]
-            in_place = tw.tier in self._arena_tiers
-            if in_place and tw.contiguous is not None and batch == 1:
-                first, count = tw.contiguous
-                tier.k_arena[layer, :, first : first + count].copy_(k[0, :, :count])
-                tier.v_arena[layer, :, first : first + count].copy_(v[0, :, :count])
+        for kind, tier, a, b in self._writes:
+            if kind == "slice":
+                tier.k_arena[layer, :, a : a + b].copy_(k[0, :, :b])
+                tier.v_arena[layer, :, a : a + b].copy_(v[0, :, :b])
                 continue
             if flat_k is None:
                 flat_k = k.transpose(0, 1).reshape(heads, batch * num_new, -1)
                 flat_v = v.transpose(0, 1).reshape(heads, batch * num_new, -1)
-            src = tw.src.to(k.device)
-            if in_place:
-                rows = tw.rows.to(tier.device)
-                tier.k_arena[layer].index_copy_(
-                    1, rows, flat_k.index_select(1, src).to(tier.device)
-                )
-                tier.v_arena[layer].index_copy_(
-                    1, rows, flat_v.index_select(1, src).to(tier.device)
-                )
+            new_k, new_v = flat_k.index_select(1, b), flat_v.index_select(1, b)
+            if kind == "rows":
+                tier.k_arena[layer].index_copy_(1, a, new_k.to(tier.device))
+                tier.v_arena[layer].index_copy_(1, a, new_v.to(tier.device))
             else:
-                bs = self.layout.block_size
-                slots = (tw.rows[::bs] // bs).tolist()
-                tier.write_layer(
-                    layer, slots, flat_k.index_select(1, src), flat_v.index_select(1, src)
-                )
-
-    def _track_peak(self) -> None:
-        dev = self._tiers[self._device_name]
-        used = dev.num_used * dev.block_bytes
-        staging = self._stager.nbytes if self._stager else 0
-        self.peak_device_bytes = max(self.peak_device_bytes, used + staging)
+                tier.write_layer(layer, a, new_k, new_v)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self._manager is None or not self._manager.has_sequence(0):
@@ -450,36 +448,38 @@ class TieredCache(Cache):
         if pending:
             yield flush()
 
+    def _cold_history(self, seq_id: int, runs: list[Run]) -> list[tuple[Run, int]]:
+        """Cold runs holding history (tokens before this step) as (run, end token);
+        this step's blocks may not be written for later layers yet."""
+        past = self.manager.num_tokens(seq_id) - self._step_tokens
+        return [
+            (r, min(past, r.token_start + r.num_tokens))
+            for r in runs
+            if r.tier not in self._local and r.token_start < past
+        ]
+
+    def _first_chunk(self, layer: int, run: Run, end: int) -> tuple:
+        first, count, _ = self._stager.chunks(run, run.token_start, end)[0]
+        return (layer, run.tier, first, count)
+
     def _next_layer_chunk(self, layer: int, seq_id: int, runs: list[Run]) -> tuple | None:
-        """The first cold chunk layer + 1 will read for a lone sequence: loading it
-        can start as soon as this layer's last cold chunk is in (its buffer is free
-        then), overlapping this layer's attention and the next layer's projections."""
+        """The first cold chunk layer + 1 will read for a lone sequence with one cold
+        run: loading it can start as soon as this layer's last cold chunk is in (its
+        buffer is free then), overlapping this layer's attention."""
         if self._stager is None or layer + 1 >= self.num_layers or len(self.manager.tables) != 1:
             return None
-        past = self.manager.num_tokens(seq_id) - self._step_tokens
-        cold = [r for r in runs if r.tier not in self._local and r.token_start < past]
-        if len(cold) != 1:
-            return None
-        run = cold[0]
-        hi = min(past, run.token_start + run.num_tokens)
-        first, count, _ = self._stager.chunks(run, run.token_start, hi)[0]
-        return (layer + 1, run.tier, first, count)
+        cold = self._cold_history(seq_id, runs)
+        return self._first_chunk(layer + 1, *cold[0]) if len(cold) == 1 else None
 
     def prefetch_next_layer(self, layer: int) -> None:
         """After layer `layer`'s attention: start loading the first cold chunk that
-        layer + 1 will need, so its transfer overlaps that layer's projections."""
+        layer + 1 will need (a no-op when `_next_layer_chunk` already started it)."""
         if self._stager is None or layer + 1 >= self.num_layers:
             return
-        mgr = self.manager
-        for seq_id in sorted(mgr.tables):
-            # only history: this step's blocks may not be written for layer + 1 yet
-            past = mgr.num_tokens(seq_id) - self._step_tokens
-            for run in mgr.runs(seq_id):
-                if run.tier in self._local or run.token_start >= past:
-                    continue
-                hi = min(past, run.token_start + run.num_tokens)
-                first, count, _ = self._stager.chunks(run, run.token_start, hi)[0]
-                self._stager.prefetch((layer + 1, run.tier, first, count))
+        for seq_id in sorted(self.manager.tables):
+            cold = self._cold_history(seq_id, self.manager.runs(seq_id))
+            if cold:
+                self._stager.prefetch(self._first_chunk(layer + 1, *cold[0]))
                 return
 
     def attend(
@@ -543,16 +543,13 @@ class TieredCache(Cache):
         if acc is None:  # no visible key at all (a padding query)
             return q.new_zeros((hq, num_q, self.layout.dim_v))
         if sinks is not None:
-            out = merge_sink((unpack_gqa(acc[0], hq), acc[1].reshape(hq, num_q)), sinks)
-            return out
+            return merge_sink((unpack_gqa(acc[0], hq), acc[1].reshape(hq, num_q)), sinks)
         return unpack_gqa(acc[0], hq)
 
     def set_budget(self, tier: str, budget: int | str) -> None:
         """Change a tier's budget at run time (the seed's dynamic offload ratio), in
         bytes ("256MiB") of that tier's stored blocks; at most the arena it was built
         with. Blocks over budget move down now."""
-        from kvstrata.units import parse_size
-
         mgr = self.manager
         if tier not in mgr.tiers:
             raise ConfigError.field("tier", tier, f"one of {', '.join(mgr.tier_order)}")
@@ -574,7 +571,7 @@ class TieredCache(Cache):
             "blocks_moved": self.manager.num_moves,
             "device_budget_bytes": dev.num_slots * dev.block_bytes,
             "staging_bytes": staging,
-            "peak_device_bytes": self.peak_device_bytes,
+            "peak_device_bytes": dev.stats.peak_used_slots * dev.block_bytes + staging,
             "transfers": self._stager.engine.stats.as_dict() if self._stager else None,
             "tokens": {s: self.manager.num_tokens(s) for s in self.manager.tables},
         }

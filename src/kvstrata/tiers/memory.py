@@ -63,6 +63,10 @@ class MemoryTier(Tier):
 
     def slot_runs(self, slots: list[int]) -> list[tuple[int, int]]:
         """Group `slots` (in order) into runs of consecutive ids: [(first_slot, count)]."""
+        n = len(slots)
+        # the common case, one run, checked at C speed (no Python loop per block)
+        if n and slots[-1] - slots[0] == n - 1 and slots == list(range(slots[0], slots[0] + n)):
+            return [(slots[0], n)]
         runs: list[tuple[int, int]] = []
         for s in slots:
             if runs and runs[-1][0] + runs[-1][1] == s:
