@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvstrata import _native
 from kvstrata.codecs.registry import get_codec
 from kvstrata.errors import (
     BlockCorruptError,
@@ -49,6 +50,17 @@ class _ZlibCompressor:
     @staticmethod
     def decompress(data: np.ndarray, out: np.ndarray) -> None:
         out[:] = np.frombuffer(zlib.decompress(bytes(data)), dtype=np.uint8)
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both I/O paths: the native vectored I/O with checksums
+    (kvstrata/native/pio.cpp) and the numpy/os.preadv fallback."""
+    if request.param == "numpy":
+        monkeypatch.setattr(disk_mod, "load_native", lambda: None)
+    elif not _native.available():
+        pytest.skip("native kernels unavailable (no C++ compiler)")
+    return request.param
 
 
 @pytest.fixture
@@ -245,9 +257,21 @@ def test_enospc_at_creation_is_tier_full(tmp_path, monkeypatch):
         DiskTier(LAYOUT, 4, tmp_path)
 
 
-def test_enospc_on_write_is_tier_full_and_leaves_slot_free(tmp_path, monkeypatch):
+def test_enospc_on_write_is_tier_full_and_leaves_slot_free(tmp_path, monkeypatch, io_path):
     tier = DiskTier(LAYOUT, 4, tmp_path)
     k, v = _blocks(LAYOUT, 2)
+    if io_path == "native":  # writes to /dev/full fail with a real ENOSPC
+        arena_fd, full_fd = tier._fd, os.open("/dev/full", os.O_WRONLY)
+        tier._fd = full_fd
+        with pytest.raises(TierFullError) as info:
+            tier.write_blocks([0, 1], k, v)
+        tier._fd = arena_fd
+        os.close(full_fd)
+        assert info.value.slots == [0, 1]
+        with pytest.raises(BlockMissingError):
+            tier.read_blocks([0], k[:, :, :4].clone(), v[:, :, :4].clone())
+        tier.close()
+        return
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -431,6 +455,7 @@ def test_padding_is_written_as_zeros_and_checksummed(tmp_path):
 
 
 def test_short_transfers_and_iov_max_splits_are_resumed(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_mod, "load_native", lambda: None)  # os.preadv path
     monkeypatch.setattr(disk_format, "IOV_MAX", 3)
     real_preadv, real_pwritev = os.preadv, os.pwritev
     calls = {"r": 0, "w": 0}

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dir", default=None, help="directory for disk files (default: a temp dir)"
     )
     parser.add_argument("--size-mib", type=int, default=128, help="bytes moved per throughput op")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats (medians)")
     parser.add_argument("--samples", type=int, default=200, help="single-block reads per tier")
     parser.add_argument("--cold", action="store_true", help="fdatasync writes, evict before reads")
     parser.add_argument("--compress", action="store_true", help="also time a compressed disk tier")

@@ -1,10 +1,8 @@
 """Fast CPU kernels for the quantizing codecs, and when they are used.
 
-The kernels are plain C++ (`_kernels.cpp`, no torch headers, so g++ builds them in
-~2 s) called through ctypes. The shared library is built once per machine and
-source version into torch's extensions directory (`$TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions/<py>_cpu/`) and loaded once per process. Without a
-compiler, or with `KVSTRATA_CODEC_KERNELS=0`, `kernel_call` returns False and the
+The kernels are plain C++ (`kvstrata/native/codecs.cpp`) in the library that
+`kvstrata._native` builds once per machine and loads once per process. Without a
+compiler, or with `KVSTRATA_NATIVE=0`, `kernel_call` returns False and the
 codecs fall back to the eager torch reference in `_reference.py` (same bits,
 30-100x slower).
 
@@ -14,134 +12,16 @@ so one call covers all layers and heads of a run of blocks.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
-
 import torch
 
+from kvstrata._native import available, load
 from kvstrata.errors import CodecError
 
-_SOURCE = Path(__file__).with_name("_kernels.cpp")
-_FLAGS = [
-    "-O3",
-    "-march=native",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-pthread",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-ffinite-math-only",
-    "-fno-signed-zeros",
-    "-ffp-contract=off",
-]
+__all__ = ["as_3d", "available", "kernel_call", "load", "raise_for_flags"]
+
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # Kernel work buffers hold one row of channels on the stack.
 _MAX_DIM = 4096
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cpu_tag() -> str:
-    # -march=native binaries must not be shared between different CPUs.
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
-    return platform.machine() + flags
-
-
-def _build_dir() -> Path:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return Path(_get_build_directory("kvstrata_codecs", verbose=False))
-
-
-def _library_path() -> Path:
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_tag().encode()
-    ).hexdigest()[:16]
-    return _build_dir() / f"kvstrata_codecs_{key}.so"
-
-
-def _build(target: Path) -> None:
-    cxx = os.environ.get("CXX", "g++")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build to a temporary name and rename: concurrent processes never load a
-    # half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cxx, *_FLAGS, str(_SOURCE), "-o", tmp],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load() -> ctypes.CDLL | None:
-    """The kernel library, building it on first use; None when unavailable.
-
-    Returns:
-        The loaded library, or None (no compiler, build failure, or disabled with
-        KVSTRATA_CODEC_KERNELS=0). A failure is warned about once per process.
-    """
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        if os.environ.get("KVSTRATA_CODEC_KERNELS", "1") == "0":
-            _tried = True
-            return None
-        try:
-            path = _library_path()
-            if not path.exists():
-                _build(path)
-            lib = ctypes.CDLL(str(path))
-            i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-            for name in ("int8", "int4v", "int4k", "fp8"):
-                enc = getattr(lib, f"kv_{name}_enc")
-                enc.argtypes = [ci, vp, i64, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, ci]
-                enc.restype = ci
-                dec = getattr(lib, f"kv_{name}_dec")
-                dec.argtypes = [ci, vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, i64, ci]
-                dec.restype = ci
-            _lib = lib
-        except (OSError, subprocess.CalledProcessError, ImportError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            warnings.warn(
-                f"kvstrata codec kernels unavailable, using the slow torch fallback: "
-                f"{detail.strip()[:300]}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        _tried = True
-        return _lib
-
-
-def available() -> bool:
-    """True when the fast kernels are loaded (or can be built now)."""
-    return load() is not None
 
 
 def as_3d(t: torch.Tensor, *, row_contiguous: bool) -> tuple[int, int, int] | None:

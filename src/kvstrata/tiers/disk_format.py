@@ -120,8 +120,10 @@ class Template:
     """File-order segments of one item (a slot, or one layer of a slot).
 
     Arrays of length P: src (STAGE or 1 + index into `keys`), layer (0..nl-1), head,
-    off (byte offset in the item for staged segments), nbytes. `gaps`: per-layer byte
-    ranges [a, b) not covered by direct fields (checksummed from the staging buffer).
+    off (byte offset in the item for staged segments), nbytes, fpos (byte offset in the
+    item's file extent), woff (first checksum word within its layer; -1: the slot tail,
+    not checksummed). `gaps`: per-layer byte ranges [a, b) not covered by direct fields
+    (checksummed from the staging buffer).
     """
 
     keys: list[str]
@@ -130,6 +132,8 @@ class Template:
     head: np.ndarray
     off: np.ndarray
     nbytes: np.ndarray
+    fpos: np.ndarray
+    woff: np.ndarray
     gaps: list[tuple[int, int]]
 
 
@@ -166,17 +170,18 @@ def build_template(
                 continue
             for g0, g1 in gaps:  # staged bytes before this field (in file order)
                 if g1 == off:
-                    segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0))
+                    segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0, g0 // 8))
             piece = nbytes // num_heads
             src = 1 + direct.index(key)
-            segs.extend((src, li, h, 0, piece) for h in range(num_heads))
+            segs.extend((src, li, h, 0, piece, (off + h * piece) // 8) for h in range(num_heads))
         if gaps and gaps[-1][1] == layer_bytes:
             g0, g1 = gaps[-1]
-            segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0))
+            segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0, g0 // 8))
     if item_bytes > nl * layer_bytes:
-        segs.append((STAGE, 0, 0, nl * layer_bytes, item_bytes - nl * layer_bytes))
-    cols = np.array(segs, dtype=np.int64).reshape(-1, 5).T
-    return Template(list(direct), *cols, gaps=gaps)
+        segs.append((STAGE, 0, 0, nl * layer_bytes, item_bytes - nl * layer_bytes, -1))
+    src, layer, head, off, nbytes, woff = np.array(segs, dtype=np.int64).reshape(-1, 6).T
+    fpos = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+    return Template(list(direct), src, layer, head, off, nbytes, fpos, woff, gaps=gaps)
 
 
 def iovecs(
@@ -250,3 +255,67 @@ def vector_io(fd: int, iov: list[memoryview], cum: np.ndarray, offset: int, writ
         cum[0] = 0
         i = 0
     return True
+
+
+# Bytes per preadv/pwritev batch of the native path: small enough to be checksummed
+# while still in L2 (read) or to stay there between checksum and write.
+NATIVE_BATCH = 512 << 10
+
+
+def native_io(
+    lib: object,
+    fd: int,
+    tpl: Template,
+    views: list[np.ndarray],
+    stage: np.ndarray,
+    file_base: np.ndarray,
+    nl: int,
+    keys: np.ndarray,
+    write: bool,
+    threads: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Move c items in one native call (kvstrata/native/pio.cpp), checksumming every
+    piece while it is in cache, split over `threads` threads.
+
+    Args:
+        lib: the native library.
+        fd: the arena file.
+        tpl: the item template; views: direct views [nl, Hkv, c, piece] in tpl.keys order.
+        stage: staging bytes [c, item_bytes] (C-contiguous) for the staged segments.
+        file_base: [c] file offset of each item.
+        nl: layers per item.
+        keys: the mlh64 multipliers.
+        write: pwritev (True) or preadv.
+        threads: most threads to use.
+
+    Returns:
+        (per-layer mlh64 sums [c, nl], bool [c] items a read found past the end of file).
+
+    Raises:
+        OSError: a failed system call (errno set).
+    """
+    c, item_bytes = len(file_base), stage.shape[1]
+    P = len(tpl.src)
+    bases = np.empty(1 + len(views), dtype=np.int64)
+    strides = np.zeros((1 + len(views), 3), dtype=np.int64)
+    bases[STAGE], strides[STAGE] = stage.ctypes.data, (0, 0, item_bytes)
+    for i, v in enumerate(views, 1):
+        bases[i], strides[i] = v.ctypes.data, v.strides[:3]
+    st = strides[tpl.src]
+    first = bases[tpl.src] + tpl.off + tpl.layer * st[:, 0] + tpl.head * st[:, 1]
+    item = np.arange(c, dtype=np.int64)[:, None]
+    addr = (first[None, :] + item * st[None, :, 2]).reshape(-1)
+    length = np.broadcast_to(tpl.nbytes, (c, P)).reshape(-1).copy()
+    foff = (file_base.astype(np.int64)[:, None] + tpl.fpos[None, :]).reshape(-1)
+    woff = np.broadcast_to(np.maximum(tpl.woff, 0), (c, P)).reshape(-1).copy()
+    out = np.where(tpl.woff[None, :] >= 0, item * nl + tpl.layer[None, :], -1).reshape(-1)
+    sums = np.zeros(c * nl, dtype=np.uint64)
+    status = np.zeros(c * P, dtype=np.uint8)
+    ptr = lambda a: a.ctypes.data  # noqa: E731
+    rc = lib.kv_pio(
+        fd, int(write), c * P, ptr(addr), ptr(length), ptr(foff), ptr(woff), ptr(out),
+        ptr(keys), ptr(sums), ptr(status), NATIVE_BATCH, threads,
+    )  # fmt: skip
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+    return sums.reshape(c, nl), status.reshape(c, P).any(axis=1)

@@ -1,0 +1,147 @@
+"""The native kernel library: plain C++ in `kvstrata/native/`, called through ctypes.
+
+One shared library holds the codec kernels (`codecs.cpp`), the disk tier's vectored
+I/O with checksums (`pio.cpp`) and the decode attention over tiered runs
+(`attention.cpp`). No torch headers, so g++ builds it in a few seconds. It is built
+once per machine and source version into torch's extensions directory
+(`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions/<py>_cpu/`) and loaded
+once per process. ctypes releases the GIL for the duration of every call.
+
+Without a compiler, or with `KVSTRATA_NATIVE=0`, `load()` returns None and every
+caller takes its pure torch/numpy path (same results, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+__all__ = ["available", "load"]
+
+_DIR = Path(__file__).with_name("native")
+_COMMON = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-pthread", "-fno-math-errno"]
+# Per-source flags. The codecs need -ffinite-math-only (vectorised min/max) and
+# -ffp-contract=off (a*b+c rounds twice, bit-identical to torch eager); the attention
+# kernel handles -inf (masked scores), so it must not assume finite math.
+_SOURCES = {
+    "codecs.cpp": [
+        "-fno-trapping-math",
+        "-ffinite-math-only",
+        "-fno-signed-zeros",
+        "-ffp-contract=off",
+    ],
+    "pio.cpp": [],
+    "attention.cpp": ["-fno-trapping-math"],
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_i64, _vp, _ci, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# name -> (argtypes, restype)
+_SIGNATURES: dict[str, tuple[list, object]] = {}
+for _name in ("int8", "int4v", "int4k", "fp8"):
+    _enc = [_ci, _vp, _i64, _i64, _vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _ci]
+    _SIGNATURES[f"kv_{_name}_enc"] = (_enc, _ci)
+    _dec = [_ci, _vp, _i64, _vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _ci]
+    _SIGNATURES[f"kv_{_name}_dec"] = (_dec, _ci)
+# fd, write, n, addr, len, foff, woff, out_idx, keys, sums, status, batch_bytes, threads
+_SIGNATURES["kv_pio"] = ([_ci, _ci, _i64] + [_vp] * 8 + [_i64, _ci], _i64)
+
+
+def _cpu_tag() -> str:
+    # -march=native binaries must not be shared between different CPUs.
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _build_dir() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("kvstrata_native", verbose=False))
+
+
+def _library_path() -> Path:
+    h = hashlib.sha256(" ".join(_COMMON).encode() + _cpu_tag().encode())
+    for name, flags in _SOURCES.items():
+        h.update(name.encode() + (_DIR / name).read_bytes() + " ".join(flags).encode())
+    return _build_dir() / f"kvstrata_native_{h.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    cxx = os.environ.get("CXX", "g++")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Objects and the library are built under temporary names and renamed:
+    # concurrent processes never load a half-written library.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = []
+        for name, flags in _SOURCES.items():
+            obj = os.path.join(tmp, name + ".o")
+            cmd = [cxx, *_COMMON, *flags, "-c", str(_DIR / name), "-o", obj]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            objects.append(obj)
+        out = os.path.join(tmp, "lib.so")
+        subprocess.run(
+            [cxx, "-shared", "-pthread", *objects, "-o", out],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(out, target)
+
+
+def load() -> ctypes.CDLL | None:
+    """The native library, building it on first use; None when unavailable.
+
+    Returns:
+        The loaded library, or None (no compiler, build failure, or disabled with
+        KVSTRATA_NATIVE=0). A failure is warned about once per process.
+    """
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if os.environ.get("KVSTRATA_NATIVE", "1") == "0":
+            _tried = True
+            return None
+        try:
+            path = _library_path()
+            if not path.exists():
+                _build(path)
+            lib = ctypes.CDLL(str(path))
+            for name, (argtypes, restype) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, restype
+            _lib = lib
+        except (OSError, subprocess.CalledProcessError, ImportError, AttributeError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            warnings.warn(
+                f"kvstrata native kernels unavailable, using the slower torch/numpy paths: "
+                f"{detail.strip()[:300]}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _tried = True
+        return _lib
+
+
+def available() -> bool:
+    """True when the native kernels are loaded (or can be built now)."""
+    return load() is not None

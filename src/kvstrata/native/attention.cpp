@@ -1,0 +1,1 @@
+// kvstrata decode attention over tiered runs (filled in below).

@@ -1,0 +1,145 @@
+// kvstrata disk tier: vectored positional I/O of many pieces with their checksums.
+//
+// A disk-tier operation moves n "pieces" (contiguous byte ranges in memory: one head
+// of one field of one layer of one block, a padding gap, ...) to or from their places
+// in the arena file. Pieces come in file order. Runs of pieces that are contiguous in
+// the file go to one preadv/pwritev (at most IOV_MAX buffers, at most `batch` bytes, so
+// a batch just read is still in cache when it is checksummed, and a batch about to be
+// written was just brought into cache by its checksum). The pieces are split over up to
+// `nth` threads by bytes: copying between the page cache and user memory is the cost
+// of a warm disk tier, and one thread does not saturate memory bandwidth.
+//
+// Checksum `mlh64`: for a piece starting at word `woff` of its layer,
+//     sum_j w[j] * keys[woff + j]   (mod 2^64, 64-bit little-endian words)
+// added atomically into sums[out_idx] (out_idx < 0: not checksummed). Linear, so a
+// layer's value is the sum of its pieces' values: identical to the numpy fallback in
+// kvstrata/tiers/disk_format.py, bit for bit.
+//
+// status[i] = 1 when a read found the end of the file before piece i was complete.
+// Returns 0, or -errno of the first failed system call (the other pieces of that
+// thread are left untouched; sums are then meaningless).
+
+#include <errno.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+typedef int64_t i64;
+typedef uint64_t u64;
+typedef uint8_t u8;
+
+static const int kIovMax = 1024;
+
+static inline u64 mlh(const u64 *__restrict w, const u64 *__restrict k, i64 n) {
+  u64 s = 0;
+  for (i64 j = 0; j < n; j++) s += w[j] * k[j];
+  return s;
+}
+
+struct Job {
+  int fd, write;
+  const i64 *addr, *len, *foff, *woff, *out;
+  const u64 *keys;
+  u64 *sums;
+  u8 *status;
+  i64 batch;
+};
+
+static void checksum(const Job &J, i64 i, i64 j) {
+  for (i64 p = i; p < j; p++) {
+    if (J.out[p] < 0 || J.status[p]) continue;
+    u64 s = mlh((const u64 *)J.addr[p], J.keys + J.woff[p], J.len[p] / 8);
+    __atomic_fetch_add(&J.sums[J.out[p]], s, __ATOMIC_RELAXED);
+  }
+}
+
+// One batch [i, j) contiguous in the file: transfer it fully, resuming after short
+// transfers. Returns 0, -errno, or 1 when a read hits the end of the file.
+static i64 transfer(const Job &J, i64 i, i64 j) {
+  struct iovec iov[kIovMax];
+  i64 n = j - i;
+  for (i64 p = 0; p < n; p++) {
+    iov[p].iov_base = (void *)J.addr[i + p];
+    iov[p].iov_len = (size_t)J.len[i + p];
+  }
+  struct iovec *cur = iov;
+  i64 left = n, off = J.foff[i], piece = i;
+  while (left > 0) {
+    ssize_t got = J.write ? pwritev(J.fd, cur, (int)left, off) : preadv(J.fd, cur, (int)left, off);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (got == 0) {
+      if (J.write) return -EIO;
+      for (i64 p = piece; p < j; p++) J.status[p] = 1;  // end of file
+      return 1;
+    }
+    off += got;
+    while (left > 0 && (size_t)got >= cur->iov_len) {
+      got -= (ssize_t)cur->iov_len;
+      cur++, left--, piece++;
+    }
+    if (left > 0 && got > 0) {
+      cur->iov_base = (char *)cur->iov_base + got;
+      cur->iov_len -= (size_t)got;
+    }
+  }
+  return 0;
+}
+
+static i64 worker(const Job &J, i64 a, i64 b) {
+  i64 i = a;
+  while (i < b) {
+    i64 j = i + 1, bytes = J.len[i];
+    while (j < b && j - i < kIovMax && J.foff[j] == J.foff[j - 1] + J.len[j - 1] &&
+           bytes + J.len[j] <= J.batch) {
+      bytes += J.len[j];
+      j++;
+    }
+    if (J.write) checksum(J, i, j);
+    i64 rc = transfer(J, i, j);
+    if (rc < 0) return rc;
+    if (!J.write) checksum(J, i, j);
+    i = j;
+  }
+  return 0;
+}
+
+extern "C" i64 kv_pio(int fd, int write, i64 n, const i64 *addr, const i64 *len, const i64 *foff,
+                      const i64 *woff, const i64 *out, const u64 *keys, u64 *sums, u8 *status,
+                      i64 batch, int nth) {
+  Job J{fd, write, addr, len, foff, woff, out, keys, sums, status, std::max<i64>(batch, 1)};
+  i64 total = 0;
+  for (i64 p = 0; p < n; p++) total += len[p];
+  nth = (int)std::max<i64>(1, std::min<i64>(nth, total / (4 << 20)));
+  if (nth <= 1 || n < 2) return worker(J, 0, n);
+  // Split at piece boundaries into nth ranges of about equal bytes.
+  std::vector<i64> cut{0};
+  i64 acc = 0;
+  for (i64 p = 0; p < n && (int)cut.size() < nth; p++) {
+    acc += len[p];
+    if (acc * nth >= total * (i64)cut.size()) cut.push_back(p + 1);
+  }
+  if (cut.back() != n) cut.push_back(n);
+  std::atomic<i64> rc{0};
+  std::vector<std::thread> ts;
+  for (size_t t = 1; t + 1 < cut.size(); t++) {
+    i64 a = cut[t], b = cut[t + 1];
+    ts.emplace_back([&, a, b] {
+      i64 r = worker(J, a, b);
+      if (r < 0) rc = r;
+    });
+  }
+  i64 r = worker(J, cut[0], cut[1]);
+  if (r < 0) rc = r;
+  for (auto &t : ts) t.join();
+  return rc.load();
+}
