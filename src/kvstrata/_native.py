@@ -29,7 +29,8 @@ _DIR = Path(__file__).with_name("native")
 _COMMON = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-pthread", "-fno-math-errno"]
 # Per-source flags. The codecs need -ffinite-math-only (vectorised min/max) and
 # -ffp-contract=off (a*b+c rounds twice, bit-identical to torch eager); the attention
-# kernel handles -inf (masked scores), so it must not assume finite math.
+# kernel handles -inf (empty rows), so it must not assume finite math; it lets the
+# compiler reorder its float sums (dot products, softmax sums) to vectorise them.
 _SOURCES = {
     "codecs.cpp": [
         "-fno-trapping-math",
@@ -38,7 +39,7 @@ _SOURCES = {
         "-ffp-contract=off",
     ],
     "pio.cpp": [],
-    "attention.cpp": ["-fno-trapping-math"],
+    "attention.cpp": ["-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"],
 }
 
 _lock = threading.Lock()
@@ -54,6 +55,8 @@ for _name in ("int8", "int4v", "int4k", "fp8"):
     _dec = [_ci, _vp, _i64, _vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _ci]
     _SIGNATURES[f"kv_{_name}_dec"] = (_dec, _ci)
 # fd, write, n, addr, len, foff, woff, out_idx, keys, sums, status, batch_bytes, threads
+# nparts, desc, q, out, lse, H, M, D, Dv, scale, softcap, threads
+_SIGNATURES["kv_attn_decode"] = ([_ci, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
 _SIGNATURES["kv_pio"] = ([_ci, _ci, _i64] + [_vp] * 8 + [_i64, _ci], _i64)
 
 

@@ -13,6 +13,10 @@ attended once, with no K/V expansion and no mask (valid whenever every query may
 every key of the part, i.e. always in decode). Parts that need a mask (prefill
 causality, sliding windows inside a prefill, padding holes) take the math path.
 
+`native_attention` does the same for a decode step in one native call over all
+parts at once, reading quantized host blocks in place (kvstrata/native/attention.cpp):
+no partial per part, no merge, no staging copy.
+
 `reference_attention` is the same function in plain torch, used by tests as ground
 truth.
 """
@@ -24,6 +28,75 @@ import math
 import torch
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+# -- native decode attention ------------------------------------------------------------------
+_RAW_FORMAT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+NATIVE_MAX_ROWS = 64  # packed query rows per KV head (R * new tokens)
+NATIVE_MAX_DIM = 512
+
+
+def raw_field(t: torch.Tensor) -> list[int] | None:
+    """Descriptor of a raw K or V view [Hkv, T, D] (rows contiguous, on the CPU), or
+    None when the native kernel cannot read it in place."""
+    fmt = _RAW_FORMAT.get(t.dtype)
+    if fmt is None or t.device.type != "cpu" or (t.stride(-1) != 1 and t.shape[-1] > 1):
+        return None
+    es = t.element_size()
+    return [fmt, t.data_ptr(), t.stride(0) * es, t.stride(1) * es, 0, 0, 0, 0, 0, 0]
+
+
+def encoded_field(
+    fmt: tuple[int, int], data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, row0: int
+) -> list[int] | None:
+    """Descriptor of a codec's fields for one layer ([Hkv, rows, cols] arenas, rows
+    contiguous, CPU), starting at arena token row `row0`."""
+    if any(t.device.type != "cpu" or not t[0].is_contiguous() for t in (data, scale, zero)):
+        return None
+    code, group = fmt
+    return [
+        code, data.data_ptr(), data.stride(0), data.stride(1),
+        scale.data_ptr(), scale.stride(0) * 2, zero.data_ptr(), zero.stride(0) * 2,
+        group, row0,
+    ]  # fmt: skip
+
+
+def native_attention(
+    q: torch.Tensor,
+    parts: list[tuple[int, list[int], list[int]]],
+    dim_v: int,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Packed queries q [Hkv, M, D] over the union of `parts`, in one native call.
+
+    Args:
+        q: packed queries (any device/dtype; computed in fp32 on the CPU).
+        parts: (tokens, K descriptor, V descriptor) per part (`raw_field`,
+            `encoded_field`); every query sees every key.
+        dim_v: value head dim.
+        scale, softcap: as `partial_attention`.
+
+    Returns:
+        (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M] fp32), or None when
+        the native library is unavailable or the shapes are beyond it.
+    """
+    from kvstrata._native import load
+
+    lib = load()
+    hkv, m, d = q.shape
+    if lib is None or not parts or m > NATIVE_MAX_ROWS or max(d, dim_v) > NATIVE_MAX_DIM:
+        return None
+    qf = q.detach().to("cpu", torch.float32).contiguous()
+    desc = torch.tensor([[n, *kd, *vd] for n, kd, vd in parts], dtype=torch.int64)
+    out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
+    lse = torch.empty((hkv, m), dtype=torch.float32)
+    rc = lib.kv_attn_decode(
+        len(parts), desc.data_ptr(), qf.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native decode attention failed with status {rc}")
+    return out.to(q.device, q.dtype), lse.to(q.device)
 
 
 def pack_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

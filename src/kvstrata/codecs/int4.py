@@ -61,6 +61,9 @@ class Int4Codec(Codec):
                     f"be a multiple of the group size {g} (pick a group size dividing {dim})",
                 )
 
+    def attend_format(self, kind: str) -> tuple[int, int]:
+        return (5 if kind == "k" else 4), self.group
+
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:
         self.validate(layout)
         dim = dim_of(kind, layout)

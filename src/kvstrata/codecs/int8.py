@@ -22,6 +22,9 @@ class Int8Codec(Codec):
     name = "int8"
     lossless = False
 
+    def attend_format(self, kind: str) -> tuple[int, int]:
+        return 3, 1
+
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:
         dim = dim_of(kind, layout)
         bs = layout.block_size

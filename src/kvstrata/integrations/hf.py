@@ -7,7 +7,10 @@
 `update()` stores the new K/V in blocks and returns a handle (`TieredKV`), which
 transformers passes untouched to the attention function registered under
 ATTENTION_NAME; that function attends over the handle's runs of blocks, tier by tier,
-and merges the partials with log-sum-exp (kvstrata.attention). The mask function
+and merges the partials with log-sum-exp (kvstrata.attention). On the CPU a decode
+step attends every run that can be read in place — raw arenas and int8/int4 host
+blocks — in one native call (`native_attention`); only disk blocks (and lossy blocks
+of codecs the kernel cannot read) go through the staging buffers. The mask function
 registered under the same name hands over the 2-D padding mask instead of building
 a dense 4-D mask.
 """
@@ -23,12 +26,18 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvstrata import _native
 from kvstrata.attention import (
+    NATIVE_MAX_DIM,
+    NATIVE_MAX_ROWS,
+    encoded_field,
     masked_attention,
     merge_all,
     merge_sink,
+    native_attention,
     pack_gqa,
     partial_attention,
+    raw_field,
     unpack_gqa,
 )
 from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
@@ -146,6 +155,9 @@ class TieredCache(Cache):
     """
 
     is_compileable = False
+    # Decode on the CPU through kvstrata/native/attention.cpp when it is available
+    # (set False on an instance before its first update to use the torch partials).
+    native_attention = True
 
     def __init__(self, config: Any, cache_config: CacheConfig | None = None, **kwargs: Any) -> None:
         _check_supported(config)
@@ -260,6 +272,26 @@ class TieredCache(Cache):
         }
         if cc.cold_attention == "stage":
             self._local = {self._device_name}
+        # Decode steps on the CPU: one native call over every run readable in place,
+        # quantized host blocks included (they are then never staged in decode).
+        self._native: set[str] = set()
+        if (
+            self.native_attention
+            and self.device.type == "cpu"
+            and max(layout.head_dim, layout.dim_v) <= NATIVE_MAX_DIM
+            and _native.available()
+        ):
+            self._native = {t.name for t in tiers if t.name in self._local}
+            if cc.cold_attention != "stage":
+                self._native |= {
+                    t.name
+                    for t in tiers
+                    if isinstance(t, MemoryTier)
+                    and t.device.type == "cpu"
+                    and not t.zero_copy
+                    and t.codec.attend_format("k") is not None
+                    and t.codec.attend_format("v") is not None
+                }
         staged = any(t.name not in self._local for t in tiers)
         self._stager = (
             Stager(self._tiers, layout, self.device, cc.staging_tokens, self._device_name)
@@ -397,8 +429,11 @@ class TieredCache(Cache):
             self._mask_key, self._row_masks = key, rows
         return self._row_masks
 
-    def _parts(self, layer: int, seq_id: int, start: int, end: int):
+    def _parts(self, layer: int, seq_id: int, start: int, end: int, native: list | None = None):
         """(k, v) parts covering keys [start, end) of a sequence, in order.
+
+        With a `native` list, runs the native kernel can read in place are appended
+        to it as (tokens, K descriptor, V descriptor) instead of being yielded.
 
         Where the data may be attended in place, parts are zero-copy views of the
         arenas, and consecutive small ones (< SMALL_PART_TOKENS together, e.g. the
@@ -424,6 +459,9 @@ class TieredCache(Cache):
             hi = min(end, run.token_start + run.num_tokens)
             if lo >= hi:
                 continue
+            if native is not None and run.tier in self._native:
+                native.append(self._native_part(layer, run, lo, hi))
+                continue
             if run.tier not in self._local:
                 if pending:
                     yield flush()
@@ -448,14 +486,37 @@ class TieredCache(Cache):
         if pending:
             yield flush()
 
+    def _native_part(self, layer: int, run: Run, lo: int, hi: int) -> tuple:
+        """(tokens, K descriptor, V descriptor) of tokens [lo, hi) of a run, in place."""
+        tier = self._tiers[run.tier]
+        off = run.token_start
+        if tier.zero_copy:
+            k, v = tier.layer_view(layer, run.first_slot, run.num_slots)
+            a, b = lo - off, hi - off
+            return hi - lo, raw_field(k[:, a:b]), raw_field(v[:, a:b])
+        row0 = run.first_slot * self.layout.block_size + lo - off
+        a = tier.arenas
+        fields = [
+            encoded_field(
+                tier.codec.attend_format(kind),
+                a[f"{kind}.data"][layer],
+                a[f"{kind}.scale"][layer],
+                a[f"{kind}.zero"][layer],
+                row0,
+            )
+            for kind in ("k", "v")
+        ]
+        return hi - lo, *fields
+
     def _cold_history(self, seq_id: int, runs: list[Run]) -> list[tuple[Run, int]]:
         """Cold runs holding history (tokens before this step) as (run, end token);
-        this step's blocks may not be written for later layers yet."""
+        this step's blocks may not be written for later layers yet. Runs the native
+        decode attention reads in place are not cold."""
         past = self.manager.num_tokens(seq_id) - self._step_tokens
         return [
             (r, min(past, r.token_start + r.num_tokens))
             for r in runs
-            if r.tier not in self._local and r.token_start < past
+            if r.tier not in self._local and r.tier not in self._native and r.token_start < past
         ]
 
     def _first_chunk(self, layer: int, run: Run, end: int) -> tuple:
@@ -508,10 +569,13 @@ class TieredCache(Cache):
         if num_q == 1 and dense is None:
             start = first_valid if window is None else max(first_valid, total - window)
             qp = pack_gqa(q, hkv)
+            native: list | None = [] if self._native and qp.shape[1] <= NATIVE_MAX_ROWS else None
             parts = [
                 _partial_where_kv_lives(qp, k, v, scale, softcap)
-                for k, v in self._parts(layer, seq_id, start, total)
+                for k, v in self._parts(layer, seq_id, start, total, native)
             ]
+            if native:
+                parts.append(native_attention(qp, native, self.layout.dim_v, scale, softcap))
             acc = merge_all(parts) if parts else None
         elif dense is None and window is None and first_valid <= past:
             qp = pack_gqa(q, hkv)

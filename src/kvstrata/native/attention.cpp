@@ -1,1 +1,332 @@
-// kvstrata decode attention over tiered runs (filled in below).
+// kvstrata decode attention over tiered parts, on the CPU.
+//
+// One call attends a few packed queries (pack-GQA: [Hkv, M, D], M = R * new tokens)
+// over the union of any number of key/value "parts" — runs of blocks in the device
+// arena, the host arena, compressed host blocks — where they live and in the format
+// they are stored in: fp32 / fp16 / bf16, int8 per token, or int4 KIVI (keys grouped
+// per channel over tokens, values per token over channels). Quantized blocks are
+// decoded a tile of TILE tokens at a time into an L1-resident buffer, so a step reads
+// 4.5 bits per cached element instead of dequantizing the whole history to memory.
+//
+// Online softmax (flash-decoding): the tokens of all parts are split into work items
+// (head, token range) over `nth` threads; each keeps a running max, sum and
+// accumulator; the splits of a head are merged with log-sum-exp at the end.
+//
+// Output: out [Hkv, M, Dv] fp32 (normalized), lse [Hkv, M] natural log (-inf for a
+// row with no keys). Masks are the caller's business: every query sees every key
+// of every part (true in decode; the caller clips parts to a sliding window).
+//
+// Descriptor of one field (K or V) of one part, 10 int64:
+//   fmt, data, data_head_stride (bytes), data_row_stride (bytes), scale, scale_head
+//   stride (bytes), zero, zero_head_stride (bytes), group, first row
+// fmt: 0 f32, 1 f16, 2 bf16 (raw rows); 3 int8 (u8 codes [rows, D], fp16 scale and
+// zero [rows, 1]); 4 int4 per token (values: nibbles [rows, D/2], byte j = channel j
+// low / j + D/2 high; fp16 scale/zero [rows, D/group]); 5 int4 per channel (keys:
+// same nibbles; fp16 scale/zero [rows/group, D]). Rows are arena rows: token t of
+// the part is row first_row + t. Part descriptor: ntok, then K's 10, then V's 10.
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+typedef int64_t i64;
+typedef uint8_t u8;
+typedef uint16_t u16;
+typedef uint32_t u32;
+typedef _Float16 f16;
+
+static const int TILE = 32;
+static const int MAX_M = 64;     // packed query rows per head
+static const int MAX_D = 512;    // head dim
+static const int FIELD = 10, PART = 1 + 2 * FIELD;
+
+// Threads: torch's own OpenMP team when the process has one (libgomp.so.1 is already
+// loaded by torch): its workers are awake right after torch's last parallel op, so a
+// parallel region costs microseconds, and the kernel never competes with a second
+// pool for the cores. Otherwise std::thread (tens of microseconds per spawn).
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_int_fn)(void);
+static gomp_parallel_fn g_parallel = nullptr;
+static omp_int_fn g_thread_num = nullptr;
+
+static void init_gomp() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void *h = dlopen("libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
+    if (!h) return;
+    g_parallel = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
+    g_thread_num = (omp_int_fn)dlsym(h, "omp_get_thread_num");
+    if (!g_thread_num) g_parallel = nullptr;
+  });
+}
+
+static void trampoline(void *f) { (*(std::function<void(int)> *)f)(g_thread_num()); }
+
+// Run f(worker) on `nth` workers (worker 0 is the calling thread).
+static void parallel(int nth, std::function<void(int)> f) {
+  if (nth <= 1) return f(0);
+  init_gomp();
+  if (g_parallel) return g_parallel(trampoline, &f, (unsigned)nth, 0);
+  std::vector<std::thread> ts;
+  for (int w = 1; w < nth; w++) ts.emplace_back(f, w);
+  f(0);
+  for (auto &t : ts) t.join();
+}
+
+static inline float bf16f(u16 v) {
+  u32 b = (u32)v << 16;
+  float f;
+  memcpy(&f, &b, 4);
+  return f;
+}
+
+// exp(x) for x <= 0 (and -inf -> 0), vectorizable, max rel. error ~2 ulp:
+// 2^(x*log2e) split into 2^n * 2^f, f in [-0.5, 0.5], minimax polynomial.
+static inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float t = x * 1.44269504088896341f;
+  float n = __builtin_roundf(t);
+  float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  memcpy(&bits, &p, 4);
+  bits += (int32_t)n << 23;
+  float r;
+  memcpy(&r, &bits, 4);
+  return r;
+}
+
+struct Field {
+  i64 fmt;
+  const u8 *data;
+  i64 dhs, drs;
+  const u8 *scale;
+  i64 shs;
+  const u8 *zero;
+  i64 zhs, group, row0;
+};
+
+static inline Field field(const i64 *d) {
+  return Field{d[0], (const u8 *)d[1], d[2], d[3], (const u8 *)d[4], d[5],
+               (const u8 *)d[6], d[7], d[8], d[9]};
+}
+
+// Rows [t0, t0 + n) of head h of field F as floats in out [n, dim]; returns a pointer
+// to them (the arena itself for contiguous fp32 rows, else `out`) and its row stride.
+static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *out, i64 *stride) {
+  i64 r0 = F.row0 + t0;
+  const u8 *base = F.data + h * F.dhs;
+  switch (F.fmt) {
+    case 0:
+      *stride = F.drs / 4;
+      return (const float *)(base + r0 * F.drs);
+    case 1:
+      for (i64 t = 0; t < n; t++) {
+        const f16 *src = (const f16 *)(base + (r0 + t) * F.drs);
+        for (i64 d = 0; d < dim; d++) out[t * dim + d] = (float)src[d];
+      }
+      break;
+    case 2:
+      for (i64 t = 0; t < n; t++) {
+        const u16 *src = (const u16 *)(base + (r0 + t) * F.drs);
+        for (i64 d = 0; d < dim; d++) out[t * dim + d] = bf16f(src[d]);
+      }
+      break;
+    case 3: {
+      const f16 *s = (const f16 *)(F.scale + h * F.shs), *z = (const f16 *)(F.zero + h * F.zhs);
+      for (i64 t = 0; t < n; t++) {
+        const u8 *src = base + (r0 + t) * F.drs;
+        float sc = (float)s[r0 + t], zp = (float)z[r0 + t];
+        for (i64 d = 0; d < dim; d++) out[t * dim + d] = (float)src[d] * sc + zp;
+      }
+      break;
+    }
+    case 4: {  // int4 per token, groups of `group` channels
+      const f16 *s = (const f16 *)(F.scale + h * F.shs), *z = (const f16 *)(F.zero + h * F.zhs);
+      i64 half = dim / 2, ng = dim / F.group;
+      for (i64 t = 0; t < n; t++) {
+        const u8 *src = base + (r0 + t) * F.drs;
+        const f16 *sr = s + (r0 + t) * ng, *zr = z + (r0 + t) * ng;
+        float *o = out + t * dim;
+        for (i64 d = 0; d < half; d++) o[d] = (float)(src[d] & 15);
+        for (i64 d = 0; d < half; d++) o[half + d] = (float)(src[d] >> 4);
+        for (i64 g = 0; g < ng; g++) {
+          float sc = (float)sr[g], zp = (float)zr[g];
+          float *og = o + g * F.group;
+          for (i64 d = 0; d < F.group; d++) og[d] = og[d] * sc + zp;
+        }
+      }
+      break;
+    }
+    case 5: {  // int4 per channel, groups of `group` tokens
+      const f16 *s = (const f16 *)(F.scale + h * F.shs), *z = (const f16 *)(F.zero + h * F.zhs);
+      i64 half = dim / 2;
+      float sc[MAX_D], zp[MAX_D];
+      i64 cur = -1;
+      for (i64 t = 0; t < n; t++) {
+        i64 g = (r0 + t) / F.group;
+        if (g != cur) {
+          for (i64 d = 0; d < dim; d++) sc[d] = (float)s[g * dim + d], zp[d] = (float)z[g * dim + d];
+          cur = g;
+        }
+        const u8 *src = base + (r0 + t) * F.drs;
+        float *o = out + t * dim;
+        for (i64 d = 0; d < half; d++) o[d] = (float)(src[d] & 15) * sc[d] + zp[d];
+        for (i64 d = 0; d < half; d++) o[half + d] = (float)(src[d] >> 4) * sc[half + d] + zp[half + d];
+      }
+      break;
+    }
+  }
+  *stride = dim;
+  return out;
+}
+
+// (compiled with -fassociative-math: these reductions vectorise)
+static inline float dot(const float *__restrict a, const float *__restrict b, i64 n) {
+  float s = 0;
+  for (i64 d = 0; d < n; d++) s += a[d] * b[d];
+  return s;
+}
+
+static inline float vmax(const float *x, i64 n, float init) {
+  float lanes[16];
+  for (int j = 0; j < 16; j++) lanes[j] = init;
+  i64 t = 0;
+  for (; t + 16 <= n; t += 16)
+    for (int j = 0; j < 16; j++) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
+  for (; t < n; t++) lanes[0] = x[t] > lanes[0] ? x[t] : lanes[0];
+  float m = lanes[0];
+  for (int j = 1; j < 16; j++) m = lanes[j] > m ? lanes[j] : m;
+  return m;
+}
+
+struct State {  // one work item's running softmax
+  float m[MAX_M], l[MAX_M];
+  std::vector<float> acc;  // [M, Dv]
+};
+
+struct Job {
+  int nparts;
+  const i64 *desc;
+  const float *q;
+  i64 H, M, D, Dv;
+  float scale, softcap;
+};
+
+// Attend head h over tokens [a, b) of the concatenated parts, into st.
+static void attend_range(const Job &J, i64 h, i64 a, i64 b, State &st) {
+  const i64 M = J.M, D = J.D, Dv = J.Dv;
+  for (i64 m = 0; m < M; m++) st.m[m] = -INFINITY, st.l[m] = 0.0f;
+  st.acc.assign((size_t)(M * Dv), 0.0f);
+  const float *q = J.q + h * M * D;
+  alignas(64) float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_M * TILE];
+  i64 base = 0;
+  for (int p = 0; p < J.nparts && base < b; p++) {
+    const i64 *pd = J.desc + p * PART;
+    i64 ntok = pd[0], lo = std::max<i64>(a - base, 0), hi = std::min<i64>(b - base, ntok);
+    Field K = field(pd + 1), V = field(pd + 1 + FIELD);
+    for (i64 t0 = lo; t0 < hi; t0 += TILE) {
+      i64 n = std::min<i64>(TILE, hi - t0), ks, vs;
+      const float *k = rows(K, h, t0, n, D, kbuf, &ks);
+      for (i64 m = 0; m < M; m++) {
+        float *sm = s + m * TILE;
+        for (i64 t = 0; t < n; t++) sm[t] = dot(q + m * D, k + t * ks, D) * J.scale;
+        if (J.softcap > 0)
+          for (i64 t = 0; t < n; t++) sm[t] = std::tanh(sm[t] / J.softcap) * J.softcap;
+        float mx = vmax(sm, n, st.m[m]);
+        float alpha = st.m[m] == -INFINITY ? 0.0f : fast_exp(st.m[m] - mx);
+        float sum = 0;
+        for (i64 t = 0; t < n; t++) sm[t] = fast_exp(sm[t] - mx);
+        for (i64 t = 0; t < n; t++) sum += sm[t];
+        st.l[m] = st.l[m] * alpha + sum;
+        st.m[m] = mx;
+        if (alpha != 1.0f) {
+          float *o = st.acc.data() + m * Dv;
+          for (i64 d = 0; d < Dv; d++) o[d] *= alpha;
+        }
+      }
+      const float *v = rows(V, h, t0, n, Dv, vbuf, &vs);
+      for (i64 t = 0; t < n; t++) {
+        const float *vt = v + t * vs;
+        for (i64 m = 0; m < M; m++) {
+          float w = s[m * TILE + t];
+          float *o = st.acc.data() + m * Dv;
+          for (i64 d = 0; d < Dv; d++) o[d] += w * vt[d];
+        }
+      }
+    }
+    base += ntok;
+  }
+}
+
+extern "C" int kv_attn_decode(int nparts, const i64 *desc, const float *q, float *out, float *lse,
+                              i64 H, i64 M, i64 D, i64 Dv, float scale, float softcap, int nth) {
+  if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1) return -1;
+  for (int p = 0; p < nparts; p++) {
+    const i64 *pd = desc + p * PART;
+    for (int f = 0; f < 2; f++) {
+      i64 fmt = pd[1 + f * FIELD], g = pd[1 + f * FIELD + 8], dim = f ? Dv : D;
+      if (fmt < 0 || fmt > 5) return -2;
+      if (fmt >= 4 && (g < 1 || dim % 2 || (fmt == 4 && dim % g))) return -3;
+    }
+  }
+  Job J{nparts, desc, q, H, M, D, Dv, scale, softcap};
+  i64 total = 0;
+  for (int p = 0; p < nparts; p++) total += desc[p * PART];
+  // Work items: heads x token splits, about 4 per thread (a worker that wakes late
+  // finds work left), each >= 512 tokens; taken dynamically.
+  i64 splits = 1;
+  if (nth > 1) splits = std::min<i64>((4 * nth + H - 1) / H, std::max<i64>(1, total / 512));
+  i64 items = H * splits, chunk = (total + splits - 1) / splits;
+  std::vector<State> states((size_t)items);
+  auto run = [&](i64 i0, i64 i1) {
+    for (i64 i = i0; i < i1; i++) {
+      i64 h = i / splits, sp = i % splits;
+      attend_range(J, h, sp * chunk, std::min(total, (sp + 1) * chunk), states[(size_t)i]);
+    }
+  };
+  int workers = (int)std::min<i64>(nth, items);
+  if (total * H * D < (1 << 14)) workers = 1;
+  std::atomic<i64> next{0};
+  parallel(workers, [&](int) {
+    for (i64 i = next++; i < items; i = next++) run(i, i + 1);
+  });
+  for (i64 h = 0; h < H; h++) {
+    for (i64 m = 0; m < M; m++) {
+      float mx = -INFINITY;
+      for (i64 sp = 0; sp < splits; sp++) mx = std::max(mx, states[(size_t)(h * splits + sp)].m[m]);
+      float *o = out + (h * M + m) * Dv;
+      for (i64 d = 0; d < Dv; d++) o[d] = 0.0f;
+      if (mx == -INFINITY) {
+        lse[h * M + m] = -INFINITY;
+        continue;
+      }
+      float l = 0;
+      for (i64 sp = 0; sp < splits; sp++) {
+        const State &st = states[(size_t)(h * splits + sp)];
+        if (st.m[m] == -INFINITY) continue;
+        float w = std::exp(st.m[m] - mx);
+        l += st.l[m] * w;
+        const float *a = st.acc.data() + m * Dv;
+        for (i64 d = 0; d < Dv; d++) o[d] += w * a[d];
+      }
+      for (i64 d = 0; d < Dv; d++) o[d] /= l;
+      lse[h * M + m] = mx + std::log(l);
+    }
+  }
+  return 0;
+}
