@@ -21,6 +21,10 @@ NEW_TOKENS = 200
 PLACEMENTS = {
     "device": dict(max_tokens=1536),
     "resident10_host": dict(max_tokens=1536, resident_fraction=0.1, host_budget="8MiB"),
+    # decode through torch partials per run instead of the native kernel
+    "resident10_host_torch": dict(
+        max_tokens=1536, resident_fraction=0.1, host_budget="8MiB", native_attention=False
+    ),
     "resident10_host_staged": dict(
         max_tokens=1536, resident_fraction=0.1, host_budget="8MiB", cold_attention="stage"
     ),
@@ -93,8 +97,10 @@ def test_tokens_identical(family, placement, references, tmp_path):
     kwargs = dict(PLACEMENTS[placement])
     if "disk_budget" in kwargs:
         kwargs["disk_dir"] = str(tmp_path)
+    native = kwargs.pop("native_attention", True)
     try:
         cache = TieredCache(model.config, block_size=64, **kwargs)
+        cache.native_attention = native
         out = _greedy(model, ids, cache)
     finally:
         model.set_attn_implementation(_reference_attn(family))

@@ -1,0 +1,197 @@
+"""Native decode attention (kvstrata/native/attention.cpp) against torch.
+
+Raw parts must match torch attention to fp32 rounding; quantized parts (int8, int4
+read in place) must match "decode the blocks, then attend" — the kernel changes where
+the dequantization happens, not what is computed. Then the same through TieredCache:
+native decode vs the torch partials path, and vs staging of quantized host blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_models import tiny_model
+from kvstrata import _native
+from kvstrata.attention import (
+    encoded_field,
+    merge_all,
+    native_attention,
+    partial_attention,
+    raw_field,
+)
+from kvstrata.codecs.registry import get_codec
+from kvstrata.integrations.hf import TieredCache, enable
+from kvstrata.layout import BlockLayout
+
+pytestmark = pytest.mark.skipif(not _native.available(), reason="no C++ compiler")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+    assert err <= tol, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_raw_parts_match_torch(dtype, dim, rows, threads):
+    g = torch.Generator().manual_seed(dim + rows)
+    h, lengths = 2, [1, 300, 17, 2100]
+    q = torch.randn(h, rows, dim, generator=g)
+    ks = [torch.randn(h, n, dim, generator=g).to(dtype) for n in lengths]
+    vs = [torch.randn(h, n, dim, generator=g).to(dtype) for n in lengths]
+    scale = 1 / math.sqrt(dim)
+    want, want_lse = partial_attention(q, torch.cat(ks, 1).float(), torch.cat(vs, 1).float(), scale)
+    parts = [(n, raw_field(k), raw_field(v)) for n, k, v in zip(lengths, ks, vs, strict=True)]
+    out, lse = native_attention(q, parts, dim, scale)
+    _close(out, want, 1e-5)
+    assert torch.allclose(lse, want_lse, atol=2e-5)
+
+
+def test_strided_views_softcap_and_value_dim(threads):
+    """Views into a wider arena (head stride != rows * dim), Gemma-2 soft-capping,
+    and a value head dim different from the key head dim (math path as reference)."""
+    g = torch.Generator().manual_seed(3)
+    arena_k = torch.randn(3, 4, 5000, 64, generator=g)[1]  # [4, 5000, 64] view
+    arena_v = torch.randn(3, 4, 5000, 32, generator=g)[2]
+    k, v = arena_k[:, 1000:3100], arena_v[:, 1000:3100]
+    q = torch.randn(4, 3, 64, generator=g) * 3
+    want, want_lse = partial_attention(q, k, v, 0.125, softcap=5.0)  # math path
+    out, lse = native_attention(q, [(2100, raw_field(k), raw_field(v))], 32, 0.125, 5.0)
+    _close(out, want, 1e-5)
+    assert torch.allclose(lse, want_lse, atol=2e-5)
+
+
+def test_peaked_scores_and_exp_accuracy(threads):
+    """Scores spanning ~80 nats (exp underflow territory) and one dominant key."""
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 4096, 64, generator=g)
+    v = torch.randn(1, 4096, 64, generator=g)
+    q = k[:, 1234:1235].clone() * 6  # aligned with one key: a sharp peak
+    want, want_lse = partial_attention(q, k, v, 0.125)
+    out, lse = native_attention(q, [(4096, raw_field(k), raw_field(v))], 64, 0.125)
+    _close(out, want, 1e-5)
+    assert torch.allclose(lse, want_lse, atol=1e-4)
+
+
+def _encoded(codec_name: str, dim: int, n_blocks: int, bs: int = 64, seed: int = 0):
+    """Encoded arenas [1, H, rows, cols] of random K/V with outlier key channels, and
+    the decoded K/V [H, n*bs, dim] they stand for."""
+    codec = get_codec(codec_name)
+    layout = BlockLayout(1, 2, dim, bs)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, 2, n_blocks * bs, dim, generator=g)
+    k[..., 3] *= 20
+    v = torch.randn(1, 2, n_blocks * bs, dim, generator=g)
+    enc, dec = {}, {}
+    for kind, x in (("k", k), ("v", v)):
+        fields = {
+            f: torch.empty((1, 2, n_blocks * s.rows, s.cols), dtype=s.dtype)
+            for f, s in codec.fields(kind, layout).items()
+        }
+        codec.encode(kind, x, fields)
+        enc[kind] = fields
+        dec[kind] = torch.empty_like(x)
+        codec.decode(kind, fields, dec[kind])
+    return codec, enc, dec["k"][0], dec["v"][0]
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "int4", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_quantized_parts_match_decode_then_attend(codec_name, dim, threads):
+    if codec_name == "int4-g128" and dim < 128:
+        pytest.skip("group 128 needs a head dim of at least 128")
+    bs = 128
+    codec, enc, k, v = _encoded(codec_name, dim, 12, bs)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 2, dim, generator=g)
+    scale = 1 / math.sqrt(dim)
+
+    def field(kind: str, row0: int) -> list[int]:
+        f = enc[kind]
+        return encoded_field(
+            codec.attend_format(kind), f["data"][0], f["scale"][0], f["zero"][0], row0
+        )
+
+    # parts that start mid-block and mid key-group, plus a raw part in between
+    raw_k = torch.randn(2, 40, dim, generator=g)
+    raw_v = torch.randn(2, 40, dim, generator=g)
+    spans = [(5, 700), (700, 701), (830, 1536)]
+    parts = [(b - a, field("k", a), field("v", a)) for a, b in spans]
+    parts.insert(1, (40, raw_field(raw_k), raw_field(raw_v)))
+    keys = torch.cat([k[:, 5:700], raw_k, k[:, 700:701], k[:, 830:1536]], 1)
+    vals = torch.cat([v[:, 5:700], raw_v, v[:, 700:701], v[:, 830:1536]], 1)
+    want, want_lse = partial_attention(q, keys, vals, scale)
+    out, lse = native_attention(q, parts, dim, scale)
+    _close(out, want, 1e-5)
+    assert torch.allclose(lse, want_lse, atol=1e-4)
+
+
+def test_no_parts_and_oversized_shapes_return_none():
+    q = torch.randn(2, 1, 64)
+    assert native_attention(q, [], 64, 0.125) is None
+    k = torch.randn(2, 8, 64)
+    part = [(8, raw_field(k), raw_field(k))]
+    assert native_attention(torch.randn(2, 65, 64), part, 64, 0.125) is None  # > 64 rows
+    assert raw_field(torch.randn(2, 8, 64).to(torch.float64)) is None  # no fp64 format
+
+
+def test_merges_with_torch_partials(threads):
+    """A native partial merges with torch partials (disk chunks) by log-sum-exp."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 3000, 64, generator=g)
+    v = torch.randn(2, 3000, 64, generator=g)
+    q = torch.randn(2, 2, 64, generator=g)
+    want, _ = partial_attention(q, k, v, 0.125)
+    nat = native_attention(q, [(1000, raw_field(k[:, :1000]), raw_field(v[:, :1000]))], 64, 0.125)
+    out, _ = merge_all([nat, partial_attention(q, k[:, 1000:], v[:, 1000:], 0.125)])
+    _close(out, want, 1e-5)
+
+
+# -- through TieredCache --------------------------------------------------------------------
+def _decode_logits(model, ids, steps: int, native: bool, **cache_kw) -> torch.Tensor:
+    cache = TieredCache(model.config, block_size=64, **cache_kw)
+    cache.native_attention = native
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = model(tok, cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            tok = out.logits[:, -1:].argmax(-1)
+    assert cache.stats()["tiers"]["host"]["used_blocks"] >= 6
+    assert ("host" in cache._native) == native, "the path under test was not taken"
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("host_codec", ["none", "int8", "int4"])
+def test_cache_native_decode_matches_torch_path(family, host_codec):
+    """Same cache contents, two attention paths: native decode (in-place raw and
+    quantized runs, one call) vs torch partials with quantized blocks staged."""
+    # head dim 64 (int4 groups of 64 channels), 2 KiB of K/V per token
+    size = dict(hidden_size=256, intermediate_size=512, initializer_range=0.05)
+    if family == "gemma2":
+        size.update(head_dim=64, query_pre_attn_scalar=64)
+    model = enable(tiny_model(family, "sdpa" if family != "gemma2" else "eager", **size))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 97, (1, 700), generator=g)
+    kw = dict(max_tokens=1024, device_budget="512KiB", host_budget="4MiB", host_codec=host_codec)
+    if host_codec != "none":
+        kw["residual_tokens"] = 64
+    fast = _decode_logits(model, ids, 40, True, **kw)
+    slow = _decode_logits(model, ids, 40, False, **kw)
+    _close(fast, slow, 1e-4)
+    assert torch.equal(fast.argmax(-1), slow.argmax(-1))
