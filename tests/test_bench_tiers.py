@@ -35,6 +35,14 @@ def test_quick_json_report_has_ratio_fields(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up its files
 
 
+def test_quick_o_direct_row_with_cold_reads(tmp_path, capsys):
+    argv = ["--quick", "--json", "--dir", str(tmp_path), "--o-direct", "--cold"]
+    assert bench_tiers.run(_args(*argv)) == 0
+    tp = json.loads(capsys.readouterr().out)["throughput"]
+    assert tp["disk O_DIRECT"]["read_ratio"] > 0 and tp["disk O_DIRECT"]["write_ratio"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_prints_tables(tmp_path, capsys):
     assert main(["bench", "tiers", "--quick", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

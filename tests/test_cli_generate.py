@@ -155,6 +155,7 @@ def test_demo_without_model(tmp_path, capsys, monkeypatch):
         (["generate", "--resident-fraction", "0"], "resident_fraction='0'"),
         (["generate", "--top-k", "0.5"], "top_k='0.5'"),
         (["generate", "--no-repeat-ngram", "-1"], "no_repeat_ngram='-1'"),
+        (["generate", "--disk-compress"], "disk_compress=True"),
         (["demo", "--max-new-tokens", "x"], "max_new_tokens='x'"),
     ],
 )

@@ -41,6 +41,8 @@ def test_disk_tier_needs_dir_and_budget(tmp_path):
         ({"cold_attention": "gpu"}, "cold_attention"),
         ({"device": "tpu"}, "device"),
         ({"host_codec": ""}, "host_codec"),
+        ({"disk_compress": "yes"}, "disk_compress"),
+        ({"disk_compress": True, "disk_o_direct": True}, "disk_o_direct"),
     ],
 )
 def test_invalid_fields_name_themselves(kwargs, field):

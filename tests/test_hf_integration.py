@@ -32,6 +32,22 @@ PLACEMENTS = {
     "oldest_half_disk": dict(
         max_tokens=1536, resident_fraction=0.1, host_budget="128KiB", disk_budget="4MiB"
     ),
+    # the same, each disk block layer compressed losslessly (byte planes + zstd)
+    "oldest_half_disk_zstd": dict(
+        max_tokens=1536,
+        resident_fraction=0.1,
+        host_budget="128KiB",
+        disk_budget="4MiB",
+        disk_compress=True,
+    ),
+    # the same through O_DIRECT
+    "oldest_half_disk_o_direct": dict(
+        max_tokens=1536,
+        resident_fraction=0.1,
+        host_budget="128KiB",
+        disk_budget="4MiB",
+        disk_o_direct=True,
+    ),
 }
 
 
@@ -98,6 +114,8 @@ def test_tokens_identical(family, placement, references, tmp_path):
     if "disk_budget" in kwargs:
         kwargs["disk_dir"] = str(tmp_path)
     native = kwargs.pop("native_attention", True)
+    if kwargs.get("disk_compress"):
+        pytest.importorskip("zstandard", reason="disk compression needs the compress extra")
     try:
         cache = TieredCache(model.config, block_size=64, **kwargs)
         cache.native_attention = native

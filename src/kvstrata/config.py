@@ -30,8 +30,10 @@ class CacheConfig:
         device_budget / resident_fraction: device-tier size.
         host_budget: host-tier size (0 = no host tier).
         disk_dir / disk_budget: disk tier (no disk tier when disk_dir is None).
-        *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32",
-            "zstd" for lossless disk compression ...).
+        *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...).
+        disk_compress: also compress each disk block layer losslessly (byte planes
+            + zstd, the `compress` extra): e.g. disk_codec="int4" + disk_compress.
+        disk_o_direct: disk I/O with O_DIRECT (bypasses the page cache).
         residual_tokens: newest tokens kept in full precision (lossy codecs only).
         sink_tokens: first tokens of each sequence kept on the device.
         policy: device eviction policy: "window" (newest + sinks), "lru", "lfu".
@@ -52,6 +54,8 @@ class CacheConfig:
     device_codec: str = "none"
     host_codec: str = "none"
     disk_codec: str = "none"
+    disk_compress: bool = False
+    disk_o_direct: bool = False
     residual_tokens: int = 128
     sink_tokens: int = 4
     policy: str = "window"
@@ -105,6 +109,13 @@ class CacheConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError.field("device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        for name in ("disk_compress", "disk_o_direct"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError.field(name, getattr(self, name), "True or False")
+        if self.disk_compress and self.disk_o_direct:
+            raise ConfigError.field(
+                "disk_o_direct", True, "O_DIRECT cannot be combined with disk_compress; drop one"
+            )
         for name in ("device_codec", "host_codec", "disk_codec"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=200, help="single-block reads per tier")
     parser.add_argument("--cold", action="store_true", help="fdatasync writes, evict before reads")
     parser.add_argument("--compress", action="store_true", help="also time a compressed disk tier")
+    parser.add_argument(
+        "--o-direct", action="store_true", help="also time an O_DIRECT disk tier (use with --cold)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests, smoke runs)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -113,6 +116,8 @@ def bench_throughput(args: argparse.Namespace, workdir: Path) -> dict[str, objec
     tiers = {"disk": DiskTier(layout, n, workdir / "tier")}
     if args.compress:
         tiers["disk+zstd"] = DiskTier(layout, n, workdir / "tier_zstd", compress=True)
+    if args.o_direct:
+        tiers["disk O_DIRECT"] = DiskTier(layout, n, workdir / "tier_direct", o_direct=True)
     raw_path = workdir / "raw.bin"
     fd = os.open(raw_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -380,7 +385,13 @@ def run(args: argparse.Namespace) -> int:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
-            for name in ("tier", "tier_zstd", "jitter", *(f"sweep{b}" for b in SWEEP_BLOCK_SIZES)):
+            for name in (
+                "tier",
+                "tier_zstd",
+                "tier_direct",
+                "jitter",
+                *(f"sweep{b}" for b in SWEEP_BLOCK_SIZES),
+            ):
                 shutil.rmtree(workdir / name, ignore_errors=True)
             (workdir / "raw.bin").unlink(missing_ok=True)
     if args.json:

@@ -131,6 +131,8 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
         )
     if args.disk_dir is not None:
         kw["disk_dir"] = args.disk_dir
+        kw["disk_compress"] = args.disk_compress
+        kw["disk_o_direct"] = args.disk_o_direct
         kw["disk_budget"] = (
             parse_size(args.disk_budget, "disk_budget")
             if args.disk_budget
@@ -138,6 +140,9 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
         )
     elif args.disk_budget:
         raise ConfigError.field("disk_budget", args.disk_budget, "set --disk-dir to add a disk")
+    elif args.disk_compress or args.disk_o_direct:
+        name = "disk_compress" if args.disk_compress else "disk_o_direct"
+        raise ConfigError.field(name, True, "set --disk-dir to add a disk")
     return kw
 
 
@@ -293,6 +298,10 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-dir", default=None, help="directory of a disk tier (none)")
     g.add_argument("--disk-budget", default=None, help="disk KV bytes (default: enough)")
     g.add_argument("--disk-codec", default=None, help="disk codec (default: the host codec)")
+    g.add_argument(
+        "--disk-compress", action="store_true", help="lossless zstd on disk blocks (extra)"
+    )
+    g.add_argument("--disk-o-direct", action="store_true", help="disk I/O with O_DIRECT")
     g.add_argument("--residual", default="128", help="newest tokens kept exact (lossy codecs)")
     g.add_argument("--sinks", default="4", help="first tokens kept on the device (default 4)")
     g.add_argument("--staging-tokens", default=None, help="device staging buffer (4096)")

@@ -252,6 +252,8 @@ class TieredCache(Cache):
                     cc.disk_budget // disk_codec.block_nbytes(layout),
                     cc.disk_dir,
                     disk_codec,
+                    compress=cc.disk_compress,
+                    o_direct=cc.disk_o_direct,
                 )
             )
         self._manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)

@@ -95,6 +95,10 @@ class DiskTier(Tier):
         checksum: "mlh64" (fast, default) or "crc32".
         io_threads: threads that copy and checksum one large read or write (native
             kernels, mlh64, uncompressed); default min(4, CPU count).
+        o_direct: move block data with O_DIRECT (bypass the page cache: reads really
+            come from the device, and a big spill does not evict the page cache of
+            everything else). Data goes through a 4 KiB-aligned staging buffer;
+            one layer is read as the aligned 4 KiB pages around it. Not with compress.
 
     Raises:
         ConfigError: the directory holds a tier with another layout/codec/checksum.
@@ -112,6 +116,7 @@ class DiskTier(Tier):
         max_file_bytes: int | None = None,
         checksum: str = "mlh64",
         io_threads: int | None = None,
+        o_direct: bool = False,
     ) -> None:
         codec = codec or NoneCodec()
         super().__init__("disk", layout, num_slots, codec)
@@ -126,6 +131,13 @@ class DiskTier(Tier):
             raise ConfigError.field("io_threads", io_threads, "a positive integer")
         self.io_threads = io_threads or min(4, os.cpu_count() or 1)
         self._native = load_native() if self._checksum.linear else None
+        if o_direct and compress:
+            raise ConfigError.field(
+                "o_direct", True, "O_DIRECT cannot be combined with compress=True; drop one"
+            )
+        if o_direct and not hasattr(os, "O_DIRECT"):
+            raise ConfigError.field("o_direct", True, "no O_DIRECT on this OS; use False")
+        self.o_direct = o_direct
         self._templates: dict[tuple, Template] = {}
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, set[int]]] = {}
@@ -156,8 +168,11 @@ class DiskTier(Tier):
         existed = self.path.exists()
         old_size = self.path.stat().st_size if existed else 0
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._dfd = self._fd  # the descriptor block data moves through
         try:
             self._allocate_file(old_size)
+            if o_direct:
+                self._dfd = self._open_direct()
         except BaseException:
             self.close()
             raise
@@ -242,6 +257,17 @@ class DiskTier(Tier):
                 self._truncate_checked(size)
         except OSError as exc:
             raise self._io_error(exc, [], f"creating a {size}-byte arena") from exc
+
+    def _open_direct(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_DIRECT)
+        except OSError as exc:
+            raise ConfigError.field(
+                "o_direct",
+                True,
+                f"the filesystem of {str(self.directory)!r} refuses O_DIRECT ({exc.strerror}); "
+                "use another directory (tmpfs has no O_DIRECT) or o_direct=False",
+            ) from exc
 
     def _truncate_checked(self, size: int) -> None:
         # No fallocate on this filesystem: a sparse file, with a free-space check.
@@ -343,15 +369,19 @@ class DiskTier(Tier):
 
     # -- staging ----------------------------------------------------------------------
     def _staging(self, nbytes: int) -> np.ndarray:
-        """A per-thread reusable uint8 buffer (fresh buffers cost page faults)."""
+        """A per-thread reusable uint8 buffer (fresh buffers cost page faults),
+        4 KiB-aligned (O_DIRECT needs aligned memory)."""
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.size < nbytes:
-            buf = np.empty(max(nbytes, CHUNK_BYTES + self.slot_bytes), dtype=np.uint8)
+            size = max(nbytes, CHUNK_BYTES + self.slot_bytes)
+            raw = np.empty(size + _SLOT_ALIGN, dtype=np.uint8)
+            skip = -raw.ctypes.data % _SLOT_ALIGN
+            buf = raw[skip : skip + size]
             self._local.buf = buf
         return buf[:nbytes]
 
     def _chunks(self, n: int, item_bytes: int) -> Iterator[tuple[int, int]]:
-        direct = self._native is not None and self._compressor is None
+        direct = self._native is not None and self._compressor is None and not self.o_direct
         step = max(1, (NATIVE_CHUNK_BYTES if direct else CHUNK_BYTES) // item_bytes)
         for i0 in range(0, n, step):
             yield i0, min(n, i0 + step)
@@ -395,16 +425,27 @@ class DiskTier(Tier):
         done = 0
         try:
             while done < len(view):
-                done += os.pwrite(self._fd, view[done:], offset + done)
+                done += os.pwrite(self._dfd, view[done:], offset + done)
         except OSError as exc:
             raise self._io_error(exc, slots, f"writing slots {slots}") from exc
 
     def _pread(self, out: np.ndarray, offset: int) -> bool:
-        """Fill `out` from `offset`; False when the file ends first (truncated)."""
+        """Fill `out` from `offset`; False when the file ends first (truncated).
+        With O_DIRECT, an unaligned range is read as the aligned pages around it."""
+        if self.o_direct and (offset % _SLOT_ALIGN or out.nbytes % _SLOT_ALIGN):
+            a = offset - offset % _SLOT_ALIGN
+            b = round_up(offset + out.nbytes, _SLOT_ALIGN)
+            raw = np.empty(b - a + _SLOT_ALIGN, dtype=np.uint8)
+            skip = -raw.ctypes.data % _SLOT_ALIGN
+            pages = raw[skip : skip + b - a]
+            if not self._pread(pages, a):
+                return False
+            out.reshape(-1)[:] = pages[offset - a : offset - a + out.nbytes]
+            return True
         view = memoryview(out).cast("B")
         done = 0
         while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], offset + done)
+            got = os.preadv(self._dfd, [view[done:]], offset + done)
             if got == 0:
                 return False
             done += got
@@ -497,10 +538,11 @@ class DiskTier(Tier):
             c, chunk = i1 - i0, slots[i0:i1]
             full = self._staging(c * self.slot_bytes).reshape(c, self.slot_bytes)
             stag_np = full[:, : L * lb].reshape(c, L, lb)
-            if self._compressor is None and self._checksum.linear:
+            if self._compressor is None and self._checksum.linear and not self.o_direct:
                 src = {key: fields(key, i0, i1) for key in self.regions}
                 sums[i0:i1] = self._direct_write(chunk, src, full, stag_np)
                 continue
+            full[:] = 0  # padding is written as zeros, as on the direct path
             for key in self.regions:
                 self._exchange(self._field_bytes(stag_np, key), fields(key, i0, i1), True)
             if self._compressor is None:
@@ -585,7 +627,11 @@ class DiskTier(Tier):
             full = self._staging(c * item_bytes).reshape(c, item_bytes)
             stag_np = full[:, : nl * lb].reshape(c, nl, lb)
             chunk = slots[i0:i1]
-            if self._checksum.linear and not (self._lens[idx[i0:i1]] < lb).any():
+            if (
+                self._checksum.linear
+                and not self.o_direct
+                and not (self._lens[idx[i0:i1]] < lb).any()
+            ):
                 dest, finish = self._read_targets(outs, i0, i1, layer, encoded)
                 if self._direct_read(chunk, layer, dest, full, stag_np, missing, corrupt):
                     finish()
@@ -872,7 +918,10 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         """Commit the index and close both files (idempotent)."""
+        dfd, self._dfd = getattr(self, "_dfd", -1), -1
         fd, self._fd = getattr(self, "_fd", -1), -1
+        if dfd >= 0 and dfd != fd:
+            os.close(dfd)
         if fd >= 0:
             if self.fsync:
                 os.fdatasync(fd)
