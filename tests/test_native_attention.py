@@ -107,7 +107,7 @@ def _encoded(codec_name: str, dim: int, n_blocks: int, bs: int = 64, seed: int =
     return codec, enc, dec["k"][0], dec["v"][0]
 
 
-@pytest.mark.parametrize("codec_name", ["int8", "int4", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("codec_name", ["int8", "fp8", "int4", "int4-g32", "int4-g128"])
 @pytest.mark.parametrize("dim", [64, 128, 256])
 def test_quantized_parts_match_decode_then_attend(codec_name, dim, threads):
     if codec_name == "int4-g128" and dim < 128:
@@ -120,9 +120,9 @@ def test_quantized_parts_match_decode_then_attend(codec_name, dim, threads):
 
     def field(kind: str, row0: int) -> list[int]:
         f = enc[kind]
-        return encoded_field(
-            codec.attend_format(kind), f["data"][0], f["scale"][0], f["zero"][0], row0
-        )
+        zero = f["zero"][0] if "zero" in f else None
+        fmt = codec.attend_format(kind, BlockLayout(1, 2, dim, bs))
+        return encoded_field(fmt, f["data"][0], f["scale"][0], zero, row0)
 
     # parts that start mid-block and mid key-group, plus a raw part in between
     raw_k = torch.randn(2, 40, dim, generator=g)
@@ -177,7 +177,7 @@ def _decode_logits(model, ids, steps: int, native: bool, **cache_kw) -> torch.Te
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
-@pytest.mark.parametrize("host_codec", ["none", "int8", "int4"])
+@pytest.mark.parametrize("host_codec", ["none", "int8", "fp8", "int4"])
 def test_cache_native_decode_matches_torch_path(family, host_codec):
     """Same cache contents, two attention paths: native decode (in-place raw and
     quantized runs, one call) vs torch partials with quantized blocks staged."""

@@ -46,17 +46,24 @@ def raw_field(t: torch.Tensor) -> list[int] | None:
 
 
 def encoded_field(
-    fmt: tuple[int, int], data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, row0: int
+    fmt: tuple[int, int],
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    row0: int,
 ) -> list[int] | None:
     """Descriptor of a codec's fields for one layer ([Hkv, rows, cols] arenas, rows
-    contiguous, CPU), starting at arena token row `row0`."""
+    contiguous, CPU), starting at arena token row `row0`; `zero` None for codecs
+    without a zero point (fp8)."""
+    zero = scale if zero is None else zero
     if any(t.device.type != "cpu" or not t[0].is_contiguous() for t in (data, scale, zero)):
         return None
     code, group = fmt
+    es = scale.element_size()
     return [
-        code, data.data_ptr(), data.stride(0), data.stride(1),
-        scale.data_ptr(), scale.stride(0) * 2, zero.data_ptr(), zero.stride(0) * 2,
-        group, row0,
+        code, data.data_ptr(), data.stride(0) * data.element_size(),
+        data.stride(1) * data.element_size(), scale.data_ptr(), scale.stride(0) * es,
+        zero.data_ptr(), zero.stride(0) * zero.element_size(), group, row0,
     ]  # fmt: skip
 
 

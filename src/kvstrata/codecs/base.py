@@ -43,7 +43,7 @@ class Codec(ABC):
     def validate(self, layout: BlockLayout) -> None:  # noqa: B027 - optional hook
         """Raise ConfigError/CodecError when this codec cannot store `layout`."""
 
-    def attend_format(self, kind: str) -> tuple[int, int] | None:
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int] | None:
         """(format code, group) under which the native decode attention reads this
         codec's stored fields in place (kvstrata/native/attention.cpp), or None when
         it cannot (the blocks are then decoded into a staging buffer first)."""

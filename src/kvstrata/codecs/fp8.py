@@ -25,6 +25,9 @@ class Fp8Codec(Codec):
     name = "fp8"
     lossless = False
 
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int]:
+        return 6, layout.block_size
+
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:
         dim = dim_of(kind, layout)
         return {

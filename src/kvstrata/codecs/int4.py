@@ -61,7 +61,7 @@ class Int4Codec(Codec):
                     f"be a multiple of the group size {g} (pick a group size dividing {dim})",
                 )
 
-    def attend_format(self, kind: str) -> tuple[int, int]:
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int]:
         return (5 if kind == "k" else 4), self.group
 
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:

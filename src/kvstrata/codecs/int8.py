@@ -22,7 +22,7 @@ class Int8Codec(Codec):
     name = "int8"
     lossless = False
 
-    def attend_format(self, kind: str) -> tuple[int, int]:
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int]:
         return 3, 1
 
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:

@@ -8,7 +8,7 @@
 transformers passes untouched to the attention function registered under
 ATTENTION_NAME; that function attends over the handle's runs of blocks, tier by tier,
 and merges the partials with log-sum-exp (kvstrata.attention). On the CPU a decode
-step attends every run that can be read in place — raw arenas and int8/int4 host
+step attends every run that can be read in place — raw arenas and int8/fp8/int4 host
 blocks — in one native call (`native_attention`); only disk blocks (and lossy blocks
 of codecs the kernel cannot read) go through the staging buffers. The mask function
 registered under the same name hands over the 2-D padding mask instead of building
@@ -291,8 +291,8 @@ class TieredCache(Cache):
                     if isinstance(t, MemoryTier)
                     and t.device.type == "cpu"
                     and not t.zero_copy
-                    and t.codec.attend_format("k") is not None
-                    and t.codec.attend_format("v") is not None
+                    and t.codec.attend_format("k", layout) is not None
+                    and t.codec.attend_format("v", layout) is not None
                 }
         staged = any(t.name not in self._local for t in tiers)
         self._stager = (
@@ -500,10 +500,10 @@ class TieredCache(Cache):
         a = tier.arenas
         fields = [
             encoded_field(
-                tier.codec.attend_format(kind),
+                tier.codec.attend_format(kind, self.layout),
                 a[f"{kind}.data"][layer],
                 a[f"{kind}.scale"][layer],
-                a[f"{kind}.zero"][layer],
+                a[f"{kind}.zero"][layer] if f"{kind}.zero" in a else None,
                 row0,
             )
             for kind in ("k", "v")

@@ -3,10 +3,11 @@
 // One call attends a few packed queries (pack-GQA: [Hkv, M, D], M = R * new tokens)
 // over the union of any number of key/value "parts" — runs of blocks in the device
 // arena, the host arena, compressed host blocks — where they live and in the format
-// they are stored in: fp32 / fp16 / bf16, int8 per token, or int4 KIVI (keys grouped
-// per channel over tokens, values per token over channels). Quantized blocks are
-// decoded a tile of TILE tokens at a time into an L1-resident buffer, so a step reads
-// 4.5 bits per cached element instead of dequantizing the whole history to memory.
+// they are stored in: fp32 / fp16 / bf16, int8 per token, fp8 e4m3, or int4 KIVI
+// (keys grouped per channel over tokens, values per token over channels). Quantized
+// blocks are decoded a tile of TILE tokens at a time into an L1-resident buffer, so a
+// step reads e.g. 4.5 bits per cached element (int4 g64) instead of dequantizing the
+// whole history to memory and reading it back.
 //
 // Online softmax (flash-decoding): the tokens of all parts are split into work items
 // (head, token range) over `nth` threads; each keeps a running max, sum and
@@ -22,7 +23,8 @@
 // fmt: 0 f32, 1 f16, 2 bf16 (raw rows); 3 int8 (u8 codes [rows, D], fp16 scale and
 // zero [rows, 1]); 4 int4 per token (values: nibbles [rows, D/2], byte j = channel j
 // low / j + D/2 high; fp16 scale/zero [rows, D/group]); 5 int4 per channel (keys:
-// same nibbles; fp16 scale/zero [rows/group, D]). Rows are arena rows: token t of
+// same nibbles; fp16 scale/zero [rows/group, D]); 6 fp8 e4m3fn (codes [rows, D], one
+// fp32 scale per `group` rows, no zero point). Rows are arena rows: token t of
 // the part is row first_row + t. Part descriptor: ntok, then K's 10, then V's 10.
 
 #include <dlfcn.h>
@@ -110,6 +112,19 @@ static inline float fast_exp(float x) {
   return r;
 }
 
+static float g_e4m3[256];  // fp8 e4m3fn code -> float (0x7f/0xff are NaN, never stored)
+
+static void init_e4m3() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (int c = 0; c < 256; c++) {
+      int e = (c >> 3) & 15, m = c & 7;
+      float v = e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      g_e4m3[c] = (c & 0x80) ? -v : v;
+    }
+  });
+}
+
 struct Field {
   i64 fmt;
   const u8 *data;
@@ -172,6 +187,15 @@ static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *o
       }
       break;
     }
+    case 6: {  // fp8 e4m3fn, one fp32 scale per `group` rows
+      const float *s = (const float *)(F.scale + h * F.shs);
+      for (i64 t = 0; t < n; t++) {
+        const u8 *src = base + (r0 + t) * F.drs;
+        float sc = s[(r0 + t) / F.group];
+        for (i64 d = 0; d < dim; d++) out[t * dim + d] = g_e4m3[src[d]] * sc;
+      }
+      break;
+    }
     case 5: {  // int4 per channel, groups of `group` tokens
       const f16 *s = (const f16 *)(F.scale + h * F.shs), *z = (const f16 *)(F.zero + h * F.zhs);
       i64 half = dim / 2;
@@ -180,13 +204,17 @@ static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *o
       for (i64 t = 0; t < n; t++) {
         i64 g = (r0 + t) / F.group;
         if (g != cur) {
-          for (i64 d = 0; d < dim; d++) sc[d] = (float)s[g * dim + d], zp[d] = (float)z[g * dim + d];
+          for (i64 d = 0; d < dim; d++) {
+            sc[d] = (float)s[g * dim + d];
+            zp[d] = (float)z[g * dim + d];
+          }
           cur = g;
         }
         const u8 *src = base + (r0 + t) * F.drs;
         float *o = out + t * dim;
         for (i64 d = 0; d < half; d++) o[d] = (float)(src[d] & 15) * sc[d] + zp[d];
-        for (i64 d = 0; d < half; d++) o[half + d] = (float)(src[d] >> 4) * sc[half + d] + zp[half + d];
+        for (i64 d = 0; d < half; d++)
+          o[half + d] = (float)(src[d] >> 4) * sc[half + d] + zp[half + d];
       }
       break;
     }
@@ -280,10 +308,11 @@ extern "C" int kv_attn_decode(int nparts, const i64 *desc, const float *q, float
     const i64 *pd = desc + p * PART;
     for (int f = 0; f < 2; f++) {
       i64 fmt = pd[1 + f * FIELD], g = pd[1 + f * FIELD + 8], dim = f ? Dv : D;
-      if (fmt < 0 || fmt > 5) return -2;
-      if (fmt >= 4 && (g < 1 || dim % 2 || (fmt == 4 && dim % g))) return -3;
+      if (fmt < 0 || fmt > 6) return -2;
+      if (fmt >= 4 && (g < 1 || (fmt < 6 && dim % 2) || (fmt == 4 && dim % g))) return -3;
     }
   }
+  init_e4m3();
   Job J{nparts, desc, q, H, M, D, Dv, scale, softcap};
   i64 total = 0;
   for (int p = 0; p < nparts; p++) total += desc[p * PART];
