@@ -545,6 +545,28 @@ class TieredCache(Cache):
                 self._stager.prefetch(self._first_chunk(layer + 1, *cold[0]))
                 return
 
+    def _history_partials(
+        self,
+        layer: int,
+        seq_id: int,
+        qp: torch.Tensor,
+        start: int,
+        end: int,
+        scale: float,
+        softcap: float | None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Partials (out, lse) of packed queries qp over keys [start, end), which every
+        query sees: one native call for the runs readable in place (CPU, few query
+        rows), one torch partial per other part (staged chunks, device arenas)."""
+        native: list | None = [] if self._native and qp.shape[1] <= NATIVE_MAX_ROWS else None
+        parts = [
+            _partial_where_kv_lives(qp, k, v, scale, softcap)
+            for k, v in self._parts(layer, seq_id, start, end, native)
+        ]
+        if native:
+            parts.append(native_attention(qp, native, self.layout.dim_v, scale, softcap))
+        return parts
+
     def attend(
         self,
         layer: int,
@@ -570,21 +592,13 @@ class TieredCache(Cache):
         acc = None
         if num_q == 1 and dense is None:
             start = first_valid if window is None else max(first_valid, total - window)
-            qp = pack_gqa(q, hkv)
-            native: list | None = [] if self._native and qp.shape[1] <= NATIVE_MAX_ROWS else None
-            parts = [
-                _partial_where_kv_lives(qp, k, v, scale, softcap)
-                for k, v in self._parts(layer, seq_id, start, total, native)
-            ]
-            if native:
-                parts.append(native_attention(qp, native, self.layout.dim_v, scale, softcap))
+            parts = self._history_partials(
+                layer, seq_id, pack_gqa(q, hkv), start, total, scale, softcap
+            )
             acc = merge_all(parts) if parts else None
         elif dense is None and window is None and first_valid <= past:
             qp = pack_gqa(q, hkv)
-            parts = [
-                _partial_where_kv_lives(qp, k, v, scale, softcap)
-                for k, v in self._parts(layer, seq_id, first_valid, past)
-            ]
+            parts = self._history_partials(layer, seq_id, qp, first_valid, past, scale, softcap)
             parts.append(_causal_new(q, new_k, new_v, scale, softcap, hkv))
             acc = merge_all(parts)
         else:
