@@ -56,6 +56,7 @@ from kvstrata.tiers.disk_format import (
     CHECKSUMS,
     Checksum,
     Template,
+    aligned_empty,
     build_template,
     direct_view,
     iovecs,
@@ -373,10 +374,7 @@ class DiskTier(Tier):
         4 KiB-aligned (O_DIRECT needs aligned memory)."""
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.size < nbytes:
-            size = max(nbytes, CHUNK_BYTES + self.slot_bytes)
-            raw = np.empty(size + _SLOT_ALIGN, dtype=np.uint8)
-            skip = -raw.ctypes.data % _SLOT_ALIGN
-            buf = raw[skip : skip + size]
+            buf = aligned_empty(max(nbytes, CHUNK_BYTES + self.slot_bytes), _SLOT_ALIGN)
             self._local.buf = buf
         return buf[:nbytes]
 
@@ -435,9 +433,7 @@ class DiskTier(Tier):
         if self.o_direct and (offset % _SLOT_ALIGN or out.nbytes % _SLOT_ALIGN):
             a = offset - offset % _SLOT_ALIGN
             b = round_up(offset + out.nbytes, _SLOT_ALIGN)
-            raw = np.empty(b - a + _SLOT_ALIGN, dtype=np.uint8)
-            skip = -raw.ctypes.data % _SLOT_ALIGN
-            pages = raw[skip : skip + b - a]
+            pages = aligned_empty(b - a, _SLOT_ALIGN)
             if not self._pread(pages, a):
                 return False
             out.reshape(-1)[:] = pages[offset - a : offset - a + out.nbytes]

@@ -1,8 +1,11 @@
 """DiskTier helpers: per-layer checksums and vectored (zero-staging) file I/O.
 
-The direct path moves bytes between the arena file and the caller's tensors with
-os.preadv / os.pwritev, one iovec per contiguous piece: for a field stored as
-[Hkv, rows, cols] per (block, layer), one piece per head of each block. Field
+The direct path moves bytes between the arena file and the caller's tensors, one
+iovec per contiguous piece: for a field stored as [Hkv, rows, cols] per (block,
+layer), one piece per head of each block. With the native kernels (`native_io`,
+kvstrata/native/pio.cpp) one call per chunk batches the pieces into preadv/pwritev
+calls, checksums each batch while it is in cache and splits the chunk over threads;
+without them, os.preadv / os.pwritev and a numpy checksum do the same. Field
 padding, the slot tail and fields that cannot be viewed directly (a GPU tensor, a
 4-byte scale) go through a small staging buffer. The `mlh64` checksum is linear
 in the words of a layer, so it is summed piece by piece right after each chunk is
@@ -28,6 +31,13 @@ STAGE = 0  # iovec source 0 is the staging buffer; 1.. are direct field views
 def round_up(x: int, align: int) -> int:
     """`x` rounded up to a multiple of `align`."""
     return -(-x // align) * align
+
+
+def aligned_empty(nbytes: int, align: int) -> np.ndarray:
+    """An uninitialised uint8 array whose first byte is `align`-aligned (O_DIRECT)."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    skip = -raw.ctypes.data % align
+    return raw[skip : skip + nbytes]
 
 
 def mlh_keys(n: int) -> np.ndarray:
