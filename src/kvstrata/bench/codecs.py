@@ -190,7 +190,7 @@ def model_kv(model_dir: str | None, tokens: int = 512) -> torch.Tensor:
         model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = model(ids, use_cache=True).cache
     parts = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     return torch.stack(parts).to(torch.float16)
 
