@@ -57,6 +57,7 @@ for _name in ("int8", "int4v", "int4k", "fp8"):
 # fd, write, n, addr, len, foff, woff, out_idx, keys, sums, status, batch_bytes, threads
 # nparts, desc, q, out, lse, H, M, D, Dv, scale, softcap, threads
 _SIGNATURES["kv_attn_decode"] = ([_ci, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
+_SIGNATURES["kv_use_openmp"] = ([ctypes.c_char_p], _ci)
 _SIGNATURES["kv_pio"] = ([_ci, _ci, _i64] + [_vp] * 8 + [_i64, _ci], _i64)
 
 
@@ -108,6 +109,22 @@ def _build(target: Path) -> None:
         os.replace(out, target)
 
 
+def _loaded_openmp() -> str | None:
+    """Path of the OpenMP runtime torch loaded (libgomp, possibly renamed by the
+    wheel), so the kernels run on torch's own thread team; None if there is none."""
+    import torch  # noqa: F401 - loads the runtime
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip().rsplit(" ", 1)[-1]
+                if "/libgomp" in path and ".so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def load() -> ctypes.CDLL | None:
     """The native library, building it on first use; None when unavailable.
 
@@ -132,6 +149,9 @@ def load() -> ctypes.CDLL | None:
             for name, (argtypes, restype) in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, restype
+            gomp = _loaded_openmp()
+            if gomp:
+                lib.kv_use_openmp(gomp.encode())
             _lib = lib
         except (OSError, subprocess.CalledProcessError, ImportError, AttributeError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)

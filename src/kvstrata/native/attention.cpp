@@ -59,14 +59,23 @@ typedef int (*omp_int_fn)(void);
 static gomp_parallel_fn g_parallel = nullptr;
 static omp_int_fn g_thread_num = nullptr;
 
+// `path`: the libgomp file torch loaded (wheels may rename it); only a library that
+// is already loaded is used (RTLD_NOLOAD), never a second OpenMP runtime.
+extern "C" int kv_use_openmp(const char *path) {
+  void *h = dlopen(path && *path ? path : "libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
+  if (!h) return 0;
+  auto par = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
+  auto tid = (omp_int_fn)dlsym(h, "omp_get_thread_num");
+  if (!par || !tid) return 0;
+  g_thread_num = tid;
+  g_parallel = par;
+  return 1;
+}
+
 static void init_gomp() {
   static std::once_flag once;
   std::call_once(once, [] {
-    void *h = dlopen("libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
-    if (!h) return;
-    g_parallel = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
-    g_thread_num = (omp_int_fn)dlsym(h, "omp_get_thread_num");
-    if (!g_thread_num) g_parallel = nullptr;
+    if (!g_parallel) kv_use_openmp(nullptr);
   });
 }
 
