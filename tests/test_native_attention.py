@@ -147,6 +147,28 @@ def test_no_parts_and_oversized_shapes_return_none():
     assert raw_field(torch.randn(2, 8, 64).to(torch.float64)) is None  # no fp64 format
 
 
+def test_std_thread_workers_without_openmp():
+    """The kernel's own threads (no OpenMP runtime in the process) give the same result."""
+    lib = _native.load()
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(2, 5000, 64, generator=g)
+    v = torch.randn(2, 5000, 64, generator=g)
+    q = torch.randn(2, 2, 64, generator=g)
+    part = [(5000, raw_field(k), raw_field(v))]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with_omp = native_attention(q, part, 64, 0.125)
+        lib.kv_use_openmp(b"-")
+        without = native_attention(q, part, 64, 0.125)
+    finally:
+        gomp = _native._loaded_openmp()
+        lib.kv_use_openmp(gomp.encode() if gomp else None)
+        torch.set_num_threads(before)
+    _close(without[0], with_omp[0], 1e-6)
+    _close(without[0], partial_attention(q, k, v, 0.125)[0], 1e-5)
+
+
 def test_merges_with_torch_partials(threads):
     """A native partial merges with torch partials (disk chunks) by log-sum-exp."""
     g = torch.Generator().manual_seed(5)

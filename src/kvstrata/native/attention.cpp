@@ -60,8 +60,13 @@ static gomp_parallel_fn g_parallel = nullptr;
 static omp_int_fn g_thread_num = nullptr;
 
 // `path`: the libgomp file torch loaded (wheels may rename it); only a library that
-// is already loaded is used (RTLD_NOLOAD), never a second OpenMP runtime.
+// is already loaded is used (RTLD_NOLOAD), never a second OpenMP runtime. "-" turns
+// it off (std::thread workers; tests use this to cover that path).
 extern "C" int kv_use_openmp(const char *path) {
+  if (path && !strcmp(path, "-")) {
+    g_parallel = nullptr;
+    return 0;
+  }
   void *h = dlopen(path && *path ? path : "libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
   if (!h) return 0;
   auto par = (gomp_parallel_fn)dlsym(h, "GOMP_parallel");
@@ -75,7 +80,7 @@ extern "C" int kv_use_openmp(const char *path) {
 static void init_gomp() {
   static std::once_flag once;
   std::call_once(once, [] {
-    if (!g_parallel) kv_use_openmp(nullptr);
+    if (!g_parallel && !g_thread_num) kv_use_openmp(nullptr);
   });
 }
 
