@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     scen = parser.add_subparsers(dest="scenario", metavar="SCENARIO")
     scen.required = True
     for name, module in _scenarios().items():
-        p = scen.add_parser(name, help=module.HELP)
+        p = scen.add_parser(name, help=module.HELP.replace("%", "%%"))  # argparse formats help
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     p = scen.add_parser("all", help="run every scenario with its defaults")

@@ -1,0 +1,34 @@
+"""Every command and subcommand prints its --help and exits 0 (argparse formats help
+strings with %, so a stray "%" in one would crash the whole `--help` of its parent)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvstrata.cli import build_parser, main
+
+
+def _command_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    yield prefix
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _command_paths(sub, (*prefix, name))
+
+
+PATHS = list(_command_paths(build_parser()))
+
+
+def test_every_command_is_found():
+    names = {" ".join(p) for p in PATHS}
+    assert {"bench", "bench decode", "bench tiers", "generate", "plan", "eval ppl"} <= names
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: " ".join(p) or "kvstrata")
+def test_help_exits_zero(path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*path, "--help"])
+    assert info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
