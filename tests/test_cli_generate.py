@@ -156,6 +156,13 @@ def test_demo_without_model(tmp_path, capsys, monkeypatch):
         (["generate", "--top-k", "0.5"], "top_k='0.5'"),
         (["generate", "--no-repeat-ngram", "-1"], "no_repeat_ngram='-1'"),
         (["generate", "--disk-compress"], "disk_compress=True"),
+        (["generate", "--disk-dir", "/proc/kvstrata-no"], "disk_dir='/proc/kvstrata-no'"),
+        (["bench", "decode", "--steps", "0"], "steps=0"),
+        (["bench", "decode", "--threads", "0"], "threads=0"),
+        (["bench", "quantized", "--group", "0"], "group=0"),
+        (["bench", "tiers", "--size-mib", "-5"], "size_mib=-5"),
+        (["bench", "tiers", "--dir", "/proc/kvstrata-no"], "dir='/proc/kvstrata-no'"),
+        (["bench", "codecs", "--repeats", "0"], "repeats=0"),
         (["demo", "--max-new-tokens", "x"], "max_new_tokens='x'"),
     ],
 )

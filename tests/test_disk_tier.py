@@ -551,3 +551,8 @@ def test_o_direct_round_trip_layers_and_corruption(tmp_path):
 def test_o_direct_with_compress_is_a_config_error(tmp_path, compressor):
     with pytest.raises(ConfigError, match="o_direct"):
         DiskTier(LAYOUT, 4, tmp_path, compress=True, o_direct=True)
+
+
+def test_uncreatable_directory_is_a_config_error():
+    with pytest.raises(ConfigError, match="disk_dir='/proc/kvstrata-no/x' is invalid: cannot"):
+        DiskTier(LAYOUT, 4, "/proc/kvstrata-no/x")

@@ -130,6 +130,17 @@ def add_decode_arguments(parser: Any, init_range: float, init_help: str) -> None
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+def check_positive(args: Any, *names: str) -> None:
+    """ConfigError (exit 2, one line) unless every named flag is a whole number >= 1."""
+    from kvstrata.errors import ConfigError
+
+    for name in names:
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError.field(name, value, f"{flag} takes a whole number >= 1")
+
+
 def parse_contexts(text: str | Sequence[int], count: int | None = None) -> tuple[int, ...]:
     """ "2048,8k" -> (2048, 8192); ConfigError (exit 2) on bad input or wrong count."""
     from kvstrata.errors import ConfigError

@@ -236,6 +236,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the codec benchmark and print a table (or JSON)."""
+    from kvstrata.bench._timing import check_positive
+
+    check_positive(args, "size_mib", "repeats")
     dtype = _DTYPES[args.dtype]
     rows = [
         bench_codec(n.strip(), dtype, args.size_mib, args.repeats)

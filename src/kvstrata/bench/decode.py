@@ -322,6 +322,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.steps, args.repeats, args.layers = 6, 2, 1
         args.block_size = 16
     args.contexts = _timing.parse_contexts(args.contexts, count=2)
+    _timing.check_positive(args, "steps", "repeats", "threads", "layers", "block_size")
     return args
 
 

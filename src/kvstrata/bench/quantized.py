@@ -220,6 +220,9 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.steps, args.repeats, args.layers = 6, 2, 1
         args.residual = 64
     args.contexts = _timing.parse_contexts(args.contexts)
+    _timing.check_positive(
+        args, "steps", "repeats", "threads", "layers", "block_size", "residual", "group"
+    )
     return args
 
 

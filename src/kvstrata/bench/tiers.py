@@ -365,13 +365,20 @@ def bench_prefetch(args: argparse.Namespace) -> dict[str, object]:
 # -- report -------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     """Run all four parts and print tables (or JSON with --json)."""
+    from kvstrata.bench._timing import check_positive
+    from kvstrata.errors import ConfigError
+
+    check_positive(args, "size_mib", "repeats", "samples")
     if args.quick:
         args.size_mib, args.repeats, args.samples = min(args.size_mib, 4), 4, min(args.samples, 20)
     tmp = None
     if args.dir is None:
         tmp = tempfile.mkdtemp(prefix="kvstrata-bench-tiers-")
     workdir = Path(args.dir or tmp)
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError.field("dir", args.dir, f"cannot create it ({exc.strerror})") from exc
     try:
         report = {
             "note": "ratios are tier/raw in the same run (interleaved, medians); "

@@ -156,7 +156,12 @@ class DiskTier(Tier):
                 f"arena of {num_slots} slots needs {self.file_bytes} bytes, "
                 f"over max_file_bytes={max_file_bytes}",
             )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError.field(
+                "disk_dir", str(self.directory), f"cannot create it ({exc.strerror})"
+            ) from exc
         self._db = sqlite3.connect(self.directory / INDEX_FILE, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
