@@ -1,7 +1,7 @@
 """Eager torch quantize/dequantize primitives: the fallback and the test oracle.
 
-These define the codecs' exact bits; the C++ kernels in `_kernels.cpp` compute the
-same operations in the same order (fp32 arithmetic, a*b+c rounded twice, round half
+These define the codecs' exact bits; the C++ kernels (kvstrata/native/codecs.cpp)
+compute the same operations in the same order (fp32 arithmetic, a*b+c rounded twice, round half
 to even), so both paths produce identical fields and decoded values.
 
 Shapes: x / out are [..., R, D] (R = n * block_size); fields are [..., rows, cols].

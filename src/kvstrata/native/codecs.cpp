@@ -1,8 +1,8 @@
 // kvstrata codec kernels: int8 / int4 (KIVI) / fp8 quantize and dequantize on CPU.
 //
 // Plain C ABI (no torch headers: compiles in ~2 s instead of ~25 s), called through
-// ctypes from kvstrata/codecs/_kernels.py, which also holds the eager torch
-// reference these kernels must match bit for bit.
+// ctypes from kvstrata/codecs/_kernels.py; the eager torch reference these kernels
+// must match bit for bit is kvstrata/codecs/_reference.py.
 //
 // Addressing: every tensor is [H, rows, cols] with the innermost dim contiguous;
 // `*_sh` is the stride between heads, `*_st` the stride between rows of x/out
