@@ -138,6 +138,16 @@ def test_quantized_parts_match_decode_then_attend(codec_name, dim, threads):
     assert torch.allclose(lse, want_lse, atol=1e-4)
 
 
+def test_nan_input_propagates_never_a_finite_guess():
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(2, 600, 64, generator=g)
+    v = torch.randn(2, 600, 64, generator=g)
+    q = torch.randn(2, 2, 64, generator=g)
+    q[1, 0, 5] = float("nan")
+    out, _ = native_attention(q, [(600, raw_field(k), raw_field(v))], 64, 0.125)
+    assert out[1, 0].isnan().all() and not out[0].isnan().any()
+
+
 def test_no_parts_and_oversized_shapes_return_none():
     q = torch.randn(2, 1, 64)
     assert native_attention(q, [], 64, 0.125) is None

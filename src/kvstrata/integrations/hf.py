@@ -283,7 +283,9 @@ class TieredCache(Cache):
             and max(layout.head_dim, layout.dim_v) <= NATIVE_MAX_DIM
             and _native.available()
         ):
-            self._native = {t.name for t in tiers if t.name in self._local}
+            self._native = {
+                t.name for t in tiers if t.name in self._local and t.device.type == "cpu"
+            }
             if cc.cold_attention != "stage":
                 self._native |= {
                     t.name

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -56,13 +57,14 @@ static const int FIELD = 10, PART = 1 + 2 * FIELD;
 // pool for the cores. Otherwise std::thread (tens of microseconds per spawn).
 typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
 typedef int (*omp_int_fn)(void);
-static gomp_parallel_fn g_parallel = nullptr;
-static omp_int_fn g_thread_num = nullptr;
+static std::atomic<gomp_parallel_fn> g_parallel{nullptr};
+static std::atomic<omp_int_fn> g_thread_num{nullptr};
+static std::atomic<bool> g_omp_decided{false};  // set by kv_use_openmp: no guessing
 
 // `path`: the libgomp file torch loaded (wheels may rename it); only a library that
 // is already loaded is used (RTLD_NOLOAD), never a second OpenMP runtime. "-" turns
 // it off (std::thread workers; tests use this to cover that path).
-extern "C" int kv_use_openmp(const char *path) {
+static int use_openmp(const char *path) {
   if (path && !strcmp(path, "-")) {
     g_parallel = nullptr;
     return 0;
@@ -77,22 +79,31 @@ extern "C" int kv_use_openmp(const char *path) {
   return 1;
 }
 
+extern "C" int kv_use_openmp(const char *path) {
+  g_omp_decided = true;
+  return use_openmp(path);
+}
+
 static void init_gomp() {
   static std::once_flag once;
   std::call_once(once, [] {
-    if (!g_parallel && !g_thread_num) kv_use_openmp(nullptr);
+    if (!g_omp_decided) use_openmp(nullptr);
   });
 }
 
-static void trampoline(void *f) { (*(std::function<void(int)> *)f)(g_thread_num()); }
+static void trampoline(void *f) { (*(std::function<void(int)> *)f)(g_thread_num.load()()); }
 
-// Run f(worker) on `nth` workers (worker 0 is the calling thread).
+// Run f(worker) on up to `nth` workers (worker 0 is the calling thread); f must share
+// the work dynamically, so fewer workers (a thread that could not start) still finish.
 static void parallel(int nth, std::function<void(int)> f) {
   if (nth <= 1) return f(0);
   init_gomp();
-  if (g_parallel) return g_parallel(trampoline, &f, (unsigned)nth, 0);
+  if (auto par = g_parallel.load()) return par(trampoline, &f, (unsigned)nth, 0);
   std::vector<std::thread> ts;
-  for (int w = 1; w < nth; w++) ts.emplace_back(f, w);
+  try {
+    for (int w = 1; w < nth; w++) ts.emplace_back(f, w);
+  } catch (const std::system_error &) {  // out of threads: the others do the work
+  }
   f(0);
   for (auto &t : ts) t.join();
 }
@@ -104,10 +115,11 @@ static inline float bf16f(u16 v) {
   return f;
 }
 
-// exp(x) for x <= 0 (and -inf -> 0), vectorizable, max rel. error ~2 ulp:
-// 2^(x*log2e) split into 2^n * 2^f, f in [-0.5, 0.5], minimax polynomial.
-static inline float fast_exp(float x) {
-  x = x < -87.0f ? -87.0f : x;
+// exp(x) for x <= 0, vectorizable: 2^(x*log2e) split into 2^n * 2^f, f in
+// [-0.5, 0.5], degree-6 polynomial; relative error ~1e-6 (~9 ulp), plenty for softmax
+// weights. x < -87 (-inf included) gives 0; NaN stays NaN.
+static inline float fast_exp(float x0) {
+  float x = x0 < -87.0f ? -87.0f : x0;
   float t = x * 1.44269504088896341f;
   float n = __builtin_roundf(t);
   float f = t - n;
@@ -118,12 +130,13 @@ static inline float fast_exp(float x) {
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
-  int32_t bits;
+  uint32_t bits;
   memcpy(&bits, &p, 4);
-  bits += (int32_t)n << 23;
+  bits += (uint32_t)(int32_t)n << 23;  // n in [-126, 0]: scale by 2^n, no overflow
   float r;
   memcpy(&r, &bits, 4);
-  return r;
+  r = x0 < -87.0f ? 0.0f : r;
+  return x0 != x0 ? x0 : r;
 }
 
 static float g_e4m3[256];  // fp8 e4m3fn code -> float (0x7f/0xff are NaN, never stored)
@@ -244,6 +257,8 @@ static inline float dot(const float *__restrict a, const float *__restrict b, i6
   return s;
 }
 
+// max(init, x[0..n)); NaN if any x is NaN (NaN input must come out NaN, not as an
+// empty row).
 static inline float vmax(const float *x, i64 n, float init) {
   float lanes[16];
   for (int j = 0; j < 16; j++) lanes[j] = init;
@@ -252,8 +267,10 @@ static inline float vmax(const float *x, i64 n, float init) {
     for (int j = 0; j < 16; j++) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
   for (; t < n; t++) lanes[0] = x[t] > lanes[0] ? x[t] : lanes[0];
   float m = lanes[0];
+  int bad = 0;  // (not x*0: -fno-signed-zeros lets the compiler fold that to 0)
   for (int j = 1; j < 16; j++) m = lanes[j] > m ? lanes[j] : m;
-  return m;
+  for (i64 u = 0; u < n; u++) bad |= x[u] != x[u];
+  return bad ? NAN : m;
 }
 
 struct State {  // one work item's running softmax
@@ -275,7 +292,9 @@ static void attend_range(const Job &J, i64 h, i64 a, i64 b, State &st) {
   for (i64 m = 0; m < M; m++) st.m[m] = -INFINITY, st.l[m] = 0.0f;
   st.acc.assign((size_t)(M * Dv), 0.0f);
   const float *q = J.q + h * M * D;
-  alignas(64) float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_M * TILE];
+  // tile buffers on the heap (a few KiB): OpenMP workers may have small stacks
+  std::vector<float> kvec((size_t)(TILE * D)), vvec((size_t)(TILE * Dv)), svec((size_t)(M * TILE));
+  float *kbuf = kvec.data(), *vbuf = vvec.data(), *s = svec.data();
   i64 base = 0;
   for (int p = 0; p < J.nparts && base < b; p++) {
     const i64 *pd = J.desc + p * PART;
@@ -317,7 +336,7 @@ static void attend_range(const Job &J, i64 h, i64 a, i64 b, State &st) {
 
 extern "C" int kv_attn_decode(int nparts, const i64 *desc, const float *q, float *out, float *lse,
                               i64 H, i64 M, i64 D, i64 Dv, float scale, float softcap, int nth) {
-  if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1) return -1;
+  if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1) return -1;
   for (int p = 0; p < nparts; p++) {
     const i64 *pd = desc + p * PART;
     for (int f = 0; f < 2; f++) {
@@ -345,15 +364,30 @@ extern "C" int kv_attn_decode(int nparts, const i64 *desc, const float *q, float
   int workers = (int)std::min<i64>(nth, items);
   if (total * H * D < (1 << 14)) workers = 1;
   std::atomic<i64> next{0};
+  std::atomic<bool> failed{false};
   parallel(workers, [&](int) {
-    for (i64 i = next++; i < items; i = next++) run(i, i + 1);
+    try {
+      for (i64 i = next++; i < items; i = next++) run(i, i + 1);
+    } catch (...) {  // out of memory: report, never unwind through OpenMP
+      failed = true;
+    }
   });
+  if (failed) return -4;
   for (i64 h = 0; h < H; h++) {
     for (i64 m = 0; m < M; m++) {
       float mx = -INFINITY;
-      for (i64 sp = 0; sp < splits; sp++) mx = std::max(mx, states[(size_t)(h * splits + sp)].m[m]);
+      bool nan = false;
+      for (i64 sp = 0; sp < splits; sp++) {
+        float v = states[(size_t)(h * splits + sp)].m[m];
+        nan |= v != v;
+        mx = std::max(mx, v);
+      }
       float *o = out + (h * M + m) * Dv;
-      for (i64 d = 0; d < Dv; d++) o[d] = 0.0f;
+      for (i64 d = 0; d < Dv; d++) o[d] = nan ? NAN : 0.0f;
+      if (nan) {
+        lse[h * M + m] = NAN;
+        continue;
+      }
       if (mx == -INFINITY) {
         lse[h * M + m] = -INFINITY;
         continue;

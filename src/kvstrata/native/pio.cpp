@@ -16,8 +16,8 @@
 // kvstrata/tiers/disk_format.py, bit for bit.
 //
 // status[i] = 1 when a read found the end of the file before piece i was complete.
-// Returns 0, or -errno of the first failed system call (the other pieces of that
-// thread are left untouched; sums are then meaningless).
+// Returns 0, or -errno of the first failed system call; the other workers stop at
+// their next batch (sums are then meaningless).
 
 #include <errno.h>
 #include <sys/uio.h>
@@ -28,15 +28,25 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 typedef int64_t i64;
 typedef uint64_t u64;
 typedef uint8_t u8;
 
-static const int kIovMax = 1024;
+static int iov_max() {
+  static const int n = [] {
+    long v = sysconf(_SC_IOV_MAX);
+    return (int)std::min<long>(1024, v > 0 ? v : 16);
+  }();
+  return n;
+}
 
+// Pieces are 8-byte aligned with lengths a multiple of 8: the Python side only hands
+// over such views (disk_format.direct_view) and 16-byte-aligned staging gaps.
 static inline u64 mlh(const u64 *__restrict w, const u64 *__restrict k, i64 n) {
   u64 s = 0;
   for (i64 j = 0; j < n; j++) s += w[j] * k[j];
@@ -44,6 +54,7 @@ static inline u64 mlh(const u64 *__restrict w, const u64 *__restrict k, i64 n) {
 }
 
 struct Job {
+  std::atomic<i64> *err;  // first failure (-errno); the other workers stop early
   int fd, write;
   const i64 *addr, *len, *foff, *woff, *out;
   const u64 *keys;
@@ -63,7 +74,7 @@ static void checksum(const Job &J, i64 i, i64 j) {
 // One batch [i, j) contiguous in the file: transfer it fully, resuming after short
 // transfers. Returns 0, -errno, or 1 when a read hits the end of the file.
 static i64 transfer(const Job &J, i64 i, i64 j) {
-  struct iovec iov[kIovMax];
+  struct iovec iov[1024];
   i64 n = j - i;
   for (i64 p = 0; p < n; p++) {
     iov[p].iov_base = (void *)J.addr[i + p];
@@ -97,16 +108,20 @@ static i64 transfer(const Job &J, i64 i, i64 j) {
 
 static i64 worker(const Job &J, i64 a, i64 b) {
   i64 i = a;
-  while (i < b) {
+  while (i < b && J.err->load() == 0) {
     i64 j = i + 1, bytes = J.len[i];
-    while (j < b && j - i < kIovMax && J.foff[j] == J.foff[j - 1] + J.len[j - 1] &&
+    while (j < b && j - i < iov_max() && J.foff[j] == J.foff[j - 1] + J.len[j - 1] &&
            bytes + J.len[j] <= J.batch) {
       bytes += J.len[j];
       j++;
     }
     if (J.write) checksum(J, i, j);
     i64 rc = transfer(J, i, j);
-    if (rc < 0) return rc;
+    if (rc < 0) {
+      i64 none = 0;
+      J.err->compare_exchange_strong(none, rc);
+      return rc;
+    }
     if (!J.write) checksum(J, i, j);
     i = j;
   }
@@ -116,7 +131,8 @@ static i64 worker(const Job &J, i64 a, i64 b) {
 extern "C" i64 kv_pio(int fd, int write, i64 n, const i64 *addr, const i64 *len, const i64 *foff,
                       const i64 *woff, const i64 *out, const u64 *keys, u64 *sums, u8 *status,
                       i64 batch, int nth) {
-  Job J{fd, write, addr, len, foff, woff, out, keys, sums, status, std::max<i64>(batch, 1)};
+  std::atomic<i64> err{0};
+  Job J{&err, fd, write, addr, len, foff, woff, out, keys, sums, status, std::max<i64>(batch, 1)};
   i64 total = 0;
   for (i64 p = 0; p < n; p++) total += len[p];
   nth = (int)std::max<i64>(1, std::min<i64>(nth, total / (4 << 20)));
@@ -129,17 +145,17 @@ extern "C" i64 kv_pio(int fd, int write, i64 n, const i64 *addr, const i64 *len,
     if (acc * nth >= total * (i64)cut.size()) cut.push_back(p + 1);
   }
   if (cut.back() != n) cut.push_back(n);
-  std::atomic<i64> rc{0};
   std::vector<std::thread> ts;
+  std::vector<std::pair<i64, i64>> inline_ranges{{cut[0], cut[1]}};
   for (size_t t = 1; t + 1 < cut.size(); t++) {
     i64 a = cut[t], b = cut[t + 1];
-    ts.emplace_back([&, a, b] {
-      i64 r = worker(J, a, b);
-      if (r < 0) rc = r;
-    });
+    try {
+      ts.emplace_back([&J, a, b] { worker(J, a, b); });
+    } catch (const std::system_error &) {  // out of threads: do it on this one
+      inline_ranges.emplace_back(a, b);
+    }
   }
-  i64 r = worker(J, cut[0], cut[1]);
-  if (r < 0) rc = r;
+  for (auto [a, b] : inline_ranges) worker(J, a, b);
   for (auto &t : ts) t.join();
-  return rc.load();
+  return err.load();
 }
