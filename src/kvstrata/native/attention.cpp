@@ -28,6 +28,9 @@
 // the part is row first_row + t. Part descriptor: ntok, then K's 10, then V's 10.
 
 #include <dlfcn.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -179,7 +182,13 @@ static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *o
     case 1:
       for (i64 t = 0; t < n; t++) {
         const f16 *src = (const f16 *)(base + (r0 + t) * F.drs);
-        for (i64 d = 0; d < dim; d++) out[t * dim + d] = (float)src[d];
+        float *o = out + t * dim;
+        i64 d = 0;
+#ifdef __F16C__  // GCC does not vectorise _Float16 -> float without AVX512-FP16
+        for (; d + 8 <= dim; d += 8)
+          _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+#endif
+        for (; d < dim; d++) o[d] = (float)src[d];
       }
       break;
     case 2:
