@@ -122,7 +122,7 @@ static inline float bf16f(u16 v) {
 // [-0.5, 0.5], degree-6 polynomial; relative error ~1e-6 (~9 ulp), plenty for softmax
 // weights. x < -87 (-inf included) gives 0; NaN stays NaN.
 static inline float fast_exp(float x0) {
-  float x = x0 < -87.0f ? -87.0f : x0;
+  float x = x0 >= -87.0f ? x0 : -87.0f;  // NaN -> -87 too: no NaN-to-int cast below
   float t = x * 1.44269504088896341f;
   float n = __builtin_roundf(t);
   float f = t - n;
