@@ -58,6 +58,7 @@ for _name in ("int8", "int4v", "int4k", "fp8"):
 # nparts, desc, q, out, lse, H, M, D, Dv, scale, softcap, threads
 _SIGNATURES["kv_attn_decode"] = ([_ci, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
 _SIGNATURES["kv_use_openmp"] = ([ctypes.c_char_p], _ci)
+_SIGNATURES["kv_pio_limit_call_bytes"] = ([_i64], None)
 _SIGNATURES["kv_pio"] = ([_ci, _ci, _i64] + [_vp] * 8 + [_i64, _ci], _i64)
 
 

@@ -71,6 +71,27 @@ static void checksum(const Job &J, i64 i, i64 j) {
   }
 }
 
+// Test hook: when > 0, every system call is asked to move at most this many bytes,
+// so the short-transfer resume below runs on every batch.
+static std::atomic<i64> g_max_call_bytes{0};
+
+extern "C" void kv_pio_limit_call_bytes(i64 n) { g_max_call_bytes = n; }
+
+static ssize_t call(const Job &J, struct iovec *cur, i64 left, i64 off) {
+  i64 cap = g_max_call_bytes.load();
+  if (cap > 0) {  // hand the kernel a prefix of the iovecs, cut to `cap` bytes
+    struct iovec head[1024];
+    i64 k = 0, bytes = 0;
+    for (; k < left && bytes < cap; k++) {
+      head[k] = cur[k];
+      if (bytes + (i64)head[k].iov_len > cap) head[k].iov_len = (size_t)(cap - bytes);
+      bytes += (i64)head[k].iov_len;
+    }
+    return J.write ? pwritev(J.fd, head, (int)k, off) : preadv(J.fd, head, (int)k, off);
+  }
+  return J.write ? pwritev(J.fd, cur, (int)left, off) : preadv(J.fd, cur, (int)left, off);
+}
+
 // One batch [i, j) contiguous in the file: transfer it fully, resuming after short
 // transfers. Returns 0, -errno, or 1 when a read hits the end of the file.
 static i64 transfer(const Job &J, i64 i, i64 j) {
@@ -83,7 +104,7 @@ static i64 transfer(const Job &J, i64 i, i64 j) {
   struct iovec *cur = iov;
   i64 left = n, off = J.foff[i], piece = i;
   while (left > 0) {
-    ssize_t got = J.write ? pwritev(J.fd, cur, (int)left, off) : preadv(J.fd, cur, (int)left, off);
+    ssize_t got = call(J, cur, left, off);
     if (got < 0) {
       if (errno == EINTR) continue;
       return -errno;
