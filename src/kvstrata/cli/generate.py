@@ -255,6 +255,25 @@ def render_stats(stats: dict[str, Any]) -> None:
     )
 
 
+def _prompt_then_stream(streamer_cls: type, tokenizer: Any, prompt: str) -> Any:
+    """A TextStreamer that echoes the prompt only once the first new token is out, so
+    an error in the first forward (e.g. a budget the cache refuses) leaves stdout empty
+    and stderr with its one line."""
+
+    class PromptThenStream(streamer_cls):
+        def __init__(self) -> None:
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.pending_prompt: str | None = prompt
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if self.pending_prompt is not None:
+                print(self.pending_prompt, end="", flush=True)
+                self.pending_prompt = None
+            super().on_finalized_text(text, stream_end)
+
+    return PromptThenStream()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata generate`; exit code 0."""
     from transformers import TextStreamer
@@ -270,11 +289,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_len = len(tokenizer(args.prompt).input_ids)
     cache = TieredCache(model.config, **cache_kwargs(args, model, prompt_len + max_new))
     enable(model)
-    streamer = (
-        None
-        if args.no_stream
-        else TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
-    )
+    streamer = None if args.no_stream else _prompt_then_stream(TextStreamer, tokenizer, args.prompt)
     out = generate_ids(
         model,
         tokenizer,

@@ -298,7 +298,14 @@ class TieredCache(Cache):
                 }
         staged = any(t.name not in self._local for t in tiers)
         self._stager = (
-            Stager(self._tiers, layout, self.device, cc.staging_tokens, self._device_name)
+            # two buffers of at most the whole cache each: more could never be filled
+            Stager(
+                self._tiers,
+                layout,
+                self.device,
+                min(cc.staging_tokens, 2 * -(-cc.max_tokens // cc.block_size) * cc.block_size),
+                self._device_name,
+            )
             if staged
             else None
         )
