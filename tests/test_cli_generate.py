@@ -183,11 +183,13 @@ def test_model_dir_errors_exit_2(tmp_path, capsys):
     assert err.count("\n") == 1 and "config.json: missing" in err
 
 
-def test_lossy_host_codec_without_room_for_the_residual_window_exits_2(tiny_dir, capsys):
-    code, _, err = _run(
-        capsys,
-        "generate", "--model", str(tiny_dir), "--max-new-tokens", "24", "--no-stream",
+@pytest.mark.parametrize("stream", [False, True])
+def test_lossy_host_codec_without_room_for_the_residual_window_exits_2(tiny_dir, capsys, stream):
+    argv = [
+        "generate", "--model", str(tiny_dir), "--max-new-tokens", "24",
         "--resident-fraction", "0.25", "--block-size", "16", "--host-codec", "int8",
-    )  # fmt: skip
+    ]  # fmt: skip
+    code, out, err = _run(capsys, *argv, *([] if stream else ["--no-stream"]))
     assert code == 2
     assert err.count("\n") == 1 and "residual window" in err
+    assert out == ""  # the streamed prompt waits for the first new token
