@@ -7,6 +7,8 @@ window — must change the reference output, otherwise "identical tokens" proves
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -49,6 +51,17 @@ PLACEMENTS = {
         disk_o_direct=True,
     ),
 }
+
+
+def _o_direct_works(directory) -> bool:
+    probe = directory / "o_direct_probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return hasattr(os, "O_DIRECT")
 
 
 def _prompt(seed: int = 1, length: int = PROMPT_LEN, batch: int = 1) -> torch.Tensor:
@@ -116,6 +129,8 @@ def test_tokens_identical(family, placement, references, tmp_path):
     native = kwargs.pop("native_attention", True)
     if kwargs.get("disk_compress"):
         pytest.importorskip("zstandard", reason="disk compression needs the compress extra")
+    if kwargs.get("disk_o_direct") and not _o_direct_works(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT (tmpfs?)")
     try:
         cache = TieredCache(model.config, block_size=64, **kwargs)
         cache.native_attention = native
