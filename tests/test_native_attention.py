@@ -1,6 +1,6 @@
 """Native decode attention (kvstrata/native/attention.cpp) against torch.
 
-Raw parts must match torch attention to fp32 rounding; quantized parts (int8, int4
+Raw parts must match torch attention to fp32 rounding; quantized parts (int8, fp8, int4
 read in place) must match "decode the blocks, then attend" — the kernel changes where
 the dequantization happens, not what is computed. Then the same through TieredCache:
 native decode vs the torch partials path, and vs staging of quantized host blocks.
