@@ -1,5 +1,5 @@
-"""Shared helpers of the decode benchmarks: interleaved repeated timing (medians), a
-machine-idle check, and the rich-table / JSON report.
+"""Shared helpers of the benchmarks: interleaved repeated timing (medians), a
+machine-idle check, flag checks, and the rich-table / JSON report.
 
 The machines these run on are shared and noisy (DESIGN.md, "Noise"): compared
 variants run round-robin, each repeat visiting every variant once, so a burst of
@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 # 1-minute load above (cores - threads) + this margin means another process competes
 # for the cores the benchmark uses: the numbers are then slowed many times over.
 LOAD_MARGIN = 0.5
+DEFAULT_CONTEXTS = "2048,8192"
 
 
 def machine_load() -> tuple[float, int]:
@@ -59,15 +61,16 @@ def load_warning(threads: int) -> str | None:
 
 
 def interleaved(
-    fns: dict[str, Callable[[], float]], repeats: int, warmup: int = 1
+    fns: dict[str, Callable[[], float]], repeats: int, warmup: int = 1, rotate: bool = False
 ) -> dict[str, list[float]]:
     """Run every variant `repeats` times, round-robin; each call returns its own
     measured seconds (so untimed setup such as building a cache stays outside).
 
     Args:
         fns: variant name -> callable returning the seconds it measured.
-        repeats: timed rounds (each round calls every variant once, in order).
+        repeats: timed rounds (each round calls every variant once).
         warmup: untimed rounds first (caches, allocator, lazy kernels).
+        rotate: start each round one variant later (no variant always runs first).
 
     Returns:
         variant name -> the `repeats` measured seconds, in call order.
@@ -75,11 +78,54 @@ def interleaved(
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(fn())
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        k = r % len(names) if rotate and names else 0
+        for name in names[k:] + names[:k]:
+            times[name].append(fns[name]())
     return times
+
+
+def median_seconds(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 0,
+    before: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, float]:
+    """Median wall seconds of each plain callable, interleaved with rotation.
+
+    Args:
+        fns: variant name -> the work to time.
+        repeats: timed rounds.
+        warmup: untimed rounds first.
+        before: name -> untimed set-up run just before that variant (e.g. evict a cache).
+    """
+
+    def timed(name: str) -> Callable[[], float]:
+        fn, setup = fns[name], (before or {}).get(name)
+
+        def once() -> float:
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+
+        return once
+
+    times = interleaved({n: timed(n) for n in fns}, repeats, warmup, rotate=True)
+    return {n: median(t) for n, t in times.items()}
+
+
+def timed_with_load_check(
+    fns: dict[str, Callable[[], float]], repeats: int, threads: int
+) -> tuple[dict[str, list[float]], str | None]:
+    """`interleaved` (one warm-up round) plus the machine-load warning, taken before
+    and, if the machine looked idle then, again after the runs."""
+    warning = load_warning(threads)
+    times = interleaved(fns, repeats, warmup=1)
+    return times, warning or load_warning(threads)
 
 
 def median(values: Sequence[float]) -> float:
@@ -118,7 +164,7 @@ def print_json(report: dict[str, Any]) -> None:
 
 def add_decode_arguments(parser: Any, init_range: float, init_help: str) -> None:
     """The flags the decode-loop scenarios share (decode, quantized)."""
-    parser.add_argument("--contexts", default="2048,8192", help="comma-separated prompt lengths")
+    parser.add_argument("--contexts", default=DEFAULT_CONTEXTS, help="comma-separated lengths")
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per call")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -128,6 +174,30 @@ def add_decode_arguments(parser: Any, init_range: float, init_help: str) -> None
     parser.add_argument("--init-range", type=float, default=init_range, help=init_help)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (1 layer)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def resolve_decode_args(
+    args: Any,
+    quick_contexts: str,
+    count: int | None = None,
+    extra_positive: tuple[str, ...] = (),
+    **quick: Any,
+) -> Any:
+    """A copy of the decode-benchmark flags with --quick applied (tiny contexts unless
+    --contexts was given, 6 steps x 2 repeats, 1 layer, plus `quick` overrides),
+    contexts parsed and counts checked (ConfigError, exit 2)."""
+    import argparse
+
+    args = argparse.Namespace(**vars(args))
+    if args.quick:
+        if args.contexts == DEFAULT_CONTEXTS:  # an explicit --contexts wins
+            args.contexts = quick_contexts
+        args.steps, args.repeats, args.layers = 6, 2, 1
+        for name, value in quick.items():
+            setattr(args, name, value)
+    args.contexts = parse_contexts(args.contexts, count=count)
+    check_positive(args, "steps", "repeats", "threads", "layers", "block_size", *extra_positive)
+    return args
 
 
 def check_positive(args: Any, *names: str) -> None:

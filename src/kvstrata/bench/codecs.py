@@ -14,10 +14,10 @@ import argparse
 import json
 import math
 import statistics
-import time
 
 import torch
 
+from kvstrata.bench._timing import check_positive, median_seconds
 from kvstrata.codecs.registry import get_codec
 from kvstrata.layout import BlockLayout
 
@@ -128,16 +128,6 @@ def block_size_for(codec_name: str, head_dim: int = 128) -> int:
     return 64
 
 
-def _median_times(fns: dict[str, object], repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):  # interleaved: every variant sees the same machine load
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def bench_codec(name: str, dtype: torch.dtype, size_mib: int, repeats: int) -> dict:
     """Encode/decode/copy_ GB/s of one codec on ~size_mib MiB of K (and V) blocks."""
     codec = get_codec(name)
@@ -155,7 +145,7 @@ def bench_codec(name: str, dtype: torch.dtype, size_mib: int, repeats: int) -> d
         y = torch.empty_like(x)
         codec.encode(kind, x, enc)  # warm-up: builds/loads the kernels once
         codec.decode(kind, enc, y)
-        t = _median_times(
+        t = median_seconds(
             {
                 "copy": lambda x=x, y=y: y.copy_(x),
                 "enc": lambda x=x, enc=enc, kind=kind: codec.encode(kind, x, enc),
@@ -204,7 +194,7 @@ def bench_lossless(model_dir: str | None, repeats: int) -> dict:
     raw = model_kv(model_dir).numpy()
     out = np.empty_like(raw)
     frame = lossless.compress(raw, 2)
-    t = _median_times(
+    t = median_seconds(
         {
             "compress": lambda: lossless.compress(raw, 2),
             "decompress": lambda: lossless.decompress(frame, out),
@@ -236,7 +226,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the codec benchmark and print a table (or JSON)."""
-    from kvstrata.bench._timing import check_positive
 
     check_positive(args, "size_mib", "repeats")
     dtype = _DTYPES[args.dtype]

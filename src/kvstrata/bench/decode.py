@@ -238,10 +238,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         return once
 
-    warning = _timing.load_warning(args.threads)
-    times = _timing.interleaved({v.key: call(v) for v in variants}, args.repeats, warmup=1)
-    if warning is None:
-        warning = _timing.load_warning(args.threads)
+    fns = {v.key: call(v) for v in variants}
+    times, warning = _timing.timed_with_load_check(fns, args.repeats, args.threads)
 
     reference = {v.context: v.results[0].tokens for v in variants if v.key in ("a", "e")}
     # "Identical tokens" proves nothing if the model ignores old context: decode once
@@ -315,15 +313,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    args = argparse.Namespace(**vars(args))
-    if args.quick:
-        if args.contexts == "2048,8192":  # the default; an explicit --contexts wins
-            args.contexts = "128,512"
-        args.steps, args.repeats, args.layers = 6, 2, 1
-        args.block_size = 16
-    args.contexts = _timing.parse_contexts(args.contexts, count=2)
-    _timing.check_positive(args, "steps", "repeats", "threads", "layers", "block_size")
-    return args
+    return _timing.resolve_decode_args(args, "128,512", count=2, block_size=16)
 
 
 def run(args: argparse.Namespace) -> int:

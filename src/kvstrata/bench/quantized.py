@@ -144,10 +144,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
             fns[key] = once
 
-    warning = _timing.load_warning(args.threads)
-    times = _timing.interleaved(fns, args.repeats, warmup=1)
-    if warning is None:
-        warning = _timing.load_warning(args.threads)
+    times, warning = _timing.timed_with_load_check(fns, args.repeats, args.threads)
 
     rows = []
     for key, secs in times.items():
@@ -213,17 +210,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    args = argparse.Namespace(**vars(args))
-    if args.quick:
-        if args.contexts == "2048,8192":  # the default; an explicit --contexts wins
-            args.contexts = "384,640"
-        args.steps, args.repeats, args.layers = 6, 2, 1
-        args.residual = 64
-    args.contexts = _timing.parse_contexts(args.contexts)
-    _timing.check_positive(
-        args, "steps", "repeats", "threads", "layers", "block_size", "residual", "group"
+    return _timing.resolve_decode_args(
+        args, "384,640", extra_positive=("residual", "group"), residual=64
     )
-    return args
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,12 +29,12 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvstrata.bench._timing import check_positive, median_seconds
 from kvstrata.layout import BlockLayout
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import HostTier
@@ -63,30 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- timing helpers -----------------------------------------------------------------------
-def interleaved(
-    variants: dict[str, Callable[[], object]],
-    repeats: int,
-    before: dict[str, Callable[[], object]] | None = None,
-) -> dict[str, float]:
-    """Median seconds of each variant, run round-robin (order rotated each repeat).
-
-    Args:
-        variants: name -> timed function.
-        repeats: rounds; each runs every variant once.
-        before: name -> untimed set-up run just before that variant (e.g. evict cache).
-    """
-    names = list(variants)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            if before and name in before:
-                before[name]()
-            t0 = time.perf_counter()
-            variants[name]()
-            times[name].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
-
-
 def _layout(block_size: int, quick: bool) -> BlockLayout:
     # A 7B-class slice in fp16: 8 layers x 4 KV heads x 128 dims = 16 KiB per token.
     if quick:
@@ -166,7 +142,7 @@ def bench_throughput(args: argparse.Namespace, workdir: Path) -> dict[str, objec
                     "tier read": tier.drop_cache,
                     "tier read_layer x L": tier.drop_cache,
                 }
-            results[name] = _rates(interleaved(variants, args.repeats, before), total)
+            results[name] = _rates(median_seconds(variants, args.repeats, before=before), total)
             if tier.stats.bytes_written:
                 results[name]["stored_fraction"] = tier.stats.bytes_written / (
                     tier.stats.blocks_written * layout.raw_block_bytes
@@ -192,7 +168,7 @@ def _host_vs_copy(
     slots = list(range(n))
     shuffled = np.random.default_rng(0).permutation(n).tolist()
     raw_k, raw_v = torch.zeros_like(k), torch.zeros_like(v)  # zeros: pages touched
-    sec = interleaved(
+    sec = median_seconds(
         {
             "raw write": lambda: (raw_k.copy_(k), raw_v.copy_(v)),
             "tier write": lambda: host.write_blocks(slots, k, v),
@@ -342,7 +318,7 @@ def bench_prefetch(args: argparse.Namespace) -> dict[str, object]:
                     a @ a
 
             engine.reset_stats()
-            sec = interleaved({"serial": serial, "pipelined": pipelined}, args.repeats)
+            sec = median_seconds({"serial": serial, "pipelined": pipelined}, args.repeats)
             engine.reset_stats()
             pipelined()
             st = engine.stats
@@ -365,7 +341,6 @@ def bench_prefetch(args: argparse.Namespace) -> dict[str, object]:
 # -- report -------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     """Run all four parts and print tables (or JSON with --json)."""
-    from kvstrata.bench._timing import check_positive
     from kvstrata.errors import ConfigError
 
     check_positive(args, "size_mib", "repeats", "samples")
