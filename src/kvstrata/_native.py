@@ -85,6 +85,8 @@ def _library_path() -> Path:
     h = hashlib.sha256(" ".join(_COMMON).encode() + _cpu_tag().encode())
     for name, flags in _SOURCES.items():
         h.update(name.encode() + (_DIR / name).read_bytes() + " ".join(flags).encode())
+    for header in sorted(_DIR.glob("*.h")):
+        h.update(header.name.encode() + header.read_bytes())
     return _build_dir() / f"kvstrata_native_{h.hexdigest()[:16]}.so"
 
 

@@ -28,26 +28,17 @@
 // the part is row first_row + t. Part descriptor: ntok, then K's 10, then V's 10.
 
 #include <dlfcn.h>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <functional>
 #include <mutex>
 #include <system_error>
 #include <thread>
 #include <vector>
 
-typedef int64_t i64;
-typedef uint8_t u8;
-typedef uint16_t u16;
-typedef uint32_t u32;
-typedef _Float16 f16;
+#include "common.h"
 
 static const int TILE = 32;
 static const int MAX_M = 64;     // packed query rows per head
@@ -109,13 +100,6 @@ static void parallel(int nth, std::function<void(int)> f) {
   }
   f(0);
   for (auto &t : ts) t.join();
-}
-
-static inline float bf16f(u16 v) {
-  u32 b = (u32)v << 16;
-  float f;
-  memcpy(&f, &b, 4);
-  return f;
 }
 
 // exp(x) for x <= 0, vectorizable: 2^(x*log2e) split into 2^n * 2^f, f in
@@ -180,21 +164,13 @@ static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *o
       *stride = F.drs / 4;
       return (const float *)(base + r0 * F.drs);
     case 1:
-      for (i64 t = 0; t < n; t++) {
-        const f16 *src = (const f16 *)(base + (r0 + t) * F.drs);
-        float *o = out + t * dim;
-        i64 d = 0;
-#ifdef __F16C__  // GCC does not vectorise _Float16 -> float without AVX512-FP16
-        for (; d + 8 <= dim; d += 8)
-          _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
-#endif
-        for (; d < dim; d++) o[d] = (float)src[d];
-      }
+      for (i64 t = 0; t < n; t++)
+        f16_to_f32((const f16 *)(base + (r0 + t) * F.drs), out + t * dim, dim);
       break;
     case 2:
       for (i64 t = 0; t < n; t++) {
-        const u16 *src = (const u16 *)(base + (r0 + t) * F.drs);
-        for (i64 d = 0; d < dim; d++) out[t * dim + d] = bf16f(src[d]);
+        const bf16 *src = (const bf16 *)(base + (r0 + t) * F.drs);
+        for (i64 d = 0; d < dim; d++) out[t * dim + d] = ld(src, d);
       }
       break;
     case 3: {

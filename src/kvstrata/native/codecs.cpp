@@ -17,32 +17,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
 #include <thread>
+#include <type_traits>
 #include <vector>
 
-typedef int64_t i64;
-typedef uint8_t u8;
-typedef uint16_t u16;
-typedef uint32_t u32;
-typedef _Float16 f16;
-struct bf16 {
-  u16 v;
-};
+#include "common.h"
 
-static inline float ld(const float *p, i64 i) { return p[i]; }
-static inline float ld(const f16 *p, i64 i) { return (float)p[i]; }
-static inline float ld(const bf16 *p, i64 i) {
-  u32 b = (u32)p[i].v << 16;
-  float f;
-  memcpy(&f, &b, 4);
-  return f;
-}
 static inline void st(float *p, i64 i, float f) { p[i] = f; }
 static inline void st(f16 *p, i64 i, float f) { p[i] = (f16)f; }
 static inline void st(bf16 *p, i64 i, float f) {
@@ -68,17 +48,8 @@ static inline int bad16(f16 h) {
   return (b & 0x7C00u) == 0x7C00u;
 }
 
-// GCC 12 does not vectorise _Float16 <-> float conversions without AVX512-FP16, so
-// fp16 rows are converted in bulk with F16C and the fp32 loops run on the copy.
-static inline void f16_to_f32(const f16 *__restrict x, float *__restrict y, i64 n) {
-  i64 d = 0;
-#ifdef __F16C__
-  for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(y + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + d))));
-#endif
-  for (; d < n; d++) y[d] = (float)x[d];
-}
-
+// fp16 rows are converted in bulk (f16_to_f32 / f32_to_f16, F16C) and the fp32 loops
+// run on the copy.
 static inline void f32_to_f16(const float *__restrict y, f16 *__restrict x, i64 n) {
   i64 d = 0;
 #ifdef __F16C__

@@ -33,9 +33,8 @@
 #include <utility>
 #include <vector>
 
-typedef int64_t i64;
-typedef uint64_t u64;
-typedef uint8_t u8;
+#include "common.h"
+
 
 static int iov_max() {
   static const int n = [] {
