@@ -12,13 +12,12 @@ import pytest
 from kvstrata.errors import ConfigError
 from kvstrata.modelzoo import (
     DEFAULT_MODEL_NAME,
-    build_byte_tokenizer,
     default_model_dir,
     heldout_files,
     load_model,
     load_tokenizer,
-    tiny_code_config,
 )
+from test_evaluate import make_tiny_model_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -28,20 +27,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 @pytest.fixture(scope="module")
 def good_dir(tmp_path_factory) -> Path:
     """A tiny Llama with the real byte tokenizer, saved the way the trainer saves."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    torch.manual_seed(0)
-    config = tiny_code_config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    build_byte_tokenizer().save_pretrained(path)
-    (path / "heldout_files.txt").write_text("json/encoder.py\nno/such/file.py\n")
-    return path
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture
@@ -161,6 +147,7 @@ def test_heldout_files(model_dir):
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     # Files absent on this interpreter are skipped; present ones resolve under the stdlib.
+    (model_dir / "heldout_files.txt").write_text("json/encoder.py\nno/such/file.py\n")
     assert heldout_files(model_dir) == [stdlib / "json" / "encoder.py"]
     (model_dir / "heldout_files.txt").unlink()
     with pytest.raises(ConfigError, match="heldout_files.txt: missing"):
