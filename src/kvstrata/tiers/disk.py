@@ -362,7 +362,8 @@ class DiskTier(Tier):
         super().free(slots)
 
     def _drop_rows(self, slots: list[int]) -> None:
-        stale = [s for s in slots if self._written[s]]
+        idx = np.asarray(slots, dtype=np.int64)
+        stale = idx[self._written[idx]].tolist()  # no Python loop per block
         if not stale:
             return
         with self._lock, self._db:
@@ -616,7 +617,7 @@ class DiskTier(Tier):
         L, lb = self.layout.num_layers, self.layer_bytes
         nl = L if layer is None else 1
         idx = np.asarray(slots)
-        unknown = [s for s in slots if not self._written[s] or self._missing[s]]
+        unknown = idx[~self._written[idx] | self._missing[idx]].tolist()
         if unknown:
             self.stats.read_errors += 1
             raise self._error(BlockMissingError, f"no stored block in slots {unknown}", unknown)
