@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import ConfigError
@@ -85,13 +84,6 @@ def check_sampling(args: argparse.Namespace) -> None:
         get_codec(args.disk_codec, "disk_codec")
     parse_tokens(args.block_size, "block_size")
     _fraction(args.resident_fraction)
-    if args.disk_dir is not None:  # fail before any output, not at the first spill
-        try:
-            Path(args.disk_dir).expanduser().mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError.field(
-                "disk_dir", args.disk_dir, f"cannot create it ({exc.strerror})"
-            ) from exc
 
 
 def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[str, Any]:
