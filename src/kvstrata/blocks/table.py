@@ -12,9 +12,5 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
 
-    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
-        """Blocks needed to hold `num_tokens` tokens."""
-        return -(-num_tokens // block_size)
-
     def copy(self) -> BlockTable:
         return BlockTable(list(self.block_ids), self.num_tokens)

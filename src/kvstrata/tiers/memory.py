@@ -237,11 +237,6 @@ def _indexable(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def num_slots_for_budget(budget_bytes: int, block_bytes: int) -> int:
-    """Whole blocks that fit in a byte budget."""
-    return budget_bytes // block_bytes
-
-
 class DeviceTier(MemoryTier):
     """The compute device's arena (`cuda` when present, else `cpu`)."""
 
