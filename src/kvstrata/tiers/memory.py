@@ -137,19 +137,36 @@ class MemoryTier(Tier):
                 arena.index_copy_(1, self._rows_index(slots, spec.rows), _indexable(enc[fname]))
         self.stats.bytes_written += n * self.block_bytes // self.layout.num_layers
 
-    def _scatter(self, key: str, slots: list[int], rows: int, data: torch.Tensor) -> None:
-        arena = _indexable(self.arenas[key])
-        data = _indexable(data)
+    def _copy_runs(
+        self,
+        key: str,
+        slots: list[int],
+        rows: int,
+        other: torch.Tensor,
+        layer: int | None = None,
+        into_arena: bool = False,
+    ) -> bool:
+        """Copy between the arena rows of `slots` and `other` (rows in slot order): one
+        strided copy per run of consecutive slots (an index_select / index_copy_
+        gather moves ~10x fewer bytes per second). False, having copied nothing, when
+        there are more than MAX_RUN_COPIES runs (the caller then uses index ops)."""
         runs = self.slot_runs(slots)
-        if len(runs) <= MAX_RUN_COPIES:  # one strided copy per run of consecutive slots
-            pos = 0
-            for first, count in runs:
-                arena[:, :, first * rows : (first + count) * rows].copy_(
-                    data[:, :, pos : pos + count * rows], non_blocking=True
-                )
-                pos += count * rows
-        else:
-            arena.index_copy_(2, self._rows_index(slots, rows), data)
+        if len(runs) > MAX_RUN_COPIES:
+            return False
+        arena = _indexable(self.arenas[key] if layer is None else self.arenas[key][layer])
+        other = _indexable(other)
+        dim, pos = (2 if layer is None else 1), 0
+        for first, count in runs:
+            a = arena.narrow(dim, first * rows, count * rows)
+            o = other.narrow(dim, pos, count * rows)
+            (a if into_arena else o).copy_(o if into_arena else a, non_blocking=True)
+            pos += count * rows
+        return True
+
+    def _scatter(self, key: str, slots: list[int], rows: int, data: torch.Tensor) -> None:
+        if not self._copy_runs(key, slots, rows, data, into_arena=True):
+            idx = self._rows_index(slots, rows)
+            _indexable(self.arenas[key]).index_copy_(2, idx, _indexable(data))
 
     def _gather(
         self, key: str, slots: list[int], rows: int, layer: int | None = None
@@ -168,19 +185,10 @@ class MemoryTier(Tier):
         return arena.index_select(dim, self._rows_index(slots, rows))
 
     def _copy_out(self, key: str, slots: list[int], out: torch.Tensor, layer: int | None) -> None:
-        """Raw arena rows of `slots` into `out`: one strided copy per run of consecutive
-        slots (a gather through index_select moves ~10x fewer bytes per second)."""
-        runs = self.slot_runs(slots)
-        if len(runs) > MAX_RUN_COPIES:
-            out.copy_(self._gather(key, slots, self.layout.block_size, layer), non_blocking=True)
-            return
-        arena = self.arenas[key] if layer is None else self.arenas[key][layer]
-        dim, bs, pos = (2 if layer is None else 1), self.layout.block_size, 0
-        for first, count in runs:
-            out.narrow(dim, pos, count * bs).copy_(
-                arena.narrow(dim, first * bs, count * bs), non_blocking=True
-            )
-            pos += count * bs
+        """Raw arena rows of `slots` into `out`."""
+        bs = self.layout.block_size
+        if not self._copy_runs(key, slots, bs, out, layer):
+            out.copy_(self._gather(key, slots, bs, layer), non_blocking=True)
 
     def read_blocks(self, slots: list[int], k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         self._read(slots, k_out, v_out, layer=None)
