@@ -194,6 +194,19 @@ def build_template(
     return Template(list(direct), src, layer, head, off, nbytes, fpos, woff, gaps=gaps)
 
 
+def piece_offsets(tpl: Template, views: list[np.ndarray], item_bytes: int, c: int) -> np.ndarray:
+    """Byte offset of every piece of c items within its source buffer ([c * P], item
+    major): staging pieces from the staging buffer's start, direct pieces from their
+    view's first byte."""
+    strides = np.zeros((1 + len(views), 3), dtype=np.int64)
+    strides[STAGE] = (0, 0, item_bytes)
+    for i, v in enumerate(views, 1):
+        strides[i] = v.strides[:3]
+    st = strides[tpl.src]
+    first = tpl.off + tpl.layer * st[:, 0] + tpl.head * st[:, 1]
+    return (first[None, :] + np.arange(c, dtype=np.int64)[:, None] * st[None, :, 2]).reshape(-1)
+
+
 def iovecs(
     tpl: Template,
     views: list[np.ndarray],
@@ -216,13 +229,7 @@ def iovecs(
     """
     c = len(run_of_block)
     bufs = [memoryview(stage.reshape(-1))] + [flat_bytes(v) for v in views]
-    strides = np.zeros((len(bufs), 3), dtype=np.int64)
-    strides[STAGE] = (0, 0, item_bytes)
-    for i, v in enumerate(views, 1):
-        strides[i] = v.strides[:3]
-    st = strides[tpl.src]
-    base = tpl.off + tpl.layer * st[:, 0] + tpl.head * st[:, 1]
-    start = (base[None, :] + np.arange(c)[:, None] * st[None, :, 2]).reshape(-1)
+    start = piece_offsets(tpl, views, item_bytes, c)
     src = np.broadcast_to(tpl.src, (c, len(tpl.src))).reshape(-1)
     length = np.broadcast_to(tpl.nbytes, (c, len(tpl.src))).reshape(-1)
     run = np.repeat(run_of_block, len(tpl.src))
@@ -306,15 +313,9 @@ def native_io(
     """
     c, item_bytes = len(file_base), stage.shape[1]
     P = len(tpl.src)
-    bases = np.empty(1 + len(views), dtype=np.int64)
-    strides = np.zeros((1 + len(views), 3), dtype=np.int64)
-    bases[STAGE], strides[STAGE] = stage.ctypes.data, (0, 0, item_bytes)
-    for i, v in enumerate(views, 1):
-        bases[i], strides[i] = v.ctypes.data, v.strides[:3]
-    st = strides[tpl.src]
-    first = bases[tpl.src] + tpl.off + tpl.layer * st[:, 0] + tpl.head * st[:, 1]
+    bases = np.array([stage.ctypes.data] + [v.ctypes.data for v in views], dtype=np.int64)
+    addr = np.tile(bases[tpl.src], c) + piece_offsets(tpl, views, item_bytes, c)
     item = np.arange(c, dtype=np.int64)[:, None]
-    addr = (first[None, :] + item * st[None, :, 2]).reshape(-1)
     length = np.broadcast_to(tpl.nbytes, (c, P)).reshape(-1).copy()
     foff = (file_base.astype(np.int64)[:, None] + tpl.fpos[None, :]).reshape(-1)
     woff = np.broadcast_to(np.maximum(tpl.woff, 0), (c, P)).reshape(-1).copy()
