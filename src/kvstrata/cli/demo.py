@@ -21,6 +21,7 @@ from kvstrata.cli.generate import (
     apply_threads,
     generate_ids,
     parse_threads,
+    prompt_then_stream,
     quiet_transformers,
     render_stats,
 )
@@ -79,7 +80,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 def run_demo(args: argparse.Namespace, model_dir: Path) -> int:
     """Generate across tiers, print stats, compare with DynamicCache. Exit 1 on mismatch."""
-    from transformers import DynamicCache, TextStreamer
+    from transformers import DynamicCache
 
     from kvstrata.integrations.hf import TieredCache, enable
     from kvstrata.modelzoo import load_model
@@ -104,7 +105,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path) -> int:
     )
     print("-" * 72)
     enable(model)
-    streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
+    streamer = prompt_then_stream(tokenizer, args.prompt)
     tiered = generate_ids(
         model,
         tokenizer,

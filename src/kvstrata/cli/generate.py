@@ -247,12 +247,13 @@ def render_stats(stats: dict[str, Any]) -> None:
     )
 
 
-def _prompt_then_stream(streamer_cls: type, tokenizer: Any, prompt: str) -> Any:
+def prompt_then_stream(tokenizer: Any, prompt: str) -> Any:
     """A TextStreamer that echoes the prompt only once the first new token is out, so
     an error in the first forward (e.g. a budget the cache refuses) leaves stdout empty
     and stderr with its one line."""
+    from transformers import TextStreamer
 
-    class PromptThenStream(streamer_cls):
+    class PromptThenStream(TextStreamer):
         def __init__(self) -> None:
             super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
             self.pending_prompt: str | None = prompt
@@ -268,8 +269,6 @@ def _prompt_then_stream(streamer_cls: type, tokenizer: Any, prompt: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata generate`; exit code 0."""
-    from transformers import TextStreamer
-
     from kvstrata.integrations.hf import TieredCache, enable
     from kvstrata.modelzoo import load_model
 
@@ -281,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_len = len(tokenizer(args.prompt).input_ids)
     cache = TieredCache(model.config, **cache_kwargs(args, model, prompt_len + max_new))
     enable(model)
-    streamer = None if args.no_stream else _prompt_then_stream(TextStreamer, tokenizer, args.prompt)
+    streamer = None if args.no_stream else prompt_then_stream(tokenizer, args.prompt)
     out = generate_ids(
         model,
         tokenizer,
