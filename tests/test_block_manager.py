@@ -273,8 +273,7 @@ def test_window_with_two_sequences() -> None:
     assert _on_tier(mgr) == {"device": [1, 3], "host": [0, 2]}
     assert _placement(mgr, 0) == [("host", 1), ("device", 3)]
     assert _placement(mgr, 1) == [("host", 0), ("device", 1)]
-    views = sorted(mgr._views().values(), key=lambda v: v.block_id)
-    assert mgr.policy.eviction_order(views) == [2, 0, 3, 1]
+    assert mgr.eviction_order() == [2, 0, 3, 1]
 
 
 @pytest.mark.parametrize(

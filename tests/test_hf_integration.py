@@ -141,7 +141,8 @@ def test_tokens_identical(family, placement, references, tmp_path):
     tiers = cache.stats()["tiers"]
     if placement != "device":
         assert tiers["host"]["used_blocks"] > 0
-    if "disk" in tiers:
+    if "disk" in tiers and not getattr(model.config, "sliding_window", None):
+        # (a sliding model's groups drop what the window cannot see: few blocks)
         total = sum(t["used_blocks"] for t in tiers.values())
         assert tiers["disk"]["used_blocks"] >= total // 2 - 1, tiers
         assert tiers["device"]["used_blocks"] <= tiers["device"]["budget_blocks"]

@@ -3,12 +3,14 @@ every codec with non-consecutive slots, and bit-exact encoded transfers."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvstrata.blocks.pool import BlockPool
 from kvstrata.codecs.registry import get_codec
 from kvstrata.layout import BlockLayout
+from kvstrata.slots import slot_runs
 from kvstrata.tiers.base import SlotAllocator
 from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier
 
@@ -176,11 +178,37 @@ def test_encoded_transfer_is_bit_exact(codec: str) -> None:
     assert all(torch.equal(again[key], enc[key]) for key in enc)
 
 
+def _runs_by_loop(slots: list[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
+
+
+def test_slot_runs() -> None:
+    assert slot_runs([]) == []
+    assert slot_runs([2, 3, 4, 0, 5, 1, 2]) == [(0, 2, 3), (3, 0, 1), (4, 5, 1), (5, 1, 2)]
+    assert slot_runs([7, 8, 9]) == [(0, 7, 3)]
+    assert slot_runs([4, 4, 5]) == [(0, 4, 1), (1, 4, 2)]  # a repeat starts a new run
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 511, 512, 3000):  # both sides of the numpy threshold
+        for p_break in (0.02, 0.5):
+            jumps = torch.randint(0, 50, (n,), generator=g)
+            step = torch.where(torch.rand(n, generator=g) < p_break, jumps, torch.ones(n))
+            slots = torch.cumsum(step, 0).tolist()
+            want = _runs_by_loop(slots)
+            assert slot_runs(slots) == want
+            assert slot_runs(np.asarray(slots)) == want
+            assert all(type(x) is int for run in slot_runs(np.asarray(slots)) for x in run)
+
+
 def test_zero_copy_views_and_runs() -> None:
     layout = BlockLayout(2, 2, 4, 2)
     tier = DeviceTier(layout, 6, device="cpu")
     assert tier.zero_copy and tier.block_bytes == layout.raw_block_bytes == 256
-    assert tier.slot_runs([2, 3, 4, 0, 5, 1, 2]) == [(2, 3), (0, 1), (5, 1), (1, 2)]
     k, v = _blocks(layout, 3, seed=4)
     tier.write_blocks([2, 3, 4], k, v)
     kv_k, kv_v = tier.layer_view(1, 2, 3)

@@ -23,6 +23,7 @@ from kvstrata.attention import (
     raw_field,
 )
 from kvstrata.codecs.registry import get_codec
+from kvstrata.formats import FieldDesc, FieldFormat
 from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.layout import BlockLayout
 
@@ -118,7 +119,7 @@ def test_quantized_parts_match_decode_then_attend(codec_name, dim, threads):
     q = torch.randn(2, 2, dim, generator=g)
     scale = 1 / math.sqrt(dim)
 
-    def field(kind: str, row0: int) -> list[int]:
+    def field(kind: str, row0: int) -> FieldDesc | None:
         f = enc[kind]
         zero = f["zero"][0] if "zero" in f else None
         fmt = codec.attend_format(kind, BlockLayout(1, 2, dim, bs))
@@ -155,6 +156,20 @@ def test_no_parts_and_oversized_shapes_return_none():
     part = [(8, raw_field(k), raw_field(k))]
     assert native_attention(torch.randn(2, 65, 64), part, 64, 0.125) is None  # > 64 rows
     assert raw_field(torch.randn(2, 8, 64).to(torch.float64)) is None  # no fp64 format
+
+
+def test_descriptors_are_named_and_checked():
+    k = torch.randn(3, 10, 64, dtype=torch.float16)[:, 2:]
+    d = raw_field(k)
+    assert (d.format, d.data, d.scale, d.row0) == (FieldFormat.F16, k.data_ptr(), None, 0)
+    assert (d.data_head_stride, d.data_row_stride) == (10 * 64 * 2, 64 * 2)
+    q = torch.randn(3, 1, 64)
+    d.format = 99
+    with pytest.raises(RuntimeError, match="status -2"):  # unknown format
+        native_attention(q, [(8, d, raw_field(k))], 64, 0.125)
+    bad = encoded_field((FieldFormat.INT4_TOKEN, 0), k, k, None, 0)
+    with pytest.raises(RuntimeError, match="status -3"):  # group 0
+        native_attention(q, [(8, raw_field(k), bad)], 64, 0.125)
 
 
 def test_std_thread_workers_without_openmp():
@@ -204,7 +219,7 @@ def _decode_logits(model, ids, steps: int, native: bool, **cache_kw) -> torch.Te
             logits.append(out.logits[:, -1])
             tok = out.logits[:, -1:].argmax(-1)
     assert cache.stats()["tiers"]["host"]["used_blocks"] >= 6
-    assert ("host" in cache._native) == native, "the path under test was not taken"
+    assert ("host" in cache.store.runtime.native) == native, "the path under test was not taken"
     return torch.cat(logits)
 
 

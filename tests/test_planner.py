@@ -109,7 +109,22 @@ def test_sliding_window_caps_kv():
     p = plan(load_geometry("mistral-7b"), hw(), Workload(context_tokens=32768, concurrency=4))
     assert p.kv_per_request_bytes == 4096 * 131_072
     row = next(r for r in p.table if r.context_tokens == 131072)
-    assert row.per_request["fp16"] == 512 * 2**20
+    # what the store holds with 256-token blocks: the 4096-token window + one block of
+    # slack, from a block boundary: 131072 - (131072 - 4095 - 256) // 256 * 256 tokens
+    assert row.per_request["fp16"] == 4352 * 131_072
+
+
+def test_planner_counts_sliding_blocks_like_the_store():
+    from kvstrata.budgets import blocks_held
+    from kvstrata.groups import layer_groups
+
+    g = load_geometry("mistral-7b")
+    groups = layer_groups(g.num_layers, g.sliding_layers, g.sliding_window)
+    for ctx in (100, 4096, 4097, 5000, 131072):
+        tokens = blocks_held(groups, ctx, 64) * 64  # whole blocks (the last one partial)
+        planned = g.bytes_for_context(ctx, "fp16", block_size=64)
+        per_token = g.bytes_per_token("fp16")
+        assert 0 <= tokens * per_token - planned < 64 * per_token
 
 
 def test_memory_table():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvstrata.errors import ConfigError
-from kvstrata.transfer import LINK_PRESETS, LinkModel, Prefetcher, TransferEngine, TransferStats
+from kvstrata.hardware import LINK_LATENCY_S, LINKS
+from kvstrata.transfer import LinkModel, Prefetcher, TransferEngine, TransferStats
 
 MB = 1 << 20
 
@@ -18,8 +19,12 @@ def test_link_model_and_presets():
     link = LinkModel(1e9, latency_s=1e-3)
     assert link.seconds(8_000_000) == pytest.approx(0.009)
     assert LinkModel.preset("pcie4") == LinkModel(25e9, 10e-6)
-    assert sorted(LINK_PRESETS) == ["pcie3", "pcie4", "pcie5"]
-    with pytest.raises(ConfigError, match="pcie3, pcie4, pcie5"):
+    assert LinkModel.preset("pcie3") == LinkModel(12e9, 10e-6)
+    assert LinkModel.preset("pcie5") == LinkModel(50e9, 10e-6)
+    # one table with the planner's links (kvstrata.hardware.LINKS)
+    for name, spec in LINKS.items():
+        assert LinkModel.preset(name) == LinkModel(spec.bandwidth, LINK_LATENCY_S)
+    with pytest.raises(ConfigError, match=r"^link='pcie9' is invalid: one of pcie3, pcie3-x8"):
         LinkModel.preset("pcie9")
     with pytest.raises(ConfigError, match="bandwidth"):
         LinkModel(0)

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "TieredCache": "kvstrata.integrations.hf",
+    "KVStore": "kvstrata.store",
     "enable": "kvstrata.integrations.hf",
     "plan": "kvstrata.planner",
     "load_geometry": "kvstrata.geometry",
@@ -46,6 +47,7 @@ __all__ = [
     "TierIOError",
     "UnsupportedModelError",
     "TieredCache",
+    "KVStore",
     "enable",
     "get_codec",
     "load_geometry",

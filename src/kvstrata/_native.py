@@ -23,6 +23,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from kvstrata.formats import PartDesc
+
 __all__ = ["available", "load"]
 
 _DIR = Path(__file__).with_name("native")
@@ -54,11 +56,13 @@ for _name in ("int8", "int4v", "int4k", "fp8"):
     _SIGNATURES[f"kv_{_name}_enc"] = (_enc, _ci)
     _dec = [_ci, _vp, _i64, _vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _ci]
     _SIGNATURES[f"kv_{_name}_dec"] = (_dec, _ci)
-# fd, write, n, addr, len, foff, woff, out_idx, keys, sums, status, batch_bytes, threads
-# nparts, desc, q, out, lse, H, M, D, Dv, scale, softcap, threads
-_SIGNATURES["kv_attn_decode"] = ([_ci, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
+# nparts, parts (kv_part array), q, out, lse, H, M, D, Dv, scale, softcap, threads
+_parts = ctypes.POINTER(PartDesc)
+_SIGNATURES["kv_attn_decode"] = ([_ci, _parts, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
+_SIGNATURES["kv_abi_layout"] = ([ctypes.POINTER(_i64), _ci], _ci)
 _SIGNATURES["kv_use_openmp"] = ([ctypes.c_char_p], _ci)
 _SIGNATURES["kv_pio_limit_call_bytes"] = ([_i64], None)
+# fd, write, n, addr, len, foff, woff, out_idx, keys, sums, status, batch_bytes, threads
 _SIGNATURES["kv_pio"] = ([_ci, _ci, _i64] + [_vp] * 8 + [_i64, _ci], _i64)
 
 

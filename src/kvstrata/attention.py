@@ -27,49 +27,61 @@ import math
 
 import torch
 
+from kvstrata.formats import FieldDesc, FieldFormat, PartDesc
+
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 # -- native decode attention ------------------------------------------------------------------
-_RAW_FORMAT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 NATIVE_MAX_ROWS = 64  # packed query rows per KV head (R * new tokens)
 NATIVE_MAX_DIM = 512
 
 
-def raw_field(t: torch.Tensor) -> list[int] | None:
+def raw_field(t: torch.Tensor) -> FieldDesc | None:
     """Descriptor of a raw K or V view [Hkv, T, D] (rows contiguous, on the CPU), or
     None when the native kernel cannot read it in place."""
-    fmt = _RAW_FORMAT.get(t.dtype)
+    fmt = FieldFormat.raw(t.dtype)
     if fmt is None or t.device.type != "cpu" or (t.stride(-1) != 1 and t.shape[-1] > 1):
         return None
     es = t.element_size()
-    return [fmt, t.data_ptr(), t.stride(0) * es, t.stride(1) * es, 0, 0, 0, 0, 0, 0]
+    return FieldDesc(
+        data=t.data_ptr(),
+        data_head_stride=t.stride(0) * es,
+        data_row_stride=t.stride(1) * es,
+        format=fmt,
+    )
 
 
 def encoded_field(
-    fmt: tuple[int, int],
+    fmt: tuple[FieldFormat, int],
     data: torch.Tensor,
     scale: torch.Tensor,
     zero: torch.Tensor | None,
     row0: int,
-) -> list[int] | None:
+) -> FieldDesc | None:
     """Descriptor of a codec's fields for one layer ([Hkv, rows, cols] arenas, rows
-    contiguous, CPU), starting at arena token row `row0`; `zero` None for codecs
-    without a zero point (fp8)."""
+    contiguous, CPU), starting at arena token row `row0`; `fmt` is the codec's
+    `attend_format` (format, group); `zero` None for codecs without a zero point (fp8)."""
     zero = scale if zero is None else zero
     if any(t.device.type != "cpu" or not t[0].is_contiguous() for t in (data, scale, zero)):
         return None
     code, group = fmt
-    es = scale.element_size()
-    return [
-        code, data.data_ptr(), data.stride(0) * data.element_size(),
-        data.stride(1) * data.element_size(), scale.data_ptr(), scale.stride(0) * es,
-        zero.data_ptr(), zero.stride(0) * zero.element_size(), group, row0,
-    ]  # fmt: skip
+    return FieldDesc(
+        data=data.data_ptr(),
+        scale=scale.data_ptr(),
+        zero=zero.data_ptr(),
+        data_head_stride=data.stride(0) * data.element_size(),
+        data_row_stride=data.stride(1) * data.element_size(),
+        scale_head_stride=scale.stride(0) * scale.element_size(),
+        zero_head_stride=zero.stride(0) * zero.element_size(),
+        group=group,
+        row0=row0,
+        format=code,
+    )
 
 
 def native_attention(
     q: torch.Tensor,
-    parts: list[tuple[int, list[int], list[int]]],
+    parts: list[tuple[int, FieldDesc, FieldDesc]],
     dim_v: int,
     scale: float,
     softcap: float | None = None,
@@ -94,11 +106,11 @@ def native_attention(
     if lib is None or not parts or m > NATIVE_MAX_ROWS or max(d, dim_v) > NATIVE_MAX_DIM:
         return None
     qf = q.detach().to("cpu", torch.float32).contiguous()
-    desc = torch.tensor([[n, *kd, *vd] for n, kd, vd in parts], dtype=torch.int64)
+    desc = (PartDesc * len(parts))(*parts)  # one contiguous kv_part array
     out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
     lse = torch.empty((hkv, m), dtype=torch.float32)
     rc = lib.kv_attn_decode(
-        len(parts), desc.data_ptr(), qf.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        len(parts), desc, qf.data_ptr(), out.data_ptr(), lse.data_ptr(),
         hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

@@ -370,12 +370,21 @@ class KVGeometry:
         """
         return _exact(self._token_bytes(codec, dtype, block_size))
 
-    def kv_tokens_for_layer(self, layer: int, context: int) -> int:
-        """Tokens layer `layer` keeps for a `context`-token sequence (sliding: the window)."""
+    def kv_tokens_for_layer(self, layer: int, context: int, block_size: int | None = None) -> int:
+        """Tokens layer `layer` keeps for a `context`-token sequence (sliding: the window).
+
+        With `block_size`, what kvstrata's store holds: a sliding layer keeps the
+        blocks from the first one its window (plus one block of slack) still sees
+        (kvstrata.groups), so planner and cache agree to within a block per group."""
         if not 0 <= layer < self.num_layers:
             raise ConfigError.field("layer", layer, f"a layer index in [0, {self.num_layers})")
         if layer in self.sliding_layers and self.sliding_window is not None:
-            return min(self.sliding_window, context)
+            if block_size is None:
+                return min(self.sliding_window, context)
+            from kvstrata.groups import LayerGroup
+
+            group = LayerGroup(0, (layer,), self.sliding_window)
+            return context - group.first_live_block(context, block_size) * block_size
         return context
 
     def bytes_for_context(
@@ -395,7 +404,9 @@ class KVGeometry:
             Bytes (int, or float when fractional).
         """
         per_layer_token = self._token_bytes(codec, dtype, block_size) / self.num_layers
-        tokens = sum(self.kv_tokens_for_layer(i, context) for i in range(self.num_layers))
+        tokens = sum(
+            self.kv_tokens_for_layer(i, context, block_size) for i in range(self.num_layers)
+        )
         return _exact(per_layer_token * tokens)
 
     def describe(self) -> str:

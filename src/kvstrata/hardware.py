@@ -2,7 +2,9 @@
 
 Bandwidths are bytes per second, decimal (25 GB/s = 25e9 B/s), as vendors quote them.
 Links are *measured* pinned-memory copy rates, not the PCIe headline numbers the seed
-lists (PCIe 4.0 x16 is "32 GB/s" on paper, ~25 GB/s in a pinned cudaMemcpy).
+lists (PCIe 4.0 x16 is "32 GB/s" on paper, ~25 GB/s in a pinned cudaMemcpy). `LINKS`
+is the one table of GPU<->host links: the planner sizes against it (`get_link`) and
+the transfer engine's simulated links are made from it (`LinkModel.preset`).
 
 GPU capacities are the labelled size read as GiB (a "24 GB" RTX 4090 shows 24564 MiB
 in nvidia-smi); the planner's reserve covers the driver/context share that is not usable.
@@ -76,6 +78,10 @@ DISKS: dict[str, LinkSpec] = {
     "nvme-gen4": LinkSpec("nvme-gen4", 7e9, "NVMe PCIe 4.0 x4 sequential read"),
 }
 
+# Fixed cost of one host<->device copy (driver call and DMA setup), seconds; the
+# transfer engine's simulated links add it to bytes / bandwidth.
+LINK_LATENCY_S = 10e-6
+
 # The seed's "PCIe bandwidth limited (e.g. PCIe 3.0 x8)" threshold, bytes/s.
 SLOW_LINK_BANDWIDTH = 8e9
 
@@ -122,17 +128,25 @@ def get_gpu(name: str, memory: int | None = None, bandwidth: float | None = None
     )
 
 
+def lookup_preset(table: dict[str, LinkSpec], name: str, field: str, also: str = "") -> LinkSpec:
+    """table[name], case-insensitive.
+
+    Raises:
+        ConfigError: unknown name: `<field>='<name>' is invalid: one of <names><also>`.
+    """
+    spec = table.get(name.lower())
+    if spec is None:
+        raise ConfigError.field(field, name, f"one of {', '.join(table)}{also}")
+    return spec
+
+
 def _get_link(
     table: dict[str, LinkSpec], name: str, bandwidth: float | None, field: str
 ) -> LinkSpec:
     bandwidth = _positive(bandwidth, f"{field}_bandwidth")
-    key = name.lower()
-    if key == "custom" and bandwidth is not None:
+    if name.lower() == "custom" and bandwidth is not None:
         return LinkSpec("custom", float(bandwidth), "user-given bandwidth")
-    if key not in table:
-        accepted = f"one of {', '.join(table)}; or 'custom' with a bandwidth"
-        raise ConfigError.field(field, name, accepted)
-    base = table[key]
+    base = lookup_preset(table, name, field, also="; or 'custom' with a bandwidth")
     if bandwidth is None:
         return base
     return LinkSpec(base.name, float(bandwidth), base.description + " (bandwidth overridden)")

@@ -9,9 +9,10 @@
 `TransferStats` keeps bytes and copy seconds per link, the total stall, and the
 overlap ratio 1 - stall / transfer time (1.0 = every transfer hidden behind compute).
 
-A `LinkModel` makes a copy take at least as long as it would on a given link
-(PCIe 3/4/5 presets), so the overlap machinery can be exercised and measured on a
-CPU-only machine where a host-to-host copy is much faster than a real link.
+A `LinkModel` makes a copy take at least as long as it would on a given link (the
+presets are `kvstrata.hardware.LINKS`), so the overlap machinery can be exercised and
+measured on a CPU-only machine where a host-to-host copy is much faster than a real
+link.
 `Prefetcher` is the double buffer: item i+1 loads into one buffer while item i
 (in the other) is consumed, e.g. layer l+1 fetched while layer l computes.
 """
@@ -28,6 +29,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from kvstrata.errors import ConfigError
+from kvstrata.hardware import LINK_LATENCY_S, LINKS, lookup_preset
 
 T = TypeVar("T")
 
@@ -53,18 +55,13 @@ class LinkModel:
 
     @classmethod
     def preset(cls, name: str) -> LinkModel:
-        """A named link: pcie3 / pcie4 / pcie5 (x16, effective host<->device rates)."""
-        try:
-            return LINK_PRESETS[name]
-        except KeyError:
-            raise ConfigError.field("link", name, f"one of {', '.join(LINK_PRESETS)}") from None
+        """A GPU<->host link of `kvstrata.hardware.LINKS` (pcie3, pcie3-x8, pcie4,
+        pcie5: measured host<->device rates) with the per-copy `LINK_LATENCY_S`.
 
-
-LINK_PRESETS: dict[str, LinkModel] = {
-    "pcie3": LinkModel(12e9, 10e-6),
-    "pcie4": LinkModel(25e9, 10e-6),
-    "pcie5": LinkModel(50e9, 10e-6),
-}
+        Raises:
+            ConfigError: unknown name (lists the valid ones).
+        """
+        return cls(lookup_preset(LINKS, name, "link").bandwidth, LINK_LATENCY_S)
 
 
 @dataclass

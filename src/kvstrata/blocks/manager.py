@@ -1,49 +1,40 @@
-"""BlockManager: sequences -> block tables -> (tier, slot); placement and eviction.
+"""BlockManager: block tables -> (tier, slot); placement, eviction and cached blocks.
 
 The request-level facade over the pool (ids, ref counts), the tiers (slots, bytes)
-and a pure eviction policy. Placement runs only when a step needs new blocks or a
-budget changed — decode steps that fill the open block touch no Python per block.
+and a pure eviction policy. A *table* is one sequence in one layer group (any
+hashable key; the store uses (sequence, group)). Placement runs only when a step
+needs new blocks or a budget changed — decode steps that fill the open block touch
+no Python per block.
 
-Placement ("cascade"), tiers ordered fastest first:
-
-    tier 0 (device): keep the top-K ranked blocks (K = budget in slots), where the
-                     candidates are its evictable blocks + this step's new blocks;
-                     the rest spill down
-    tier 1 (host):   same, with the spill of tier 0 as incoming
-    tier 2 (disk):   same; a spill here is an OutOfBlocksError (decided before any
-                     block moves, so a failed append changes nothing)
+Every mutation checks, then acts: the step's placement is planned as a value
+(`blocks.placement.plan_placement`) before any block moves, copies or is allocated,
+so a refused step (OutOfBlocksError) leaves everything as it was.
 
 Invariants: a partially filled block lives on the device (lossy codecs only ever see
 full blocks, so a block is encoded once); blocks written in the current step are
-not moved until the step ends.
+not moved until the step ends; a shared or cached block is never written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
+from kvstrata.blocks.placement import PendingBlock, Placement, plan_placement
 from kvstrata.blocks.pool import Block, BlockPool
 from kvstrata.blocks.table import BlockTable
-from kvstrata.errors import ConfigError, OutOfBlocksError
+from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import BlockView, EvictionPolicy
 from kvstrata.tiers.base import Tier
 from kvstrata.units import format_bytes
 
 
-@dataclass
-class PendingBlock(Block):
-    """A block this step needs, before placement gives it an id, a tier and a slot."""
-
-    seq_id: int = -1
-    index: int = -1  # position in the sequence's block table
-
-
 @dataclass(frozen=True)
 class Run:
-    """Consecutive blocks of one sequence in consecutive slots of one tier."""
+    """Consecutive blocks of one table in consecutive slots of one tier."""
 
     tier: str
     first_slot: int
@@ -57,7 +48,7 @@ class TokenWrites:
     """Where this step's new tokens go in one tier.
 
     rows: arena row (slot*bs + offset) per written token.
-    src: index of that token in the step's flattened [batch*new_tokens] order.
+    src: index of that token in the step's flattened [len(tables) * new_tokens] order.
     """
 
     tier: str
@@ -67,7 +58,7 @@ class TokenWrites:
 
 
 class BlockManager:
-    """Sequences, their block tables, and the placement of every block."""
+    """Block tables, their placement, and cached (unreferenced, hashed) blocks."""
 
     def __init__(
         self,
@@ -84,43 +75,67 @@ class BlockManager:
         self.policy = policy
         self.num_sink_blocks = -(-sink_tokens // layout.block_size) if sink_tokens else 0
         self.pool = BlockPool()
-        self.tables: dict[int, BlockTable] = {}
+        self.tables: dict[Hashable, BlockTable] = {}
         self.budget_slots = {t.name: t.num_slots for t in tiers}
         self.on_tier: dict[str, set[int]] = {t.name: set() for t in tiers}
+        self.cached: dict[int, None] = {}  # unreferenced hashed blocks, oldest first
+        self.num_cached_on: dict[str, int] = {t.name: 0 for t in tiers}
+        self.peak_live_bytes = 0  # referenced blocks (all tiers), highest after a step
+        self.hash_to_block: dict[bytes, int] = {}
         self.clock = 0
-        self.seq_last_access: dict[int, int] = {}
-        self.seq_access_count: dict[int, int] = {}
-        self._runs: dict[int, list[Run]] = {}
+        self.seq_last_access: dict[Hashable, int] = {}
+        self.seq_access_count: dict[Hashable, int] = {}
+        self._runs: dict[Hashable, list[Run]] = {}
         self.num_moves = 0
+        self.num_evicted_cached = 0
         self.bytes_moved: dict[str, int] = {}
+        self.on_move = None  # callback(blocks, dst tier) after blocks moved (store hooks)
 
-    # -- sequences --------------------------------------------------------------------------
-    def add_sequence(self, seq_id: int) -> None:
+    # -- tables -------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: Hashable, window: int | None = None) -> None:
+        """A new empty table; `window` makes it drop blocks the window cannot see."""
         if seq_id in self.tables:
             raise AssertionError(f"sequence {seq_id} exists")
-        self.tables[seq_id] = BlockTable()
+        self.tables[seq_id] = BlockTable(window=window)
         self.seq_last_access[seq_id] = self.clock
         self.seq_access_count[seq_id] = 0
 
-    def has_sequence(self, seq_id: int) -> bool:
+    def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self.tables
 
-    def num_tokens(self, seq_id: int) -> int:
+    def num_tokens(self, seq_id: Hashable) -> int:
         return self.tables[seq_id].num_tokens
 
-    def free_sequence(self, seq_id: int) -> None:
+    def free_sequence(self, seq_id: Hashable) -> None:
         table = self.tables.pop(seq_id)
-        for block_id in table.block_ids:
+        for block_id in table.block_ids + [b for _, b in table.step_history]:
             self._decref(block_id)
         self._runs.pop(seq_id, None)
         self.seq_last_access.pop(seq_id, None)
         self.seq_access_count.pop(seq_id, None)
 
-    def fork(self, src_seq: int, dst_seq: int) -> None:
+    def attach(
+        self, seq_id: Hashable, block_ids: list[int], first_block: int, num_tokens: int
+    ) -> None:
+        """Point an empty table at existing full blocks (a prefix hit): logical blocks
+        first_block .. first_block + len(block_ids) - 1, `num_tokens` tokens."""
+        table = self.tables[seq_id]
+        assert not table.block_ids and not table.num_tokens
+        for block_id in block_ids:
+            block = self.pool.blocks[block_id]
+            if block.ref_count == 0:
+                self._uncache(block)
+            block.ref_count += 1
+        table.block_ids = list(block_ids)
+        table.first_block = first_block
+        table.num_tokens = num_tokens
+        self._runs.pop(seq_id, None)
+
+    def fork(self, src_seq: Hashable, dst_seq: Hashable) -> None:
         """dst shares every block of src (ref counts); the first append to a shared
         partial block copies it (copy on write)."""
         table = self.tables[src_seq].copy()
-        for block_id in table.block_ids:
+        for block_id in table.block_ids + [b for _, b in table.step_history]:
             self.pool.incref(block_id)
         if dst_seq in self.tables:
             self.free_sequence(dst_seq)
@@ -129,65 +144,133 @@ class BlockManager:
         self.seq_access_count[dst_seq] = self.seq_access_count[src_seq]
         self._runs.pop(dst_seq, None)
 
-    def remap(self, sources: list[int]) -> None:
-        """Replace the sequences by new ones 0..len(sources)-1, where new sequence i
-        shares every block of old sequence `sources[i]` (beam reorder, batch repeat,
-        batch select). No data is copied; shared partial blocks are copied on write."""
-        old_tables = self.tables
-        old_access = (self.seq_last_access, self.seq_access_count)
-        self.tables, self.seq_last_access, self.seq_access_count = {}, {}, {}
-        for new_id, src in enumerate(sources):
-            table = old_tables[src].copy()
-            for block_id in table.block_ids:
+    def remap(self, sources: list, keys: list | None = None) -> None:
+        """Replace the tables by new ones, where new table `keys[i]` (default i) shares
+        every block of old table `sources[i]` (beam reorder, batch repeat, batch
+        select). Tables not named in `keys` are kept. No data is copied; shared
+        partial blocks are copied on write."""
+        replace_all = keys is None
+        keys = list(range(len(sources))) if keys is None else keys
+        old = {k: self.tables[s].copy() for k, s in zip(keys, sources, strict=True)}
+        access = {
+            k: (self.seq_last_access[s], self.seq_access_count[s])
+            for k, s in zip(keys, sources, strict=True)
+        }
+        for table in old.values():
+            for block_id in table.block_ids + [b for _, b in table.step_history]:
                 self.pool.incref(block_id)
-            self.tables[new_id] = table
-            self.seq_last_access[new_id] = old_access[0][src]
-            self.seq_access_count[new_id] = old_access[1][src]
-        for table in old_tables.values():
-            for block_id in table.block_ids:
-                self._decref(block_id)
+        replaced = set(self.tables) if replace_all else set(sources) | set(keys)
+        for key in [k for k in self.tables if k in replaced]:
+            self.free_sequence(key)
+        for key, table in old.items():
+            self.tables[key] = table
+            self.seq_last_access[key], self.seq_access_count[key] = access[key]
         self._runs.clear()
 
-    def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens (crop)."""
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens (crop).
+
+        Raises:
+            OutOfBlocksError: the now-open last block must come back to the device
+                and no device slot is free (nothing changed).
+            KvstrataError: a sliding-window table already dropped blocks the cropped
+                sequence's next query would see.
+        """
         table = self.tables[seq_id]
         if num_tokens >= table.num_tokens:
             return
         bs = self.layout.block_size
         keep = -(-num_tokens // bs)
-        if keep and num_tokens % bs:
-            # Fix: check the room for bringing a now-partial block back to the device
-            # before changing anything (a refused crop used to drop blocks first).
-            last = self.pool.blocks[table.block_ids[keep - 1]]
-            device = self.tier_order[0]
-            if last.ref_count == 1 and last.tier != device:
-                freed = sum(
-                    1
-                    for i in table.block_ids[keep:]
-                    if self.pool.blocks[i].ref_count == 1 and self.pool.blocks[i].tier == device
+        if table.window is not None and table.block_ids:
+            need = max(0, num_tokens - (table.window - 1))
+            if need < table.first_block * bs or keep <= table.first_block:
+                raise KvstrataError(
+                    f"cannot crop a sliding-window layer group to {num_tokens} tokens: its "
+                    f"blocks before token {table.first_block * bs} were dropped (window "
+                    f"{table.window}); crop by at most one block ({bs} tokens) at a time"
                 )
-                if self.tiers[device].num_free + freed < 1:
-                    raise OutOfBlocksError(self._no_device_slot("a cropped block"))
-        for block_id in table.block_ids[keep:]:
+        last = self.pool.blocks[table.block_ids[keep - 1 - table.first_block]] if keep else None
+        reopen = last is not None and num_tokens % bs != 0 and last.ref_count == 1
+        device = self.tier_order[0]
+        if reopen and last.tier != device:
+            drop = table.block_ids[keep - table.first_block :]
+            freed = sum(
+                1
+                for i in drop
+                if self.pool.blocks[i].ref_count == 1 and self.pool.blocks[i].tier == device
+            )
+            if self.tiers[device].num_free + freed < 1:
+                raise OutOfBlocksError(self._no_device_slot("a cropped block"))
+        for block_id in table.block_ids[keep - table.first_block :]:
             self._decref(block_id)
-        del table.block_ids[keep:]
+        del table.block_ids[keep - table.first_block :]
         table.num_tokens = num_tokens
-        if keep and num_tokens % bs:
-            last = self.pool.blocks[table.block_ids[-1]]
-            if last.ref_count == 1:
-                last.num_tokens = num_tokens % bs
-                if last.tier != self.tier_order[0]:
-                    # A partial block must be on the device: bring it back.
-                    self._place_partial_on_device(last)
+        if reopen:
+            self._unhash(last)
+            last.num_tokens = num_tokens % bs
+            if last.tier != device:  # a partial block must be on the device
+                self._move([last], device)
         self._runs.pop(seq_id, None)
 
     def _decref(self, block_id: int) -> None:
-        block = self.pool.decref(block_id)
-        if block is not None:
-            self.tiers[block.tier].free([block.slot])
-            self.on_tier[block.tier].discard(block.block_id)
+        block = self.pool.decref(block_id, keep=True)
+        if block is None:
+            return
+        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
+            block.last_access = self.clock
+            self.cached[block_id] = None
+            self.num_cached_on[block.tier] += 1
+            return
+        self._release(block)
 
-    # -- budgets ----------------------------------------------------------------------------
+    def _release(self, block: Block) -> None:
+        self.pool.release(block.block_id)
+        self.tiers[block.tier].free([block.slot])
+        self.on_tier[block.tier].discard(block.block_id)
+        self._unhash(block)
+
+    def _unhash(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.hash_to_block.get(block.block_hash) == block.block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash = block.token_ids = None
+        self._uncache(block)
+
+    def _uncache(self, block: Block) -> None:
+        if block.block_id in self.cached:
+            del self.cached[block.block_id]
+            self.num_cached_on[block.tier] -= 1
+
+    # -- content hashes -----------------------------------------------------------------------
+    def set_hash(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Index a full block under its content hash. False when another block already
+        holds that hash (the first one stays the cached copy)."""
+        if block_hash in self.hash_to_block:
+            return self.hash_to_block[block_hash] == block_id
+        block = self.pool.blocks[block_id]
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.hash_to_block[block_hash] = block_id
+        return True
+
+    def evict_cached(self, block_id: int) -> None:
+        """Drop an unreferenced cached block now (e.g. it failed verification)."""
+        block = self.pool.blocks[block_id]
+        assert block.ref_count == 0
+        self._release(block)
+
+    def adopt_cached(self, tier: str, slot: int, block_hash: bytes, token_ids: tuple) -> int:
+        """Register a block a durable tier already holds (found again after a restart)
+        as an unreferenced cached block; returns its id."""
+        block = self.pool.new_block(tier, slot)
+        block.ref_count, block.num_tokens = 0, self.layout.block_size
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.hash_to_block[block_hash] = block.block_id
+        self.cached[block.block_id] = None
+        self.num_cached_on[tier] += 1
+        self.on_tier[tier].add(block.block_id)
+        return block.block_id
+
+    # -- budgets ------------------------------------------------------------------------------
     def set_budget(self, tier: str, num_slots: int) -> None:
         """Change a tier's budget at run time (dynamic offload ratio); enforced now."""
         if tier not in self.tiers:
@@ -198,82 +281,115 @@ class BlockManager:
                 num_slots,
                 f"between 0 and the arena's {self.tiers[tier].num_slots} slots",
             )
-        old_budget = self.budget_slots[tier]
-        self.budget_slots[tier] = num_slots
-        try:
-            self._place([], pinned=set())
-        except OutOfBlocksError:
-            # Fix: a refused budget must not stick (_place decides before moving, so
-            # restoring the number restores the whole state).
-            self.budget_slots[tier] = old_budget
-            raise
+        budgets = {**self.budget_slots, tier: num_slots}
+        plan = self._plan([], set(), budgets)  # raises before anything changes
+        self.budget_slots = budgets
+        self._apply(plan, [])
 
-    # -- the step ---------------------------------------------------------------------------
-    def append(self, seq_ids: list[int], num_new: int) -> list[TokenWrites]:
-        """Make room for `num_new` tokens at the end of each sequence.
+    # -- the step -----------------------------------------------------------------------------
+    def append(self, seq_ids: list, num_new: int) -> list[TokenWrites]:
+        """Make room for `num_new` tokens at the end of each table.
 
         Returns where each new token goes: per tier, arena rows and the index of the
-        token in the flattened [len(seq_ids) * num_new] order of this step.
+        token in the flattened [len(seq_ids) * num_new] order of this step. Tokens of
+        a sliding table that its window no longer sees after the step are not stored.
         """
-        self.clock += 1
         bs = self.layout.block_size
         device = self.tier_order[0]
-        new_blocks: list[PendingBlock] = []
-        pinned: set[int] = set()
-        copied: list[tuple[int, int, bool]] = []  # (seq_id, old block, sole owner)
-        try:
-            for seq_id in seq_ids:
-                self.seq_last_access[seq_id] = self.clock
-                self.seq_access_count[seq_id] += 1
-                table = self.tables[seq_id]
-                if table.block_ids and table.num_tokens % bs:
-                    last = self.pool.blocks[table.block_ids[-1]]
-                    if last.ref_count > 1 or last.tier != device:
-                        # Fix: an open block this sequence owns alone can sit below the
-                        # device once the other owners of a shared full block are gone
-                        # (crop, then free/remap); it is copied up too, and the original
-                        # is released only when the step succeeds (pinned until then).
-                        sole = last.ref_count == 1
-                        self._copy_on_write(seq_id, pinned, release=not sole)
-                        copied.append((seq_id, last.block_id, sole))
-                        if sole:
-                            pinned.add(last.block_id)
-                        last = self.pool.blocks[table.block_ids[-1]]
-                    pinned.add(last.block_id)
-                total = table.num_tokens + num_new
-                first_new = len(table.block_ids)
-                for idx in range(first_new, -(-total // bs)):
-                    new_blocks.append(
+        pending: list[PendingBlock] = []
+        fixed: set[int] = set()
+        drops: list[tuple[Hashable, int, int]] = []  # (table, first live, first new)
+        skip: dict[Hashable, int] = {}  # new tokens of a table not stored
+        for seq_id in seq_ids:
+            table = self.tables[seq_id]
+            total = table.num_tokens + num_new
+            first_new = table.num_blocks
+            if table.window is not None:
+                live = self._first_live_block(table.window, table.num_tokens)
+                after = self._first_live_block(table.window, total)
+                if after > first_new:
+                    skip[seq_id] = after * bs - table.num_tokens
+                    first_new = after
+                drops.append((seq_id, live, first_new))
+            if table.block_ids and table.num_tokens % bs and seq_id not in skip:
+                last = self.pool.blocks[table.block_ids[-1]]
+                if last.ref_count > 1 or last.tier != device:
+                    pending.append(
                         PendingBlock(
-                            block_id=-1,
-                            ref_count=1,
-                            is_sink=idx < self.num_sink_blocks,
-                            num_tokens=min(bs, total - idx * bs),
-                            seq_id=seq_id,
-                            index=idx,
+                            seq_id, table.num_blocks - 1, table.num_tokens % bs,
+                            last.is_sink, copy_of=last.block_id,
                         )
-                    )
-            if new_blocks or copied:
-                # Fix: copies on write take device slots too; place (and check the
-                # device budget) even when the step needs no new block.
-                self._place(new_blocks, pinned)
-        except OutOfBlocksError:
-            # Fix: a refused step changes nothing: undo this step's copies on write
-            # (they used to stay, leaving a copied block behind after the error).
-            self._undo_copy_on_write(copied)
-            raise
-        for _seq_id, old_id, sole in copied:
-            if sole:
-                self._decref(old_id)
-        # Build the token write plan.
+                    )  # fmt: skip
+                fixed.add(last.block_id)
+            for idx in range(first_new, -(-total // bs)):
+                pending.append(
+                    PendingBlock(seq_id, idx, min(bs, total - idx * bs), idx < self.num_sink_blocks)
+                )
+        plan = self._plan(pending, fixed, self.budget_slots, seq_ids) if pending else Placement()
+        # -- act: nothing below can fail --------------------------------------------------
+        self.clock += 1
+        for seq_id in seq_ids:
+            self.seq_last_access[seq_id] = self.clock
+            self.seq_access_count[seq_id] += 1
+        for seq_id, live, first_new in drops:
+            self._drop_history(seq_id, live, first_new if seq_id in skip else None)
+        self._apply(plan, pending)
+        writes = self._token_writes(seq_ids, num_new, skip, grew=bool(pending))
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
+        return writes
+
+    def live_bytes(self) -> int:
+        """Stored bytes of referenced blocks on every tier (cached blocks excluded)."""
+        return sum(
+            (len(self.on_tier[n]) - self.num_cached_on[n]) * self.tiers[n].block_bytes
+            for n in self.tier_order
+        )
+
+    def end_step(self, seq_ids: list) -> None:
+        """The step's forward is over: release history held only for it."""
+        for seq_id in seq_ids:
+            table = self.tables.get(seq_id)
+            if table is not None and table.step_history:
+                held, table.step_history = table.step_history, []
+                for _, block_id in held:
+                    self._decref(block_id)
+                self._runs.pop(seq_id, None)
+
+    def _first_live_block(self, window: int, num_tokens: int) -> int:
+        bs = self.layout.block_size
+        return max(0, num_tokens - (window - 1) - bs) // bs
+
+    def _drop_history(self, seq_id: Hashable, live: int, first_new: int | None) -> None:
+        """Release a sliding table's blocks before `live`; with `first_new` (the step
+        stores nothing before that block) the history is held until end_step."""
+        table = self.tables[seq_id]
+        count = min(len(table.block_ids), live - table.first_block)
+        if first_new is not None:  # the step's queries still read it: drop at end_step
+            first = table.first_block
+            table.step_history = [(first + i, b) for i, b in enumerate(table.block_ids)]
+            table.first_block, table.block_ids = first_new, []
+        elif count > 0:
+            for block_id in table.block_ids[:count]:
+                self._decref(block_id)
+            del table.block_ids[:count]
+            table.first_block += count
+        else:
+            return
+        self._runs.pop(seq_id, None)
+
+    def _token_writes(
+        self, seq_ids: list, num_new: int, skip: dict[Hashable, int], grew: bool
+    ) -> list[TokenWrites]:
+        bs = self.layout.block_size
+        device = self.tier_order[0]
         rows_by_tier: dict[str, list[int]] = {}
         src_by_tier: dict[str, list[int]] = {}
         for b_idx, seq_id in enumerate(seq_ids):
             table = self.tables[seq_id]
             start = table.num_tokens
-            pos = start
+            pos = start + skip.get(seq_id, 0)
             while pos < start + num_new:
-                block = self.pool.blocks[table.block_ids[pos // bs]]
+                block = self.pool.blocks[table.block_ids[pos // bs - table.first_block]]
                 off = pos % bs
                 take = min(bs - off, start + num_new - pos)
                 base = block.slot * bs + off
@@ -284,15 +400,12 @@ class BlockManager:
                 pos += take
             table.num_tokens = start + num_new
             runs = self._runs.get(seq_id)
-            if runs is not None and not new_blocks and runs and runs[-1].tier == device:
+            if runs and not grew and runs[-1].tier == device:
                 last = runs[-1]
                 runs[-1] = Run(
-                    last.tier,
-                    last.first_slot,
-                    last.num_slots,
-                    last.token_start,
+                    last.tier, last.first_slot, last.num_slots, last.token_start,
                     last.num_tokens + num_new,
-                )
+                )  # fmt: skip
             else:
                 self._runs.pop(seq_id, None)
         writes = []
@@ -304,135 +417,104 @@ class BlockManager:
             writes.append(TokenWrites(tier_name, torch.tensor(rows), torch.tensor(src), contiguous))
         return writes
 
-    # -- placement --------------------------------------------------------------------------
-    def _views(self, new_count: dict[int, int] | None = None) -> dict[int, BlockView]:
-        """Policy views of every live block (shared blocks: newest / most used owner).
-        `new_count`: blocks each sequence gains this step (they come after its others)."""
-        views: dict[int, BlockView] = {}
+    # -- placement ----------------------------------------------------------------------------
+    def _rank_views(self, pending: list[PendingBlock], stepping: set) -> dict[int, tuple]:
+        """Policy keep-keys of every block (shared blocks: newest / most used owner),
+        live blocks above cached ones; `pending` blocks come after their table's;
+        tables in `stepping` are seen as accessed by this step."""
+        new_count: dict[Hashable, int] = {}
+        for p in pending:
+            if p.copy_of is None:
+                new_count[p.table] = new_count.get(p.table, 0) + 1
+        keys: dict[int, tuple] = {}
         for seq_id, table in self.tables.items():
-            # Fix: count this step's new blocks, as their own views do; an old last block
-            # used to look as new as the newest new block (blocks_from_end 0).
-            n = len(table.block_ids) + (new_count or {}).get(seq_id, 0)
+            n = table.num_blocks + new_count.get(seq_id, 0)
             last, count = self.seq_last_access[seq_id], self.seq_access_count[seq_id]
-            for i, block_id in enumerate(table.block_ids):
-                block = self.pool.blocks.get(block_id)
-                if block is None:
-                    continue
-                v = BlockView(block_id, block.is_sink, n - 1 - i, last, count)
-                old = views.get(block_id)
-                if old is None or self.policy.keep_key(v) > self.policy.keep_key(old):
-                    views[block_id] = v
-        return views
+            if seq_id in stepping:
+                last, count = self.clock + 1, count + 1
+            for i, block_id in enumerate(table.block_ids, start=table.first_block):
+                v = BlockView(block_id, i < self.num_sink_blocks, n - 1 - i, last, count)
+                key = (1, *self.policy.keep_key(v))
+                old = keys.get(block_id)
+                if old is None or key > old:
+                    keys[block_id] = key
+        for block_id in self.cached:
+            keys[block_id] = (0, self.pool.blocks[block_id].last_access, -block_id)
+        for i, p in enumerate(pending):
+            n = self.tables[p.table].num_blocks + new_count.get(p.table, 0)
+            v = BlockView(
+                -(i + 1), p.is_sink, n - 1 - p.index, self.clock + 1,
+                self.seq_access_count[p.table] + 1,
+            )  # fmt: skip
+            keys[-(i + 1)] = (1, *self.policy.keep_key(v))
+        return keys
 
-    def _place(self, new_blocks: list[PendingBlock], pinned: set[int]) -> None:
-        bs = self.layout.block_size
-        new_count: dict[int, int] = {}
-        for block in new_blocks:
-            seq_id = block.seq_id
-            new_count[seq_id] = new_count.get(seq_id, 0) + 1
-        views = self._views(new_count)
-        for i, block in enumerate(new_blocks):
-            seq_id, idx = block.seq_id, block.index
-            total_blocks = len(self.tables[seq_id].block_ids) + new_count[seq_id]
-            views[-(i + 1)] = BlockView(
-                -(i + 1),
-                block.is_sink,
-                total_blocks - 1 - idx,
-                self.clock,
-                self.seq_access_count[seq_id],
-            )
-        new_key = {id(b): -(i + 1) for i, b in enumerate(new_blocks)}
+    def eviction_order(self) -> list[int]:
+        """Every block id, first to evict first (cached blocks before live ones)."""
+        keys = self._rank_views([], set())
+        return sorted(keys, key=keys.__getitem__)
 
-        # Decide (no side effects yet): which blocks end on which tier.
-        incoming: list[Block] = list(new_blocks)
-        decisions: list[tuple[str, list[Block], list[Block]]] = []  # (tier, arrive, leave)
-        for depth, name in enumerate(self.tier_order):
-            budget = self.budget_slots[name]
-            resident = [self.pool.blocks[i] for i in self.on_tier[name]]
-            fixed = [b for b in resident if b.block_id in pinned or b.num_tokens < bs]
-            movable = [b for b in resident if not (b.block_id in pinned or b.num_tokens < bs)]
-            must = [b for b in incoming if b.num_tokens < bs] if depth == 0 else []
-            if depth > 0 and any(b.num_tokens < bs for b in incoming):
-                raise AssertionError("partial blocks never leave the device")
-            room = budget - len(fixed) - len(must)
-            if room < 0:
-                need = (len(fixed) + len(must)) * self.tiers[name].block_bytes
-                raise OutOfBlocksError(
-                    f"{name} tier needs {format_bytes(need)} for blocks being written "
-                    f"(open blocks of {len(self.tables)} sequences) but its budget is "
-                    f"{format_bytes(budget * self.tiers[name].block_bytes)}: raise "
-                    f"{name}_budget or lower block_size"
-                )
-            cands = movable + [b for b in incoming if b.num_tokens >= bs]
+    def _plan(
+        self, pending: list[PendingBlock], fixed: set[int], budgets: dict, stepping: list = ()
+    ) -> Placement:
+        keys = self._rank_views(pending, set(stepping))
+        pending_key = {id(p): -(i + 1) for i, p in enumerate(pending)}
 
-            def key(b: Block) -> tuple:
-                vid = new_key.get(id(b), b.block_id)
-                return self.policy.keep_key(views[vid])
+        def rank(b: object) -> tuple:
+            return keys[pending_key[id(b)] if isinstance(b, PendingBlock) else b.block_id]
 
-            ranked = sorted(cands, key=key, reverse=True)
-            keep, spill = ranked[:room], ranked[room:]
-            arrive = must + [b for b in keep if b.tier != name]
-            leave = [b for b in spill if b.tier == name]
-            decisions.append((name, arrive, leave))
-            incoming = spill
-            # Fix: no early exit when nothing spills: a lower tier whose budget just
-            # shrank (set_budget) must still demote its own surplus.
-        if incoming:
-            need = len(incoming) * self.layout.raw_block_bytes
-            avail = ", ".join(
-                f"{n}={format_bytes(self.budget_slots[n] * self.tiers[n].block_bytes)}"
-                for n in self.tier_order
-            )
-            raise OutOfBlocksError(
-                f"all tiers are full: {len(incoming)} more blocks "
-                f"({format_bytes(need)} raw) needed, budgets {avail}; raise host_budget "
-                f"or disk_budget (or use a smaller codec on the lower tiers)"
-            )
-        # Execute, deepest tier first so every move finds a free slot. Fix: a block that
-        # spills through several tiers moves straight to the tier that keeps it (it used
-        # to move one tier down only, overfilling that tier past its budget).
-        dest = {id(b): name for name, arrive, _leave in decisions for b in arrive}
-        for _name, _arrive, leave in reversed(decisions):
-            by_dest: dict[str, list[Block]] = {}
-            for b in sorted(leave, key=lambda b: b.block_id):
-                by_dest.setdefault(dest[id(b)], []).append(b)
-            for dst_name in sorted(by_dest, key=self.tier_order.index, reverse=True):
-                self._move(by_dest[dst_name], dst_name)
-        for name, arrive, _leave in decisions:
-            fresh = [b for b in arrive if b.block_id == -1]
-            self._install_new(name, fresh)
+        resident = {n: [self.pool.blocks[i] for i in self.on_tier[n]] for n in self.tier_order}
+        return plan_placement(
+            self.tiers, self.tier_order, budgets, resident, pending, fixed, rank,
+            self.layout.block_size, len(self.tables), self.layout.raw_block_bytes,
+        )  # fmt: skip
 
-    def _install_new(self, tier_name: str, blocks: list[PendingBlock]) -> None:
+    def _apply(self, plan: Placement, pending: list[PendingBlock]) -> None:
+        for block in plan.drops:
+            self.num_evicted_cached += 1
+            self._release(block)
+        for blocks, dst in plan.moves:
+            self._move(blocks, dst)
+        by_table: dict[tuple[Hashable, str], list[PendingBlock]] = {}
+        for i in plan.install_order:
+            by_table.setdefault((pending[i].table, plan.new_tiers[i]), []).append(pending[i])
+        for (seq_id, tier_name), group in by_table.items():
+            self._install(seq_id, tier_name, group)
+
+    def _install(self, seq_id: Hashable, tier_name: str, group: list[PendingBlock]) -> None:
+        """Give pending blocks of one table slots on one tier (consecutive after the
+        table's last block where possible) and enter them in the table."""
         tier = self.tiers[tier_name]
-        # Group by sequence so each sequence's new blocks get consecutive slots.
-        by_seq: dict[int, list[Block]] = {}
-        for b in blocks:
-            by_seq.setdefault(b.seq_id, []).append(b)
-        for seq_id, group in by_seq.items():
-            group.sort(key=lambda b: b.index)
-            table = self.tables[seq_id]
-            after = None
-            if table.block_ids:
-                prev = self.pool.blocks[table.block_ids[-1]]
-                if prev.tier == tier_name:
-                    after = prev.slot
-            slots = tier.allocate(len(group), after=after)
-            if slots is None:
-                raise AssertionError(f"{tier_name}: placement promised {len(group)} free slots")
-            for b, slot in zip(group, slots, strict=True):
-                real = self.pool.new_block(tier_name, slot)
-                real.num_tokens = 0
-                real.is_sink = b.is_sink
-                idx = b.index
-                # table positions are appended in order: fill holes in order of idx
-                while len(table.block_ids) <= idx:
-                    table.block_ids.append(-1)
-                table.block_ids[idx] = real.block_id
-                self.on_tier[tier_name].add(real.block_id)
-            self._runs.pop(seq_id, None)
+        table = self.tables[seq_id]
+        group.sort(key=lambda p: p.index)
+        after = None
+        prev_idx = group[0].index - 1 - table.first_block
+        if 0 <= prev_idx < len(table.block_ids):
+            prev = self.pool.blocks[table.block_ids[prev_idx]]
+            if prev.tier == tier_name:
+                after = prev.slot
+        slots = tier.allocate(len(group), after=after)
+        if slots is None:
+            raise AssertionError(f"{tier_name}: placement promised {len(group)} free slots")
+        for p, slot in zip(group, slots, strict=True):
+            block = self.pool.new_block(tier_name, slot)
+            block.is_sink = p.is_sink
+            self.on_tier[tier_name].add(block.block_id)
+            pos = p.index - table.first_block
+            if p.copy_of is not None:
+                old = self.pool.blocks[p.copy_of]
+                self._copy_data(self.tiers[old.tier], [old.slot], tier, [slot])
+                block.num_tokens = p.num_tokens
+                table.block_ids[pos] = block.block_id
+                self._decref(old.block_id)
+            else:
+                while len(table.block_ids) <= pos:
+                    table.block_ids.append(block.block_id)
+                table.block_ids[pos] = block.block_id
+        self._runs.pop(seq_id, None)
 
     def _move(self, blocks: list[Block], dst_name: str) -> None:
-        """Move full blocks (all layers) of one tier to another, freeing their old slots."""
+        """Move full blocks of one tier to another, freeing their old slots."""
         src_name = blocks[0].tier
         src, dst = self.tiers[src_name], self.tiers[dst_name]
         slots = dst.allocate(len(blocks))
@@ -448,7 +530,12 @@ class BlockManager:
             self.on_tier[src_name].discard(block.block_id)
             block.tier, block.slot = dst_name, slot
             self.on_tier[dst_name].add(block.block_id)
+            if block.block_id in self.cached:
+                self.num_cached_on[src_name] -= 1
+                self.num_cached_on[dst_name] += 1
         self._runs.clear()
+        if self.on_move is not None:
+            self.on_move(blocks, dst_name)
 
     def _copy_data(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
         if src.codec.name == dst.codec.name:  # encoded as is: quantized once, never twice
@@ -460,38 +547,6 @@ class BlockManager:
         src.read_blocks(src_slots, k, v)
         dst.write_blocks(dst_slots, k, v)
 
-    def _copy_on_write(self, seq_id: int, pinned: set[int], release: bool = True) -> None:
-        table = self.tables[seq_id]
-        old = self.pool.blocks[table.block_ids[-1]]
-        device = self.tiers[self.tier_order[0]]
-        if not device.can_allocate(1):
-            # Fix: keep this step's open blocks pinned (an earlier copy, full by its
-            # metadata, could otherwise be demoted while the step writes into it).
-            self._place([], pinned=pinned)
-        slots = device.allocate(1)
-        if slots is None:
-            # Fix: the message now states bytes and the budget to raise.
-            raise OutOfBlocksError(self._no_device_slot("a copy-on-write block"))
-        self._copy_data(self.tiers[old.tier], [old.slot], device, slots)
-        new = self.pool.new_block(device.name, slots[0])
-        new.num_tokens, new.is_sink = old.num_tokens, old.is_sink
-        self.on_tier[device.name].add(new.block_id)
-        table.block_ids[-1] = new.block_id
-        if release:
-            self._decref(old.block_id)
-        self._runs.pop(seq_id, None)
-
-    def _undo_copy_on_write(self, copied: list[tuple[int, int, bool]]) -> None:
-        """Point each sequence back at the block it copied and drop the copy."""
-        for seq_id, shared_id, sole in reversed(copied):
-            table = self.tables[seq_id]
-            if not sole:
-                self.pool.incref(shared_id)
-            copy_id = table.block_ids[-1]
-            table.block_ids[-1] = shared_id
-            self._decref(copy_id)
-            self._runs.pop(seq_id, None)
-
     def _no_device_slot(self, what: str) -> str:
         device = self.tiers[self.tier_order[0]]
         return (
@@ -501,22 +556,18 @@ class BlockManager:
             f"raise device_budget or lower block_size"
         )
 
-    def _place_partial_on_device(self, block: Block) -> None:
-        device = self.tier_order[0]
-        if not self.tiers[device].can_allocate(1):
-            raise OutOfBlocksError(self._no_device_slot("a cropped block"))
-        self._move([block], device)
-
-    # -- reading ----------------------------------------------------------------------------
-    def runs(self, seq_id: int) -> list[Run]:
-        """The sequence's tokens as runs of consecutive slots per tier, in order."""
+    # -- reading ------------------------------------------------------------------------------
+    def runs(self, seq_id: Hashable) -> list[Run]:
+        """The table's stored tokens as runs of consecutive slots per tier, in order
+        (a sliding table starts at its first live block)."""
         cached = self._runs.get(seq_id)
         if cached is not None:
             return cached
         bs = self.layout.block_size
         table = self.tables[seq_id]
         runs: list[Run] = []
-        for i, block_id in enumerate(table.block_ids):
+        entries = table.step_history + list(enumerate(table.block_ids, start=table.first_block))
+        for i, block_id in entries:
             block = self.pool.blocks[block_id]
             ntok = min(bs, table.num_tokens - i * bs)
             if runs:
@@ -524,7 +575,8 @@ class BlockManager:
                 if (
                     r.tier == block.tier
                     and r.first_slot + r.num_slots == block.slot
-                    and (r.num_tokens == r.num_slots * bs)
+                    and r.num_tokens == r.num_slots * bs
+                    and r.token_start + r.num_tokens == i * bs
                 ):
                     runs[-1] = Run(
                         r.tier, r.first_slot, r.num_slots + 1, r.token_start, r.num_tokens + ntok
@@ -534,16 +586,18 @@ class BlockManager:
         self._runs[seq_id] = runs
         return runs
 
-    def blocks_of(self, seq_id: int) -> list[Block]:
+    def blocks_of(self, seq_id: Hashable) -> list[Block]:
         return [self.pool.blocks[i] for i in self.tables[seq_id].block_ids]
 
-    # -- stats ------------------------------------------------------------------------------
+    # -- stats --------------------------------------------------------------------------------
     def occupancy(self) -> dict[str, dict[str, int]]:
+        cached_on = self.num_cached_on
         out = {}
         for name in self.tier_order:
             tier = self.tiers[name]
             out[name] = {
                 "used_blocks": tier.num_used,
+                "cached_blocks": cached_on[name],
                 "budget_blocks": self.budget_slots[name],
                 "capacity_blocks": tier.num_slots,
                 "used_bytes": tier.used_bytes,

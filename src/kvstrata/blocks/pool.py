@@ -1,8 +1,14 @@
 """Block ids, ref counts and per-block metadata (no placement decisions here).
 
-A block is `block_size` consecutive tokens of one sequence across all layers, K and
-V: one id, one placement (tier name, slot). Ids are recycled: freed ids go to the
-back of the free list, new ids come from the front (ascending at start).
+A block is `block_size` consecutive tokens of one sequence across the layers of one
+layer group, K and V: one id, one placement (tier name, slot). Ids are recycled:
+released ids go to the back of the free list, new ids come from the front
+(ascending at start).
+
+A block whose last reference is dropped either is released (its id recycled) or,
+when it is a full block with a content hash, stays *cached*: unreferenced, still
+placed, found again by its hash, and evicted first when a slot is needed (vLLM's
+"free but cached" blocks).
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from dataclasses import dataclass
 
 @dataclass
 class Block:
-    """Metadata of one block. `tier`/`slot` say where its K/V live."""
+    """Metadata of one block. `tier`/`slot` say where its K/V live.
+
+    `block_hash` / `token_ids` are set once the block is full and its tokens are
+    known (prefix caching): the chained content hash and the tokens it holds."""
 
     block_id: int
     tier: str = ""
@@ -23,6 +32,8 @@ class Block:
     is_sink: bool = False
     last_access: int = 0
     access_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 class BlockPool:
@@ -51,15 +62,25 @@ class BlockPool:
     def incref(self, block_id: int) -> None:
         self.blocks[block_id].ref_count += 1
 
-    def decref(self, block_id: int) -> Block | None:
-        """Drop one reference; returns the block when it is now unreferenced (freed)."""
+    def decref(self, block_id: int, keep: bool = False) -> Block | None:
+        """Drop one reference; returns the block when it is now unreferenced.
+
+        Args:
+            keep: leave an unreferenced block in the pool (cached) instead of
+                releasing its id; the caller releases it later with `release`.
+        """
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count > 0:
             return None
+        if not keep:
+            self.release(block_id)
+        return block
+
+    def release(self, block_id: int) -> None:
+        """Forget an unreferenced block and recycle its id."""
         del self.blocks[block_id]
         self._free_ids.append(block_id)
-        return block
 
     def free_ids(self) -> list[int]:
         """Recycled ids in reuse order."""

@@ -16,10 +16,10 @@ import torch
 
 from kvstrata._native import available, load
 from kvstrata.errors import CodecError
+from kvstrata.formats import DType
 
 __all__ = ["as_3d", "available", "kernel_call", "load", "raise_for_flags"]
 
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # Kernel work buffers hold one row of channels on the stack.
 _MAX_DIM = 4096
 
@@ -79,7 +79,8 @@ def kernel_call(
         CodecError: non-finite input, or a scale/zero point beyond the fp16 range.
     """
     lib = load()
-    if lib is None or raw.dtype not in _DTYPE_CODE or raw.device.type != "cpu":
+    code = DType.of(raw.dtype)
+    if lib is None or code is None or raw.device.type != "cpu":
         return False
     if raw.shape[-1] > _MAX_DIM:
         return False
@@ -93,7 +94,6 @@ def kernel_call(
         return False
     rows, dim = raw.shape[-2], raw.shape[-1]
     threads = torch.get_num_threads()
-    code = _DTYPE_CODE[raw.dtype]
     (_, dsh, _), (_, ssh, _), (_, zsh, _) = geos
     fn = getattr(lib, f"kv_{op}_{direction}")
     if direction == "enc":

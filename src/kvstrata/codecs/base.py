@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvstrata.formats import FieldFormat
 from kvstrata.layout import KINDS, BlockLayout, FieldSpec
 
 
@@ -43,8 +44,8 @@ class Codec(ABC):
     def validate(self, layout: BlockLayout) -> None:  # noqa: B027 - optional hook
         """Raise ConfigError/CodecError when this codec cannot store `layout`."""
 
-    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int] | None:
-        """(format code, group) under which the native decode attention reads this
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[FieldFormat, int] | None:
+        """(format, group) under which the native decode attention reads this
         codec's stored fields in place (kvstrata/native/attention.cpp), or None when
         it cannot (the blocks are then decoded into a staging buffer first)."""
         return None

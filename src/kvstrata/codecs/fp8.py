@@ -16,6 +16,7 @@ from kvstrata.codecs._kernels import kernel_call
 from kvstrata.codecs.base import Codec
 from kvstrata.codecs.registry import register_codec
 from kvstrata.errors import CodecError
+from kvstrata.formats import FieldFormat
 from kvstrata.layout import BlockLayout, FieldSpec
 
 
@@ -25,8 +26,8 @@ class Fp8Codec(Codec):
     name = "fp8"
     lossless = False
 
-    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int]:
-        return 6, layout.block_size
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[FieldFormat, int]:
+        return FieldFormat.FP8_E4M3, layout.block_size
 
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:
         dim = dim_of(kind, layout)

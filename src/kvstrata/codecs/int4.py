@@ -26,6 +26,7 @@ from kvstrata.codecs._kernels import kernel_call
 from kvstrata.codecs.base import Codec
 from kvstrata.codecs.registry import register_codec
 from kvstrata.errors import CodecError, ConfigError
+from kvstrata.formats import FieldFormat
 from kvstrata.layout import BlockLayout, FieldSpec
 
 DEFAULT_GROUP = 64
@@ -61,8 +62,9 @@ class Int4Codec(Codec):
                     f"be a multiple of the group size {g} (pick a group size dividing {dim})",
                 )
 
-    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int]:
-        return (5 if kind == "k" else 4), self.group
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[FieldFormat, int]:
+        fmt = FieldFormat.INT4_CHANNEL if kind == "k" else FieldFormat.INT4_TOKEN
+        return fmt, self.group
 
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:
         self.validate(layout)

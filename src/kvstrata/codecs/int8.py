@@ -13,6 +13,7 @@ from kvstrata.codecs._common import check_raw, dim_of
 from kvstrata.codecs._kernels import kernel_call
 from kvstrata.codecs.base import Codec
 from kvstrata.codecs.registry import register_codec
+from kvstrata.formats import FieldFormat
 from kvstrata.layout import BlockLayout, FieldSpec
 
 
@@ -22,8 +23,8 @@ class Int8Codec(Codec):
     name = "int8"
     lossless = False
 
-    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[int, int]:
-        return 3, 1
+    def attend_format(self, kind: str, layout: BlockLayout) -> tuple[FieldFormat, int]:
+        return FieldFormat.INT8, 1
 
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:
         dim = dim_of(kind, layout)

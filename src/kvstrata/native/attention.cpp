@@ -17,21 +17,17 @@
 // row with no keys). Masks are the caller's business: every query sees every key
 // of every part (true in decode; the caller clips parts to a sliding window).
 //
-// Descriptor of one field (K or V) of one part, 10 int64:
-//   fmt, data, data_head_stride (bytes), data_row_stride (bytes), scale, scale_head
-//   stride (bytes), zero, zero_head_stride (bytes), group, first row
-// fmt: 0 f32, 1 f16, 2 bf16 (raw rows); 3 int8 (u8 codes [rows, D], fp16 scale and
-// zero [rows, 1]); 4 int4 per token (values: nibbles [rows, D/2], byte j = channel j
-// low / j + D/2 high; fp16 scale/zero [rows, D/group]); 5 int4 per channel (keys:
-// same nibbles; fp16 scale/zero [rows/group, D]); 6 fp8 e4m3fn (codes [rows, D], one
-// fp32 scale per `group` rows, no zero point). Rows are arena rows: token t of
-// the part is row first_row + t. Part descriptor: ntok, then K's 10, then V's 10.
+// Parts are an array of `struct kv_part` (common.h): a token count, then K's and V's
+// `struct kv_field` (pointers, byte strides, group, first arena row, and the
+// `enum kv_format` the field is stored in). Rows are arena rows: token t of the part
+// is row row0 + t.
 
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <functional>
 #include <mutex>
 #include <system_error>
@@ -43,7 +39,6 @@
 static const int TILE = 32;
 static const int MAX_M = 64;     // packed query rows per head
 static const int MAX_D = 512;    // head dim
-static const int FIELD = 10, PART = 1 + 2 * FIELD;
 
 // Threads: torch's own OpenMP team when the process has one (libgomp.so.1 is already
 // loaded by torch): its workers are awake right after torch's last parallel op, so a
@@ -139,54 +134,43 @@ static void init_e4m3() {
   });
 }
 
-struct Field {
-  i64 fmt;
-  const u8 *data;
-  i64 dhs, drs;
-  const u8 *scale;
-  i64 shs;
-  const u8 *zero;
-  i64 zhs, group, row0;
-};
-
-static inline Field field(const i64 *d) {
-  return Field{d[0], (const u8 *)d[1], d[2], d[3], (const u8 *)d[4], d[5],
-               (const u8 *)d[6], d[7], d[8], d[9]};
-}
-
 // Rows [t0, t0 + n) of head h of field F as floats in out [n, dim]; returns a pointer
 // to them (the arena itself for contiguous fp32 rows, else `out`) and its row stride.
-static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *out, i64 *stride) {
+static const float *rows(const kv_field &F, i64 h, i64 t0, i64 n, i64 dim, float *out,
+                         i64 *stride) {
   i64 r0 = F.row0 + t0;
-  const u8 *base = F.data + h * F.dhs;
-  switch (F.fmt) {
-    case 0:
-      *stride = F.drs / 4;
-      return (const float *)(base + r0 * F.drs);
-    case 1:
+  const i64 drs = F.data_row_stride;
+  const u8 *base = (const u8 *)F.data + h * F.data_head_stride;
+  const u8 *scale = (const u8 *)F.scale + h * F.scale_head_stride;
+  const u8 *zero = (const u8 *)F.zero + h * F.zero_head_stride;
+  switch (F.format) {
+    case KV_FMT_F32:
+      *stride = drs / 4;
+      return (const float *)(base + r0 * drs);
+    case KV_FMT_F16:
       for (i64 t = 0; t < n; t++)
-        f16_to_f32((const f16 *)(base + (r0 + t) * F.drs), out + t * dim, dim);
+        f16_to_f32((const f16 *)(base + (r0 + t) * drs), out + t * dim, dim);
       break;
-    case 2:
+    case KV_FMT_BF16:
       for (i64 t = 0; t < n; t++) {
-        const bf16 *src = (const bf16 *)(base + (r0 + t) * F.drs);
+        const bf16 *src = (const bf16 *)(base + (r0 + t) * drs);
         for (i64 d = 0; d < dim; d++) out[t * dim + d] = ld(src, d);
       }
       break;
-    case 3: {
-      const f16 *s = (const f16 *)(F.scale + h * F.shs), *z = (const f16 *)(F.zero + h * F.zhs);
+    case KV_FMT_INT8: {
+      const f16 *s = (const f16 *)scale, *z = (const f16 *)zero;
       for (i64 t = 0; t < n; t++) {
-        const u8 *src = base + (r0 + t) * F.drs;
+        const u8 *src = base + (r0 + t) * drs;
         float sc = (float)s[r0 + t], zp = (float)z[r0 + t];
         for (i64 d = 0; d < dim; d++) out[t * dim + d] = (float)src[d] * sc + zp;
       }
       break;
     }
-    case 4: {  // int4 per token, groups of `group` channels
-      const f16 *s = (const f16 *)(F.scale + h * F.shs), *z = (const f16 *)(F.zero + h * F.zhs);
+    case KV_FMT_INT4_TOKEN: {  // groups of `group` channels
+      const f16 *s = (const f16 *)scale, *z = (const f16 *)zero;
       i64 half = dim / 2, ng = dim / F.group;
       for (i64 t = 0; t < n; t++) {
-        const u8 *src = base + (r0 + t) * F.drs;
+        const u8 *src = base + (r0 + t) * drs;
         const f16 *sr = s + (r0 + t) * ng, *zr = z + (r0 + t) * ng;
         float *o = out + t * dim;
         for (i64 d = 0; d < half; d++) o[d] = (float)(src[d] & 15);
@@ -199,17 +183,17 @@ static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *o
       }
       break;
     }
-    case 6: {  // fp8 e4m3fn, one fp32 scale per `group` rows
-      const float *s = (const float *)(F.scale + h * F.shs);
+    case KV_FMT_FP8_E4M3: {  // one fp32 scale per `group` rows
+      const float *s = (const float *)scale;
       for (i64 t = 0; t < n; t++) {
-        const u8 *src = base + (r0 + t) * F.drs;
+        const u8 *src = base + (r0 + t) * drs;
         float sc = s[(r0 + t) / F.group];
         for (i64 d = 0; d < dim; d++) out[t * dim + d] = g_e4m3[src[d]] * sc;
       }
       break;
     }
-    case 5: {  // int4 per channel, groups of `group` tokens
-      const f16 *s = (const f16 *)(F.scale + h * F.shs), *z = (const f16 *)(F.zero + h * F.zhs);
+    case KV_FMT_INT4_CHANNEL: {  // groups of `group` tokens
+      const f16 *s = (const f16 *)scale, *z = (const f16 *)zero;
       i64 half = dim / 2;
       float sc[MAX_D], zp[MAX_D];
       i64 cur = -1;
@@ -222,7 +206,7 @@ static const float *rows(const Field &F, i64 h, i64 t0, i64 n, i64 dim, float *o
           }
           cur = g;
         }
-        const u8 *src = base + (r0 + t) * F.drs;
+        const u8 *src = base + (r0 + t) * drs;
         float *o = out + t * dim;
         for (i64 d = 0; d < half; d++) o[d] = (float)(src[d] & 15) * sc[d] + zp[d];
         for (i64 d = 0; d < half; d++)
@@ -265,7 +249,7 @@ struct State {  // one work item's running softmax
 
 struct Job {
   int nparts;
-  const i64 *desc;
+  const kv_part *parts;
   const float *q;
   i64 H, M, D, Dv;
   float scale, softcap;
@@ -282,9 +266,9 @@ static void attend_range(const Job &J, i64 h, i64 a, i64 b, State &st) {
   float *kbuf = kvec.data(), *vbuf = vvec.data(), *s = svec.data();
   i64 base = 0;
   for (int p = 0; p < J.nparts && base < b; p++) {
-    const i64 *pd = J.desc + p * PART;
-    i64 ntok = pd[0], lo = std::max<i64>(a - base, 0), hi = std::min<i64>(b - base, ntok);
-    Field K = field(pd + 1), V = field(pd + 1 + FIELD);
+    const kv_part &P = J.parts[p];
+    const kv_field K = P.k, V = P.v;  // copies: no aliasing questions in the loops
+    i64 ntok = P.tokens, lo = std::max<i64>(a - base, 0), hi = std::min<i64>(b - base, ntok);
     for (i64 t0 = lo; t0 < hi; t0 += TILE) {
       i64 n = std::min<i64>(TILE, hi - t0), ks, vs;
       const float *k = rows(K, h, t0, n, D, kbuf, &ks);
@@ -319,21 +303,37 @@ static void attend_range(const Job &J, i64 h, i64 a, i64 b, State &st) {
   }
 }
 
-extern "C" int kv_attn_decode(int nparts, const i64 *desc, const float *q, float *out, float *lse,
-                              i64 H, i64 M, i64 D, i64 Dv, float scale, float softcap, int nth) {
+// 0 when field F (head dim `dim`) can be read, else the kv_attn_decode status.
+static int check_field(const kv_field &F, i64 dim) {
+  const i64 g = F.group;
+  switch (F.format) {
+    case KV_FMT_F32:
+    case KV_FMT_F16:
+    case KV_FMT_BF16:
+    case KV_FMT_INT8:
+      return 0;
+    case KV_FMT_INT4_TOKEN:
+      return g < 1 || dim % 2 || dim % g ? -3 : 0;
+    case KV_FMT_INT4_CHANNEL:
+      return g < 1 || dim % 2 ? -3 : 0;
+    case KV_FMT_FP8_E4M3:
+      return g < 1 ? -3 : 0;
+  }
+  return -2;
+}
+
+extern "C" int kv_attn_decode(int nparts, const kv_part *parts, const float *q, float *out,
+                              float *lse, i64 H, i64 M, i64 D, i64 Dv, float scale, float softcap,
+                              int nth) {
   if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1) return -1;
   for (int p = 0; p < nparts; p++) {
-    const i64 *pd = desc + p * PART;
-    for (int f = 0; f < 2; f++) {
-      i64 fmt = pd[1 + f * FIELD], g = pd[1 + f * FIELD + 8], dim = f ? Dv : D;
-      if (fmt < 0 || fmt > 6) return -2;
-      if (fmt >= 4 && (g < 1 || (fmt < 6 && dim % 2) || (fmt == 4 && dim % g))) return -3;
-    }
+    if (int rc = check_field(parts[p].k, D)) return rc;
+    if (int rc = check_field(parts[p].v, Dv)) return rc;
   }
   init_e4m3();
-  Job J{nparts, desc, q, H, M, D, Dv, scale, softcap};
+  Job J{nparts, parts, q, H, M, D, Dv, scale, softcap};
   i64 total = 0;
-  for (int p = 0; p < nparts; p++) total += desc[p * PART];
+  for (int p = 0; p < nparts; p++) total += parts[p].tokens;
   // Work items: heads x token splits, about 4 per thread (a worker that wakes late
   // finds work left), each >= 512 tokens; taken dynamically.
   i64 splits = 1;
@@ -391,4 +391,31 @@ extern "C" int kv_attn_decode(int nparts, const i64 *desc, const float *q, float
     }
   }
   return 0;
+}
+
+// The layout the compiler gave the shared structs (common.h), for the test that checks
+// kvstrata.formats against it: sizeof(kv_field), the offset of each of its members in
+// declaration order, sizeof(kv_part), then the offsets of tokens, k and v. Writes at
+// most `cap` values; returns how many there are.
+extern "C" int kv_abi_layout(i64 *out, int cap) {
+  const i64 v[] = {
+      (i64)sizeof(kv_field),
+      (i64)offsetof(kv_field, data),
+      (i64)offsetof(kv_field, scale),
+      (i64)offsetof(kv_field, zero),
+      (i64)offsetof(kv_field, data_head_stride),
+      (i64)offsetof(kv_field, data_row_stride),
+      (i64)offsetof(kv_field, scale_head_stride),
+      (i64)offsetof(kv_field, zero_head_stride),
+      (i64)offsetof(kv_field, group),
+      (i64)offsetof(kv_field, row0),
+      (i64)offsetof(kv_field, format),
+      (i64)sizeof(kv_part),
+      (i64)offsetof(kv_part, tokens),
+      (i64)offsetof(kv_part, k),
+      (i64)offsetof(kv_part, v),
+  };
+  const int n = (int)(sizeof(v) / sizeof(v[0]));
+  for (int i = 0; i < n && i < cap; i++) out[i] = v[i];
+  return n;
 }

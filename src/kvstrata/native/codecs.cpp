@@ -7,7 +7,7 @@
 // Addressing: every tensor is [H, rows, cols] with the innermost dim contiguous;
 // `*_sh` is the stride between heads, `*_st` the stride between rows of x/out
 // (codec fields are row-contiguous: their row stride is their column count).
-// dtype codes: 0 = float32, 1 = float16, 2 = bfloat16.
+// `dt`: the element type of x / out, an `enum kv_dtype` (common.h).
 // Return value: bit 0 = non-finite input, bit 1 = fp16 scale/zero overflow.
 //
 // Compiled with -ffinite-math-only -fno-signed-zeros (so min/max reductions
@@ -480,21 +480,21 @@ static int fp8_dec(const u8 *q, i64 qsh, const float *s, i64 ssh, T *o, i64 osh,
 }
 
 // ------------------------------------------------------------ C entry points
-#define DISPATCH(dt, CALL)                 \
-  switch (dt) {                            \
-    case 0: {                              \
-      typedef float T;                     \
-      return CALL;                         \
-    }                                      \
-    case 1: {                              \
-      typedef f16 T;                       \
-      return CALL;                         \
-    }                                      \
-    case 2: {                              \
-      typedef bf16 T;                      \
-      return CALL;                         \
-    }                                      \
-  }                                        \
+#define DISPATCH(dt, CALL)             \
+  switch (dt) {                        \
+    case KV_DTYPE_F32: {               \
+      typedef float T;                 \
+      return CALL;                     \
+    }                                  \
+    case KV_DTYPE_F16: {               \
+      typedef f16 T;                   \
+      return CALL;                     \
+    }                                  \
+    case KV_DTYPE_BF16: {              \
+      typedef bf16 T;                  \
+      return CALL;                     \
+    }                                  \
+  }                                    \
   return -1;
 
 extern "C" {

@@ -16,6 +16,7 @@ import torch
 
 from kvstrata.codecs.base import Codec, NoneCodec
 from kvstrata.layout import KINDS, BlockLayout
+from kvstrata.slots import slot_runs
 from kvstrata.tiers.base import Encoded, Tier
 
 # Up to this many runs of consecutive slots, a raw read/write is one strided copy per
@@ -64,20 +65,6 @@ class MemoryTier(Tier):
         """Row indices of `slots` in an arena with `rows` rows per slot, in slot order."""
         base = torch.as_tensor(slots, dtype=torch.long).unsqueeze(1) * rows
         return (base + torch.arange(rows)).reshape(-1).to(self.device)
-
-    def slot_runs(self, slots: list[int]) -> list[tuple[int, int]]:
-        """Group `slots` (in order) into runs of consecutive ids: [(first_slot, count)]."""
-        n = len(slots)
-        # the common case, one run, checked at C speed (no Python loop per block)
-        if n and slots[-1] - slots[0] == n - 1 and slots == list(range(slots[0], slots[0] + n)):
-            return [(slots[0], n)]
-        runs: list[tuple[int, int]] = []
-        for s in slots:
-            if runs and runs[-1][0] + runs[-1][1] == s:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((s, 1))
-        return runs
 
     # -- zero-copy access (codec `none` only) ----------------------------------------------
     def layer_view(
@@ -150,17 +137,16 @@ class MemoryTier(Tier):
         strided copy per run of consecutive slots (an index_select / index_copy_
         gather moves ~10x fewer bytes per second). False, having copied nothing, when
         there are more than MAX_RUN_COPIES runs (the caller then uses index ops)."""
-        runs = self.slot_runs(slots)
+        runs = slot_runs(slots)
         if len(runs) > MAX_RUN_COPIES:
             return False
         arena = _indexable(self.arenas[key] if layer is None else self.arenas[key][layer])
         other = _indexable(other)
-        dim, pos = (2 if layer is None else 1), 0
-        for first, count in runs:
+        dim = 2 if layer is None else 1
+        for j, first, count in runs:
             a = arena.narrow(dim, first * rows, count * rows)
-            o = other.narrow(dim, pos, count * rows)
+            o = other.narrow(dim, j * rows, count * rows)
             (a if into_arena else o).copy_(o if into_arena else a, non_blocking=True)
-            pos += count * rows
         return True
 
     def _scatter(self, key: str, slots: list[int], rows: int, data: torch.Tensor) -> None:
@@ -172,7 +158,7 @@ class MemoryTier(Tier):
         self, key: str, slots: list[int], rows: int, layer: int | None = None
     ) -> torch.Tensor:
         arena = self.arenas[key] if layer is None else self.arenas[key][layer]
-        runs = self.slot_runs(slots)
+        runs = slot_runs(slots)
         if len(runs) > 1 and arena.dtype != _indexable(arena).dtype:
             picked = _indexable(arena).index_select(
                 2 if layer is None else 1, self._rows_index(slots, rows)
@@ -180,7 +166,7 @@ class MemoryTier(Tier):
             return picked.view(arena.dtype)
         dim = 2 if layer is None else 1
         if len(runs) == 1:
-            first, count = runs[0]
+            _, first, count = runs[0]
             return arena.narrow(dim, first * rows, count * rows)
         return arena.index_select(dim, self._rows_index(slots, rows))
 

@@ -1,0 +1,430 @@
+"""The attention runtime of a store: where each run of keys is attended, and how.
+
+Per store, decided once at build time:
+
+    local   memory tiers whose raw arenas are attended in place (zero-copy views)
+    native  tiers a CPU decode step reads in place through one native call
+            (raw arenas and int8 / fp8 / int4 host blocks)
+    staged  the rest (disk blocks, lossy blocks of other codecs, host RAM across
+            PCIe): copied / decoded a chunk at a time through the Stager's two
+            fixed buffers, the next chunk (or the next layer's first) prefetched
+
+Per sequence and layer, `attend` combines partials over the runs of the sequence's
+table in the layer's group (merged with log-sum-exp) with this step's new keys.
+Transformers-free: the HF adapter passes queries and new K/V in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstrata import _native
+from kvstrata.attention import (
+    NATIVE_MAX_DIM,
+    NATIVE_MAX_ROWS,
+    encoded_field,
+    masked_attention,
+    merge_all,
+    merge_sink,
+    native_attention,
+    pack_gqa,
+    partial_attention,
+    raw_field,
+    unpack_gqa,
+)
+from kvstrata.blocks.manager import Run
+from kvstrata.errors import UnsupportedModelError
+from kvstrata.staging import Stager
+from kvstrata.tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from kvstrata.store import KVStore
+
+SMALL_PART_TOKENS = 2048
+
+
+@dataclass
+class RowMask:
+    """Padding of one batch row: keys before `first_valid` are padding; `dense` is
+    the full boolean key mask when padding is not a prefix."""
+
+    first_valid: int
+    dense: torch.Tensor | None
+
+
+class AttentionRuntime:
+    """Attention over a store's tiers (see the module docstring)."""
+
+    # Decode on the CPU through kvstrata/native/attention.cpp when it is available
+    # (set False on the class, or on an instance before build, to use torch partials).
+    native_attention = True
+
+    def __init__(self, store: KVStore, native: bool | None = None) -> None:
+        self.store = store
+        mgr = store.manager
+        assert mgr is not None and store.layout is not None
+        self.manager = mgr
+        self.layout = layout = store.layout
+        cc = store.config
+        self.device = store.device
+        tiers = [mgr.tiers[n] for n in mgr.tier_order]
+        self.tiers = mgr.tiers
+        self.device_name = tiers[0].name
+        self.step_tokens = 0
+        # tiers whose raw arenas take token writes and zero-copy views directly
+        self.arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
+        self.local = {
+            t.name
+            for t in tiers
+            if isinstance(t, MemoryTier)
+            and t.zero_copy
+            and (
+                t.device == self.device
+                or cc.cold_attention == "local"
+                or (cc.cold_attention == "auto" and self.device.type == "cpu")
+            )
+        }
+        if cc.cold_attention == "stage":
+            self.local = {self.device_name}
+        # Decode steps on the CPU: one native call over every run readable in place,
+        # quantized host blocks included (they are then never staged in decode).
+        self.native: set[str] = set()
+        use_native = self.native_attention if native is None else native
+        if (
+            use_native
+            and self.device.type == "cpu"
+            and max(layout.head_dim, layout.dim_v) <= NATIVE_MAX_DIM
+            and _native.available()
+        ):
+            self.native = {t.name for t in tiers if t.name in self.local and t.device.type == "cpu"}
+            if cc.cold_attention != "stage":
+                self.native |= {
+                    t.name
+                    for t in tiers
+                    if isinstance(t, MemoryTier)
+                    and t.device.type == "cpu"
+                    and not t.zero_copy
+                    and t.codec.attend_format("k", layout) is not None
+                    and t.codec.attend_format("v", layout) is not None
+                }
+        staged = any(t.name not in self.local for t in tiers)
+        bs = cc.block_size
+        self.stager = (
+            # two buffers of at most the whole cache each: more could never be filled
+            Stager(
+                self.tiers,
+                layout,
+                self.device,
+                min(cc.staging_tokens, 2 * -(-cc.max_tokens // bs) * bs),
+                self.device_name,
+            )
+            if staged
+            else None
+        )
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.stager.nbytes if self.stager else 0
+
+    def transfer_stats(self) -> dict[str, Any] | None:
+        return self.stager.engine.stats.as_dict() if self.stager else None
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.engine.close()
+
+    # -- runs of one table ----------------------------------------------------------------
+    def _parts(self, layer: int, seq_id: int, start: int, end: int, native: list | None = None):
+        """(k, v) parts covering keys [start, end) of a sequence in the group of model
+        layer `layer`, in order.
+
+        With a `native` list, runs the native kernel can read in place are appended
+        to it as (tokens, K descriptor, V descriptor) instead of being yielded.
+
+        Where the data may be attended in place, parts are zero-copy views of the
+        arenas, and consecutive small ones (< SMALL_PART_TOKENS together, e.g. the
+        sink block and the two halves of the device ring) are joined into one copy:
+        a partial costs a kernel launch, thread synchronisation and a merge, more
+        than copying a few blocks. Cold runs come through the stager's buffers; such
+        a view is valid only until the generator resumes (the buffer is reused)."""
+        group, local = self.store.layer_map[layer]
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pending_tokens = 0
+
+        def flush():
+            if len(pending) == 1:
+                return pending[0]
+            return (
+                torch.cat([k for k, _ in pending], dim=1),
+                torch.cat([v for _, v in pending], dim=1),
+            )
+
+        runs = self.manager.runs((seq_id, group))
+        then = self._next_layer_chunk(layer, seq_id, runs)
+        for run in runs:
+            lo = max(start, run.token_start)
+            hi = min(end, run.token_start + run.num_tokens)
+            if lo >= hi:
+                continue
+            if native is not None and run.tier in self.native:
+                native.append(self._native_part(local, run, lo, hi))
+                continue
+            if run.tier not in self.local:
+                if pending:
+                    yield flush()
+                    pending, pending_tokens = [], 0
+                last = then is not None and then[1:3] == (run.tier, run.first_slot)
+                yield from self.stager.parts(local, run, lo, hi, then if last else None)
+                continue
+            k, v = self.tiers[run.tier].layer_view(local, run.first_slot, run.num_slots)
+            off = run.token_start
+            k, v = k[:, lo - off : hi - off], v[:, lo - off : hi - off]
+            n = hi - lo
+            if pending and (
+                pending_tokens + n > SMALL_PART_TOKENS or k.device != pending[0][0].device
+            ):
+                yield flush()
+                pending, pending_tokens = [], 0
+            if n >= SMALL_PART_TOKENS:
+                yield k, v
+            else:
+                pending.append((k, v))
+                pending_tokens += n
+        if pending:
+            yield flush()
+
+    def _native_part(self, local: int, run: Run, lo: int, hi: int) -> tuple:
+        """(tokens, K descriptor, V descriptor) of tokens [lo, hi) of a run, in place."""
+        tier = self.tiers[run.tier]
+        off = run.token_start
+        if tier.zero_copy:
+            k, v = tier.layer_view(local, run.first_slot, run.num_slots)
+            a, b = lo - off, hi - off
+            return hi - lo, raw_field(k[:, a:b]), raw_field(v[:, a:b])
+        row0 = run.first_slot * self.layout.block_size + lo - off
+        a = tier.arenas
+        fields = [
+            encoded_field(
+                tier.codec.attend_format(kind, self.layout),
+                a[f"{kind}.data"][local],
+                a[f"{kind}.scale"][local],
+                a[f"{kind}.zero"][local] if f"{kind}.zero" in a else None,
+                row0,
+            )
+            for kind in ("k", "v")
+        ]
+        return hi - lo, *fields
+
+    def _cold_history(self, seq_id: int, runs: list[Run]) -> list[tuple[Run, int]]:
+        """Cold runs holding history (tokens before this step) as (run, end token);
+        this step's blocks may not be written for later layers yet. Runs the native
+        decode attention reads in place are not cold."""
+        past = self.store.num_tokens(seq_id) - self.step_tokens
+        return [
+            (r, min(past, r.token_start + r.num_tokens))
+            for r in runs
+            if r.tier not in self.local and r.tier not in self.native and r.token_start < past
+        ]
+
+    def _first_chunk(self, local: int, run: Run, end: int) -> tuple:
+        first, count, _ = self.stager.chunks(run, run.token_start, end)[0]
+        return (local, run.tier, first, count)
+
+    def _next_layer_chunk(self, layer: int, seq_id: int, runs: list[Run]) -> tuple | None:
+        """The first cold chunk layer + 1 will read for a lone sequence with one cold
+        run: loading it can start as soon as this layer's last cold chunk is in (its
+        buffer is free then), overlapping this layer's attention."""
+        store = self.store
+        if self.stager is None or layer + 1 >= len(store.layer_map):
+            return None
+        if len(store.sequence_ids) != 1:
+            return None
+        group, local = store.layer_map[layer + 1]
+        if group != store.layer_map[layer][0]:
+            runs = self.manager.runs((seq_id, group))
+        cold = self._cold_history(seq_id, runs)
+        return self._first_chunk(local, *cold[0]) if len(cold) == 1 else None
+
+    def prefetch_next_layer(self, layer: int, seq_ids: list[int]) -> None:
+        """After layer `layer`'s attention: start loading the first cold chunk that
+        layer + 1 will need (a no-op when `_next_layer_chunk` already started it)."""
+        if self.stager is None or layer + 1 >= len(self.store.layer_map):
+            return
+        group, local = self.store.layer_map[layer + 1]
+        for seq_id in sorted(seq_ids):
+            cold = self._cold_history(seq_id, self.manager.runs((seq_id, group)))
+            if cold:
+                self.stager.prefetch(self._first_chunk(local, *cold[0]))
+                return
+
+    # -- attention ------------------------------------------------------------------------
+    def _history_partials(
+        self,
+        layer: int,
+        seq_id: int,
+        qp: torch.Tensor,
+        start: int,
+        end: int,
+        scale: float,
+        softcap: float | None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Partials (out, lse) of packed queries qp over keys [start, end), which every
+        query sees: one native call for the runs readable in place (CPU, few query
+        rows), one torch partial per other part (staged chunks, device arenas)."""
+        native: list | None = [] if self.native and qp.shape[1] <= NATIVE_MAX_ROWS else None
+        parts = [
+            _partial_where_kv_lives(qp, k, v, scale, softcap)
+            for k, v in self._parts(layer, seq_id, start, end, native)
+        ]
+        if native:
+            parts.append(native_attention(qp, native, self.layout.dim_v, scale, softcap))
+        return parts
+
+    def attend(
+        self,
+        layer: int,
+        seq_id: int,
+        q: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        scale: float,
+        row_mask: RowMask | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of one sequence's queries q [Hq, Q, D] over its cached keys in
+        model layer `layer`.
+
+        Returns [Hq, Q, Dv]."""
+        group = self.store.groups[self.store.layer_map[layer][0]]
+        if group.window is not None and sliding_window != group.window:
+            raise UnsupportedModelError(
+                f"layer {layer}: the model attends with sliding_window={sliding_window} but "
+                f"its config gives window {group.window}; the cache drops keys outside "
+                f"the configured window, so they must agree"
+            )
+        num_q, total = q.shape[1], self.store.num_tokens(seq_id)
+        past = total - num_q
+        hkv, hq = self.layout.num_kv_heads, q.shape[0]
+        first_valid = row_mask.first_valid if row_mask else 0
+        window = sliding_window if sliding_window and sliding_window < total else None
+        dense = row_mask.dense if row_mask else None
+        acc = None
+        if num_q == 1 and dense is None:
+            start = first_valid if window is None else max(first_valid, total - window)
+            parts = self._history_partials(
+                layer, seq_id, pack_gqa(q, hkv), start, total, scale, softcap
+            )
+            acc = merge_all(parts) if parts else None
+        elif dense is None and window is None and first_valid <= past:
+            qp = pack_gqa(q, hkv)
+            parts = self._history_partials(layer, seq_id, qp, first_valid, past, scale, softcap)
+            parts.append(_causal_new(q, new_k, new_v, scale, softcap, hkv))
+            acc = merge_all(parts)
+        else:
+            start = 0 if dense is not None else first_valid
+            if window is not None:
+                start = max(start, past - window + 1)
+            start = min(start, past)
+            # clone: staged views are only valid until the generator moves on
+            parts = [(k.clone(), v.clone()) for k, v in self._parts(layer, seq_id, start, past)]
+            if parts and sum(k.shape[1] for k, _ in parts) != past - start:
+                # keys a sliding group dropped (only possible for a dense padding mask)
+                start = past - sum(k.shape[1] for k, _ in parts)
+            keys = torch.cat([k for k, _ in parts] + [new_k], dim=1)
+            values = torch.cat([v for _, v in parts] + [new_v], dim=1)
+            kpos = torch.arange(start, total, device=q.device)
+            qpos = torch.arange(past, total, device=q.device)
+            allowed = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                allowed &= kpos[None, :] > qpos[:, None] - sliding_window
+            if dense is not None:
+                allowed &= dense[start:total].to(q.device)[None, :]
+            allowed &= kpos[None, :] >= first_valid
+            out, lse = masked_attention(q, keys, values, scale, allowed, softcap)
+            acc = (out.reshape(hkv, -1, out.shape[-1]), lse.reshape(hkv, -1))
+        if acc is None:  # no visible key at all (a padding query)
+            return q.new_zeros((hq, num_q, self.layout.dim_v))
+        if sinks is not None:
+            return merge_sink((unpack_gqa(acc[0], hq), acc[1].reshape(hq, num_q)), sinks)
+        return unpack_gqa(acc[0], hq)
+
+
+def _partial_where_kv_lives(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention computed on the device that holds k/v: host blocks attended
+    in place on the CPU (FlexGen's "CPU attention"), only q and the partial result
+    ([Hkv, R*Q, D] + LSE, tiny in decode) cross the link."""
+    if k.device == q.device:
+        return partial_attention(q, k, v, scale, softcap)
+    out, lse = partial_attention(q.to(k.device), k, v, scale, softcap)
+    return out.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
+
+
+def _causal_new(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of this step's queries over this step's keys (square),
+    returned packed ([Hkv, R*Q, Dv], [Hkv, R*Q])."""
+    hq, nq, _ = q.shape
+    r = hq // num_kv_heads
+    if softcap is None and q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
+        kx = k.repeat_interleave(r, dim=0) if r > 1 else k
+        vx = v.repeat_interleave(r, dim=0) if r > 1 else v
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], kx[None], vx[None], 0.0, True, scale=scale
+        )
+        out, lse = out[0], lse[0]
+    else:
+        allowed = torch.ones(nq, nq, dtype=torch.bool, device=q.device).tril()
+        out, lse = masked_attention(q, k, v, scale, allowed, softcap)
+    return out.reshape(num_kv_heads, r * nq, -1), lse.reshape(num_kv_heads, r * nq)
+
+
+def write_plan(runtime: AttentionRuntime, writes: list, batch: int) -> list[tuple]:
+    """Turn one group's token writes into what every layer of this step does, once
+    per step: ("slice", tier, first, count) for a contiguous single-sequence write,
+    ("rows", tier, rows, src) for scattered rows of an arena tier, ("blocks", tier,
+    slots, src) for whole new blocks of an encoded tier."""
+    plan: list[tuple] = []
+    bs = runtime.layout.block_size
+    for tw in writes:
+        tier = runtime.tiers[tw.tier]
+        src = tw.src.to(runtime.device)
+        if tw.tier not in runtime.arena_tiers:
+            plan.append(("blocks", tier, (tw.rows[::bs] // bs).tolist(), src))
+        elif tw.contiguous is not None and batch == 1:
+            plan.append(("slice", tier, *tw.contiguous))
+        else:
+            plan.append(("rows", tier, tw.rows.to(tier.device), src))
+    return plan
+
+
+def write_layer(plan: list[tuple], local: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store one layer's new K/V ([B, Hkv, T, D]) as the step's write plan says."""
+    batch, heads, num_new, _ = k.shape
+    flat_k = flat_v = None
+    for kind, tier, a, b in plan:
+        if kind == "slice":
+            tier.k_arena[local, :, a : a + b].copy_(k[0, :, :b])
+            tier.v_arena[local, :, a : a + b].copy_(v[0, :, :b])
+            continue
+        if flat_k is None:
+            flat_k = k.transpose(0, 1).reshape(heads, batch * num_new, -1)
+            flat_v = v.transpose(0, 1).reshape(heads, batch * num_new, -1)
+        new_k, new_v = flat_k.index_select(1, b), flat_v.index_select(1, b)
+        if kind == "rows":
+            tier.k_arena[local].index_copy_(1, a, new_k.to(tier.device))
+            tier.v_arena[local].index_copy_(1, a, new_v.to(tier.device))
+        else:
+            tier.write_layer(local, a, new_k, new_v)

@@ -1,0 +1,600 @@
+"""KVStore: one set of tiers, budgets and a prefix index shared by many sequences.
+
+Transformers-free. A store owns the tiers (device / host / disk arenas), the block
+manager (tables, placement, eviction), the layer groups and the prefix index; a
+`TieredCache` (transformers), the engine and other adapters are views over it.
+
+    store = KVStore(model.config, CacheConfig(host_budget="4GiB", disk_dir=...))
+    cache = store.cache(prompt_ids)        # a TieredCache over the shared store
+    cache.matched_tokens                   # prompt tokens found in the store
+
+Prefix reuse (DESIGN.md decision 6): every full block of a sequence whose tokens are
+known gets a chained content hash (kvstrata.hashing) whose extra keys name the model,
+dtype, codecs, layout version, layer group and an optional tenant salt. A new
+sequence looks up its longest cached prefix on every tier and shares those blocks
+by reference; a hit is checked against the stored token ids, and a disk hit against
+its checksums (a corrupt block is a miss, and is recomputed). Freed hashed blocks
+stay cached (evictable first) until their slot is needed. On the disk tier, hashed
+blocks are keyed in its durable index, so a restarted process finds them;
+`close()` writes the hashed blocks still in memory to the disk tier.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstrata import budgets
+from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
+from kvstrata.codecs.registry import get_codec
+from kvstrata.config import CacheConfig
+from kvstrata.errors import ConfigError, TierIOError
+from kvstrata.geometry import KVGeometry
+from kvstrata.groups import LayerGroup, layer_groups
+from kvstrata.hashing import block_hash
+from kvstrata.layout import BlockLayout
+from kvstrata.policies.eviction import EvictionPolicy
+from kvstrata.tiers.memory import DeviceTier, HostTier, resolve_device
+
+LAYOUT_VERSION = 2  # part of every block hash: bump when stored bytes change meaning
+
+
+@dataclass
+class _Sequence:
+    """What the store knows of one sequence beyond its block tables."""
+
+    salt: str = ""
+    token_ids: list[int] | None = field(default_factory=list)  # None: unknown, no hashing
+    num_hashed: int = 0  # leading full blocks hashed
+    parents: list[bytes | None] = field(default_factory=list)  # last hash per group
+
+
+@dataclass
+class PrefixStats:
+    """Prefix-cache counters."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    corrupt_blocks: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "lookups": self.lookups,
+            "lookup_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+            "corrupt_blocks": self.corrupt_blocks,
+        }
+
+
+class KVStore:
+    """Tiers, placement and prefix index for many sequences of one model.
+
+    Args:
+        model_config: a transformers config (or a KVGeometry): layers, heads, windows.
+        cache_config: a CacheConfig, or its fields as keyword arguments.
+        model_key: names the weights in every block hash (default: the config's
+            `_name_or_path` and model type); give a distinct key for fine-tunes that
+            share a name.
+        prefix_caching: hash full blocks and reuse them across sequences.
+    """
+
+    def __init__(
+        self,
+        model_config: Any,
+        cache_config: CacheConfig | None = None,
+        *,
+        model_key: str | None = None,
+        prefix_caching: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if cache_config is None:
+            cache_config = CacheConfig(**kwargs)
+        elif kwargs:
+            cache_config = cache_config.replace(**kwargs)
+        self.config = cache_config
+        if isinstance(model_config, KVGeometry):
+            self.geometry = model_config
+        else:
+            self.geometry = KVGeometry.from_hf_config(model_config)
+        g = self.geometry
+        self.groups: list[LayerGroup] = layer_groups(
+            g.num_layers, g.sliding_layers, g.sliding_window
+        )
+        self.layer_map: list[tuple[int, int]] = [(0, 0)] * g.num_layers
+        for group in self.groups:
+            for local, layer in enumerate(group.layers):
+                self.layer_map[layer] = (group.index, local)
+        name = getattr(model_config, "_name_or_path", "") or g.name
+        self.model_key = model_key or f"{g.model_type}:{name}"
+        self.prefix_caching = prefix_caching
+        self.codecs = {f: get_codec(getattr(cache_config, f), f) for f in _CODEC_FIELDS}
+        if not self.codecs["device_codec"].lossless:
+            raise ConfigError.field(
+                "device_codec",
+                cache_config.device_codec,
+                "the device tier keeps full precision (it is the residual window); put "
+                "lossy codecs on host_codec / disk_codec",
+            )
+        self.policy = EvictionPolicy(cache_config.policy)
+        self.device = resolve_device(cache_config.device)
+        self.manager: BlockManager | None = None
+        self.layout: BlockLayout | None = None
+        self.runtime = None
+        self.prefix = PrefixStats()
+        self._seqs: dict[int, _Sequence] = {}
+        self._ids = itertools.count()
+        self._extra: dict[tuple[int, str], dict[str, str | int]] = {}
+        self._closed = False
+
+    # -- construction -------------------------------------------------------------------------
+    @property
+    def is_built(self) -> bool:
+        return self.manager is not None
+
+    def build(
+        self,
+        dtype: torch.dtype,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        num_sequences: int = 1,
+        native: bool | None = None,
+    ) -> None:
+        """Create the tiers (dtype and shapes come with the first K/V, or the config).
+
+        A built store checks that later K/V match its layout. `native`: use the
+        native CPU decode attention (None: AttentionRuntime.native_attention)."""
+        g = self.geometry
+        layout = BlockLayout(
+            num_layers=len(self.groups[0].layers),
+            num_kv_heads=num_kv_heads or g.num_kv_heads,
+            head_dim=head_dim or g.head_dim,
+            block_size=self.config.block_size,
+            dtype=dtype,
+            v_head_dim=v_head_dim or g.v_head_dim,
+        )
+        if self.layout is not None:
+            if layout != self.layout:
+                raise ConfigError.field(
+                    "key/value states",
+                    f"{layout.num_kv_heads} heads x {layout.head_dim} {layout.dtype}",
+                    f"this store holds {self.layout.num_kv_heads} heads x "
+                    f"{self.layout.head_dim} {self.layout.dtype}; use one store per model",
+                )
+            return
+        cc = self.config
+        for codec in self.codecs.values():
+            codec.validate(layout)
+        dev_codec = self.codecs["device_codec"]
+        lossy_below = not all(self.codecs[f].lossless for f in ("host_codec", "disk_codec"))
+        dev_slots = budgets.device_slots(
+            cc, self.groups, dev_codec.block_nbytes(layout), num_sequences, lossy_below
+        )
+        tiers: list = [DeviceTier(layout, dev_slots, dev_codec, device=str(self.device))]
+        if cc.host_budget:
+            codec = self.codecs["host_codec"]
+            slots = budgets.lower_slots(cc.host_budget, codec.block_nbytes(layout))
+            tiers.append(HostTier(layout, slots, codec))
+        if cc.disk_dir:
+            from kvstrata.tiers.disk import DiskTier
+
+            codec = self.codecs["disk_codec"]
+            tiers.append(
+                DiskTier(
+                    layout,
+                    budgets.lower_slots(cc.disk_budget, codec.block_nbytes(layout)),
+                    cc.disk_dir,
+                    codec,
+                    compress=cc.disk_compress,
+                    o_direct=cc.disk_o_direct,
+                )
+            )
+        self.layout = layout
+        self.manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)
+        self.manager.on_move = self._on_move
+        self._disk = tiers[-1] if cc.disk_dir else None
+        if self._disk is not None and self.prefix_caching:
+            for slot, key in sorted(self._disk.keyed_slots().items()):
+                hit = self._disk.lookup(key)
+                if hit is not None:
+                    self.manager.adopt_cached(self._disk.name, slot, key, tuple(hit[1]))
+        from kvstrata.runtime import AttentionRuntime
+
+        self.runtime = AttentionRuntime(self, native=native)
+
+    def _require(self) -> BlockManager:
+        if self.manager is None:
+            raise RuntimeError("KVStore is empty: build() it or run a forward pass first")
+        return self.manager
+
+    @property
+    def tiers(self) -> dict:
+        return self._require().tiers
+
+    # -- sequences ----------------------------------------------------------------------------
+    def tables(self, seq_id: int) -> list[tuple[int, int]]:
+        """Block-table keys of a sequence, one per layer group."""
+        return [(seq_id, g.index) for g in self.groups]
+
+    def add_sequence(
+        self, token_ids: Sequence[int] | None = None, salt: str = "", lookup: bool = True
+    ) -> tuple[int, int]:
+        """A new sequence, starting with its longest cached prefix of `token_ids`.
+
+        Args:
+            token_ids: the prompt (None: tokens unknown, the sequence is not hashed).
+            salt: tenant salt; sequences with different salts never share a block.
+            lookup: look the prompt up (False: start empty, still hash its blocks).
+
+        Returns:
+            (sequence id, tokens already in the store); at least one prompt token is
+            always left to compute, so the model produces logits for the next one.
+        """
+        mgr = self._require()
+        if not isinstance(salt, str):
+            raise ConfigError.field("salt", salt, "a string naming the tenant")
+        seq_id = next(self._ids)
+        self._seqs[seq_id] = _Sequence(salt=salt, parents=[None] * len(self.groups))
+        for key, group in zip(self.tables(seq_id), self.groups, strict=True):
+            mgr.add_sequence(key, window=group.window)
+        matched = 0
+        if token_ids is not None and lookup and self.prefix_caching:
+            matched = self._attach_prefix(seq_id, [int(t) for t in token_ids])
+        return seq_id, matched
+
+    def extend(
+        self, seq_ids: list[int], num_new: int, token_ids: list[list[int]] | None = None
+    ) -> list[list[TokenWrites]]:
+        """Make room for `num_new` tokens at the end of each sequence.
+
+        Args:
+            token_ids: the new tokens per sequence (None: unknown; hashing stops).
+
+        Returns:
+            Per layer group, where the tokens go (TokenWrites; `src` indexes the
+            flattened [len(seq_ids) * num_new] order of the step).
+        """
+        mgr = self._require()
+        keys = [k for g in self.groups for k in ((s, g.index) for s in seq_ids)]
+        writes = mgr.append(keys, num_new)
+        for i, seq_id in enumerate(seq_ids):
+            seq = self._seqs[seq_id]
+            if seq.token_ids is None:
+                continue
+            new = token_ids[i] if token_ids is not None else None
+            if new is None or len(new) != num_new:
+                seq.token_ids = None
+            else:
+                seq.token_ids.extend(int(t) for t in new)
+        return _split_by_group(writes, len(self.groups), len(seq_ids) * num_new)
+
+    def step_done(self, seq_ids: list[int]) -> None:
+        """The forward that extended these sequences finished: their full blocks are
+        complete in every layer and can be hashed (found by later lookups)."""
+        mgr = self._require()
+        mgr.end_step([k for s in seq_ids for k in self.tables(s)])
+        if self.prefix_caching:
+            for seq_id in seq_ids:
+                self._hash_full_blocks(seq_id)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._require().num_tokens((seq_id, 0))
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def sequence_ids(self) -> list[int]:
+        return sorted(self._seqs)
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every block of `seq_id` (copy on write)."""
+        mgr = self._require()
+        new_id = next(self._ids)
+        src = self._seqs[seq_id]
+        self._seqs[new_id] = _Sequence(
+            src.salt, None if src.token_ids is None else list(src.token_ids),
+            src.num_hashed, list(src.parents),
+        )  # fmt: skip
+        for src_key, dst_key in zip(self.tables(seq_id), self.tables(new_id), strict=True):
+            mgr.fork(src_key, dst_key)
+        return new_id
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens of a sequence."""
+        mgr = self._require()
+        if num_tokens >= self.num_tokens(seq_id):
+            return
+        for key in self.tables(seq_id):
+            mgr.truncate(key, num_tokens)
+        seq = self._seqs[seq_id]
+        if seq.token_ids is not None:
+            del seq.token_ids[num_tokens:]
+        full = num_tokens // self.config.block_size
+        if seq.num_hashed > full:
+            seq.num_hashed = 0  # re-derive the chain from the start when needed
+            seq.parents = [None] * len(self.groups)
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence; its hashed blocks stay cached."""
+        mgr = self._require()
+        self._seqs.pop(seq_id)
+        for key in self.tables(seq_id):
+            mgr.free_sequence(key)
+
+    def remap(self, seq_ids: list[int], sources: list[int]) -> list[int]:
+        """New sequences where new i shares every block of `seq_ids[sources[i]]`
+        (beam reorder / batch select); the old ones are freed. Returns the new ids."""
+        new_ids = [self.fork(seq_ids[s]) for s in sources]
+        for seq_id in seq_ids:
+            self.free(seq_id)
+        return new_ids
+
+    def runs(self, seq_id: int, group: int) -> list[Run]:
+        return self._require().runs((seq_id, group))
+
+    # -- prefix index -------------------------------------------------------------------------
+    def _extra_keys(self, group: int, salt: str) -> dict[str, str | int]:
+        extra = self._extra.get((group, salt))
+        if extra is None:
+            assert self.layout is not None
+            extra = {
+                "model": self.model_key,
+                "dtype": str(self.layout.dtype).removeprefix("torch."),
+                "codecs": "/".join(self.codecs[f].name for f in _CODEC_FIELDS),
+                "layout": LAYOUT_VERSION,
+                "group": f"{group}:{self.groups[group].window or 0}:{len(self.groups)}",
+                "salt": salt,
+            }
+            self._extra[(group, salt)] = extra
+        return extra
+
+    def _hash_full_blocks(self, seq_id: int) -> None:
+        mgr = self._require()
+        seq = self._seqs[seq_id]
+        if seq.token_ids is None:
+            return
+        bs = self.config.block_size
+        num_full = min(len(seq.token_ids), self.num_tokens(seq_id)) // bs
+        for i in range(seq.num_hashed, num_full):
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            for g, key in enumerate(self.tables(seq_id)):
+                h = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
+                seq.parents[g] = h
+                table = mgr.tables[key]
+                pos = i - table.first_block
+                if 0 <= pos < len(table.block_ids):
+                    block_id = table.block_ids[pos]
+                    if mgr.set_hash(block_id, h, tuple(tokens)):
+                        self._persist_key(block_id)
+        seq.num_hashed = max(seq.num_hashed, num_full)
+
+    def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
+        """Block ids of the cached prefix of one group (None where a block is absent),
+        for up to `limit` full blocks."""
+        mgr = self._require()
+        bs = self.config.block_size
+        found: list[int | None] = []
+        parent = None
+        extra = self._extra_keys(group, salt)
+        for i in range(limit):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            parent = block_hash(parent, tokens, extra)
+            block_id = mgr.hash_to_block.get(parent)
+            if block_id is not None and mgr.pool.blocks[block_id].token_ids != tuple(tokens):
+                block_id = None  # a hash collision: never serve it
+            found.append(block_id)
+        return found
+
+    def _attach_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        mgr = self._require()
+        bs = self.config.block_size
+        seq = self._seqs[seq_id]
+        limit = max(0, len(token_ids) - 1) // bs
+        self.prefix.lookups += 1
+        self.prefix.lookup_tokens += len(token_ids)
+        for _attempt in range(8):
+            found = [self._lookup_blocks(g.index, seq.salt, token_ids, limit) for g in self.groups]
+            k = self._longest_match(found)
+            if k == 0:
+                break
+            chosen = []
+            for group, ids in zip(self.groups, found, strict=True):
+                first = group.first_live_block(k * bs, bs)
+                chosen.append((first, ids[first:k]))
+            bad = self._verify_disk([b for _, ids in chosen for b in ids])
+            if bad:
+                continue
+            for key, (first, ids) in zip(self.tables(seq_id), chosen, strict=True):
+                mgr.attach(key, ids, first, k * bs)
+            seq.token_ids = list(token_ids[: k * bs])
+            seq.num_hashed = k
+            seq.parents = [
+                mgr.pool.blocks[ids[-1]].block_hash if ids else None for _, ids in chosen
+            ]
+            if any(p is None for p in seq.parents):  # a group keeps no block: re-derive
+                seq.num_hashed, seq.parents = 0, [None] * len(self.groups)
+                self._rechain(seq, k)
+            self.prefix.hit_tokens += k * bs
+            for block_id in chosen[0][1]:
+                tier = mgr.pool.blocks[block_id].tier
+                self.prefix.hit_tokens_by_tier[tier] = (
+                    self.prefix.hit_tokens_by_tier.get(tier, 0) + bs
+                )
+            return k * bs
+        return 0
+
+    def _rechain(self, seq: _Sequence, num_blocks: int) -> None:
+        bs = self.config.block_size
+        assert seq.token_ids is not None
+        for i in range(num_blocks):
+            for g in range(len(self.groups)):
+                tokens = seq.token_ids[i * bs : (i + 1) * bs]
+                seq.parents[g] = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
+        seq.num_hashed = num_blocks
+
+    def _longest_match(self, found: list[list[int | None]]) -> int:
+        """The most full blocks k such that every group holds the blocks it needs
+        after k blocks (all of them for full attention, its window for sliding)."""
+        bs = self.config.block_size
+        k = len(found[0]) if found else 0
+        for group, ids in zip(self.groups, found, strict=True):
+            if group.window is None:
+                k = min(k, next((i for i, b in enumerate(ids) if b is None), len(ids)))
+        while k > 0:
+            ok = True
+            for group, ids in zip(self.groups, found, strict=True):
+                first = group.first_live_block(k * bs, bs)
+                if any(b is None for b in ids[first:k]):
+                    ok = False
+                    break
+            if ok:
+                return k
+            k -= 1
+        return 0
+
+    def _verify_disk(self, block_ids: list[int]) -> bool:
+        """Read back the disk blocks of a hit (checksums); drop corrupt ones from the
+        index. True when one was bad."""
+        mgr = self._require()
+        if self._disk is None:
+            return False
+        disk = self._disk.name
+        slots = [mgr.pool.blocks[b].slot for b in block_ids if mgr.pool.blocks[b].tier == disk]
+        if not slots:
+            return False
+        try:
+            self._disk.read_encoded(slots)
+        except TierIOError as exc:
+            bad_slots = set(getattr(exc, "slots", None) or slots)
+            for block_id in block_ids:
+                block = mgr.pool.blocks[block_id]
+                if block.tier == disk and block.slot in bad_slots:
+                    self.prefix.corrupt_blocks += 1
+                    if block.ref_count == 0:
+                        mgr.evict_cached(block_id)
+                    else:
+                        mgr._unhash(block)
+            return True
+        return False
+
+    def _persist_key(self, block_id: int) -> None:
+        mgr = self._require()
+        block = mgr.pool.blocks[block_id]
+        if self._disk is not None and block.tier == self._disk.name and block.block_hash:
+            self._disk.put_key(block.slot, block.block_hash, list(block.token_ids or ()))
+
+    def _on_move(self, blocks: list, dst: str) -> None:
+        if self._disk is not None and dst == self._disk.name:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._persist_key(block.block_id)
+
+    # -- adapters, stats, lifetime ------------------------------------------------------------
+    def cache(self, prompt_ids: Any = None, salt: str = "") -> Any:
+        """A transformers `TieredCache` over this store; with `prompt_ids`, starting
+        from the prompt's cached prefix (see `TieredCache.matched_tokens`)."""
+        from kvstrata.integrations.hf import TieredCache
+
+        return TieredCache(self.geometry, store=self, prompt_ids=prompt_ids, salt=salt)
+
+    def stats(self) -> dict[str, Any]:
+        """Tier occupancy, bytes moved, prefix-cache counters, tokens per sequence."""
+        if self.manager is None:
+            return {"initialized": False}
+        mgr = self.manager
+        runtime = self.runtime
+        staging = runtime.staging_bytes if runtime else 0
+        dev = mgr.tiers[mgr.tier_order[0]]
+        return {
+            "initialized": True,
+            "block_size": self.config.block_size,
+            "groups": [{"layers": list(g.layers), "window": g.window} for g in self.groups],
+            "tiers": mgr.occupancy(),
+            "bytes_moved": dict(mgr.bytes_moved),
+            "blocks_moved": mgr.num_moves,
+            "device_budget_bytes": dev.num_slots * dev.block_bytes,
+            "staging_bytes": staging,
+            "peak_device_bytes": dev.stats.peak_used_slots * dev.block_bytes + staging,
+            "kv_bytes": mgr.live_bytes(),
+            "peak_kv_bytes": mgr.peak_live_bytes,
+            "transfers": runtime.transfer_stats() if runtime else None,
+            "prefix": self.prefix.as_dict(),
+            "tokens": {s: self.num_tokens(s) for s in sorted(self._seqs)},
+        }
+
+    def persist(self) -> int:
+        """Write hashed blocks that live only in memory tiers to free disk slots and
+        key them there (a restarted process finds them). Returns blocks written."""
+        mgr = self.manager
+        if mgr is None or self._disk is None or not self.prefix_caching:
+            return 0
+        disk = self._disk
+        todo = [
+            b for b in mgr.pool.blocks.values() if b.block_hash is not None and b.tier != disk.name
+        ]
+        todo.sort(key=lambda b: b.block_id)
+        todo = todo[: disk.num_free]
+        for tier_name in mgr.tier_order[:-1]:
+            group = [b for b in todo if b.tier == tier_name]
+            if not group:
+                continue
+            slots = disk.allocate(len(group))
+            assert slots is not None
+            mgr._copy_data(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
+            for block, slot in zip(group, slots, strict=True):
+                disk.put_key(slot, block.block_hash, list(block.token_ids or ()))
+        return len(todo)
+
+    def close(self) -> None:
+        """Persist hashed blocks to the disk tier and release files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.manager is None:
+            return
+        try:
+            self.persist()
+        finally:
+            if self.runtime is not None:
+                self.runtime.close()
+            for tier in self.manager.tiers.values():
+                tier.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
+
+
+def _split_by_group(
+    writes: list[TokenWrites], num_groups: int, per_group: int
+) -> list[list[TokenWrites]]:
+    """Split one step's writes (tables ordered group-major) into per-group writes
+    whose `src` indexes that group's [len(seq_ids) * num_new] tokens."""
+    if num_groups == 1:
+        return [writes]
+    out: list[list[TokenWrites]] = [[] for _ in range(num_groups)]
+    for tw in writes:
+        group_of = tw.src // per_group
+        for g in torch.unique(group_of).tolist():
+            sel = group_of == g
+            rows, src = tw.rows[sel], tw.src[sel] - g * per_group
+            n = len(rows)
+            contiguous = None
+            steps = bool((src.diff() == 1).all()) and bool((rows.diff() == 1).all())
+            if n and int(src[0]) == 0 and steps:
+                contiguous = (int(rows[0]), n)
+            out[g].append(TokenWrites(tw.tier, rows, src, contiguous))
+    return out

@@ -1,0 +1,366 @@
+"""DiskTier's arena file, blocks.bin: its descriptors, sizing, O_DIRECT, staging
+buffers, and the block read and write paths: in place (disk_vectored), staged
+(pread/pwrite per run of consecutive slots) and compressed (one packed extent per
+slot). Writes return the checksums the index records; reads verify against them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstrata.errors import ConfigError, TierFullError, TierIOError
+from kvstrata.tiers.disk_format import (
+    SLOT_ALIGN,
+    Checksum,
+    SlotFormat,
+    aligned_empty,
+    exchange,
+    round_up,
+    runs,
+)
+from kvstrata.tiers.disk_index import DiskIndex
+from kvstrata.tiers.disk_vectored import VectoredIO
+
+# I/O per chunk: amortizes Python overhead; small enough that a chunk just read is
+# still in L2/L3 when its checksum is computed.
+CHUNK_BYTES = 8 << 20
+# The native path batches and checksums inside one call: chunks only bound the
+# staging buffer and the per-call planning arrays.
+NATIVE_CHUNK_BYTES = 64 << 20
+
+Fields = Callable[[str, int, int], torch.Tensor]
+"""fields(key, i0, i1): encoded field `key` of blocks i0..i1 as [L, Hkv, (i1-i0)*rows, cols]."""
+Targets = Callable[[int, int], tuple[dict[str, torch.Tensor], Callable[[], None]]]
+"""targets(i0, i1): (field tensors to read blocks i0..i1 into, what to run once verified)."""
+
+
+def tier_error(
+    cls: type[TierIOError], msg: str, path: Path, slots: list[int] | None = None
+) -> TierIOError:
+    """A `cls` naming the arena file, with `.path` and `.slots` set."""
+    # Not OSError.filename: setting it changes str(exc) to "[Errno None] ...".
+    exc = cls(f"{msg} (file {str(path)!r})")
+    exc.path = str(path)
+    exc.slots = list(slots or [])
+    return exc
+
+
+class BlockFile:
+    """The arena file of a DiskTier and every move of block bytes through it.
+
+    Args:
+        path: the arena file (opened by `open`).
+        fmt: the slot format.
+        num_slots: slots in the arena.
+        index: the tier's index (stored checksums and lengths, read to verify).
+        checksum: the tier's checksum.
+        native: the native library, or None.
+        compressor: (compress, decompress), or None to store layers as they are.
+        load_compressor: returns (compress, decompress): reads compressed slots of a
+            tier opened without `compressor`.
+        io_threads: threads for one native call.
+        o_direct: move block data through a second, O_DIRECT descriptor.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        fmt: SlotFormat,
+        num_slots: int,
+        index: DiskIndex,
+        checksum: Checksum,
+        native: object | None,
+        compressor: tuple | None,
+        load_compressor: Callable[[], tuple],
+        io_threads: int,
+        o_direct: bool,
+    ) -> None:
+        self.path = path
+        self.fmt = fmt
+        self.size = num_slots * fmt.slot_bytes
+        self.index = index
+        self.checksum = checksum
+        self.native = native
+        self.compressor = compressor
+        self.load_compressor = load_compressor
+        self.o_direct = o_direct
+        self.fd = -1  # the arena
+        self.dfd = -1  # the descriptor block data moves through (O_DIRECT or fd)
+        self._local = threading.local()
+        self._vec = VectoredIO(fmt, checksum, native, io_threads, index.sums, self.io_error)
+
+    # -- file -------------------------------------------------------------------------
+    def open(self) -> int:
+        """Open the arena, creating it if needed; returns its size before."""
+        old_size = self.path.stat().st_size if self.path.exists() else 0
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.dfd = self.fd
+        return old_size
+
+    def prepare(self, old_size: int) -> None:
+        """Size the arena (`old_size`: its size when opened) and open the O_DIRECT
+        descriptor if asked."""
+        self._allocate(old_size)
+        if self.o_direct:
+            self.dfd = self._open_direct()
+
+    def _allocate(self, old_size: int) -> None:
+        size = self.size
+        try:
+            if old_size > size:
+                os.ftruncate(self.fd, size)
+            elif hasattr(os, "posix_fallocate"):
+                try:
+                    os.posix_fallocate(self.fd, 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    self._truncate_checked(size)
+            else:
+                self._truncate_checked(size)
+        except OSError as exc:
+            raise self.io_error(exc, [], f"creating a {size}-byte arena") from exc
+
+    def _open_direct(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_DIRECT)
+        except OSError as exc:
+            raise ConfigError.field(
+                "o_direct",
+                True,
+                f"the filesystem of {str(self.path.parent)!r} refuses O_DIRECT "
+                f"({exc.strerror}); use another directory (tmpfs has no O_DIRECT) or "
+                "o_direct=False",
+            ) from exc
+
+    def _truncate_checked(self, size: int) -> None:
+        # No fallocate on this filesystem: a sparse file, with a free-space check.
+        st = os.statvfs(self.path.parent)
+        if st.f_bavail * st.f_frsize < size - os.fstat(self.fd).st_size:
+            raise OSError(errno.ENOSPC, "not enough free space")
+        os.ftruncate(self.fd, size)
+
+    def drop_cache(self) -> None:
+        """Flush the arena and ask the kernel to drop its cached pages (cold reads)."""
+        os.fdatasync(self.fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self, sync: bool) -> None:
+        """Close both descriptors, after fdatasync if `sync` (idempotent)."""
+        dfd, self.dfd = self.dfd, -1
+        fd, self.fd = self.fd, -1
+        if dfd >= 0 and dfd != fd:
+            os.close(dfd)
+        if fd >= 0:
+            if sync:
+                os.fdatasync(fd)
+            os.close(fd)
+
+    # -- errors -----------------------------------------------------------------------
+    def error(
+        self, cls: type[TierIOError], msg: str, slots: list[int] | None = None
+    ) -> TierIOError:
+        return tier_error(cls, msg, self.path, slots)
+
+    def io_error(self, exc: OSError, slots: list[int], what: str) -> TierIOError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return self.error(TierFullError, f"disk full while {what}: {exc}", slots)
+        return self.error(TierIOError, f"I/O error while {what}: {exc}", slots)
+
+    def check_linked(self, slots: list[int], cls: type[TierIOError]) -> None:
+        """Raise `cls` when the arena was deleted. An unlinked arena still reads back
+        through our fd, but it is no longer durable: report it instead of silently
+        serving from a ghost file."""
+        if os.fstat(self.fd).st_nlink == 0:
+            raise self.error(cls, "arena file was deleted", slots)
+
+    # -- staging ----------------------------------------------------------------------
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """A per-thread reusable uint8 buffer (fresh buffers cost page faults),
+        4 KiB-aligned (O_DIRECT needs aligned memory)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.size < nbytes:
+            buf = aligned_empty(max(nbytes, CHUNK_BYTES + self.fmt.slot_bytes), SLOT_ALIGN)
+            self._local.buf = buf
+        return buf[:nbytes]
+
+    def _chunks(self, n: int, item_bytes: int) -> Iterator[tuple[int, int]]:
+        direct = self.native is not None and self.compressor is None and not self.o_direct
+        step = max(1, (NATIVE_CHUNK_BYTES if direct else CHUNK_BYTES) // item_bytes)
+        for i0 in range(0, n, step):
+            yield i0, min(n, i0 + step)
+
+    # -- low-level I/O ----------------------------------------------------------------
+    def _pwrite(self, data: np.ndarray, offset: int, slots: list[int]) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.dfd, view[done:], offset + done)
+        except OSError as exc:
+            raise self.io_error(exc, slots, f"writing slots {slots}") from exc
+
+    def _pread(self, out: np.ndarray, offset: int) -> bool:
+        """Fill `out` from `offset`; False when the file ends first (truncated).
+        With O_DIRECT, an unaligned range is read as the aligned pages around it."""
+        if self.o_direct and (offset % SLOT_ALIGN or out.nbytes % SLOT_ALIGN):
+            a = offset - offset % SLOT_ALIGN
+            b = round_up(offset + out.nbytes, SLOT_ALIGN)
+            pages = aligned_empty(b - a, SLOT_ALIGN)
+            if not self._pread(pages, a):
+                return False
+            out.reshape(-1)[:] = pages[offset - a : offset - a + out.nbytes]
+            return True
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.dfd, [view[done:]], offset + done)
+            if got == 0:
+                return False
+            done += got
+        return True
+
+    # -- write ------------------------------------------------------------------------
+    def write(self, slots: list[int], fields: Fields) -> tuple[np.ndarray, np.ndarray]:
+        """Stage (or view in place), checksum and write blocks; `fields(key, i0, i1)`
+        gives the chunk's encoded field `key` as [L, Hkv, (i1-i0)*rows, cols]. Returns
+        the per-layer checksums and stored lengths [len(slots), L] for the index."""
+        fmt, n = self.fmt, len(slots)
+        L, lb, sb = fmt.num_layers, fmt.layer_bytes, fmt.slot_bytes
+        sums = np.empty((n, L), dtype=np.uint64)
+        lens = np.full((n, L), lb, dtype=np.int64)
+        for i0, i1 in self._chunks(n, sb):
+            c, chunk = i1 - i0, slots[i0:i1]
+            full = self._staging(c * sb).reshape(c, sb)
+            stag_np = full[:, : L * lb].reshape(c, L, lb)
+            if self.compressor is None and self.checksum.linear and not self.o_direct:
+                src = {key: fields(key, i0, i1) for key in fmt.regions}
+                sums[i0:i1] = self._vec.write(self.fd, chunk, src, full, stag_np)
+                continue
+            full[:] = 0  # padding is written as zeros, as on the direct path
+            for key in fmt.regions:
+                exchange(fmt.field_bytes(stag_np, key), fields(key, i0, i1), True)
+            if self.compressor is None:
+                sums[i0:i1] = self.checksum.rows(stag_np)
+                for j, first, count in runs(chunk):
+                    self._pwrite(full[j : j + count], first * sb, chunk)
+            else:
+                for j, slot in enumerate(chunk):
+                    sums[i0 + j], lens[i0 + j] = self._write_compressed(slot, full[j])
+        return sums, lens
+
+    def _write_compressed(self, slot: int, stag_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        compress, _ = self.compressor
+        L, lb = self.fmt.num_layers, self.fmt.layer_bytes
+        parts, sums, lens = [], np.empty(L, dtype=np.uint64), np.empty(L, dtype=np.int64)
+        for layer in range(L):
+            raw = stag_slot[layer * lb : (layer + 1) * lb]
+            packed = np.frombuffer(compress(raw, self.fmt.elem_size), dtype=np.uint8)
+            part = packed if len(packed) < lb else raw  # incompressible: store as is
+            parts.append(part)
+            sums[layer], lens[layer] = self.checksum.one(part), len(part)
+        self._pwrite(np.concatenate(parts), slot * self.fmt.slot_bytes, [slot])
+        return sums, lens
+
+    # -- read -------------------------------------------------------------------------
+    def read(
+        self, slots: list[int], layer: int | None, targets: Targets
+    ) -> tuple[list[int], list[int]]:
+        """Read and verify blocks (one layer of them if `layer` is given) into the field
+        tensors `targets(i0, i1)` gives for each chunk. Returns the slots found missing
+        (file too short) and corrupt (checksum mismatch); their bytes are not served."""
+        fmt, n = self.fmt, len(slots)
+        lb = fmt.layer_bytes
+        nl = fmt.num_layers if layer is None else 1
+        idx = np.asarray(slots)
+        missing: list[int] = []
+        corrupt: list[int] = []
+        item_bytes = fmt.slot_bytes if layer is None else lb
+        for i0, i1 in self._chunks(n, item_bytes):
+            c = i1 - i0
+            full = self._staging(c * item_bytes).reshape(c, item_bytes)
+            stag_np = full[:, : nl * lb].reshape(c, nl, lb)
+            chunk = slots[i0:i1]
+            if (
+                self.checksum.linear
+                and not self.o_direct
+                and not (self.index.lens[idx[i0:i1]] < lb).any()
+            ):
+                dest, finish = targets(i0, i1)
+                if self._vec.read(self.fd, chunk, layer, dest, full, stag_np, missing, corrupt):
+                    finish()
+                continue
+            if not self._read_chunk(chunk, layer, full, stag_np, missing, corrupt):
+                continue
+            dest, finish = targets(i0, i1)
+            staged = stag_np if layer is None else stag_np[:, 0]
+            for key in fmt.regions:
+                exchange(fmt.field_bytes(staged, key), dest[key], False)
+            finish()
+        return missing, corrupt
+
+    def _read_chunk(
+        self,
+        chunk: list[int],
+        layer: int | None,
+        full: np.ndarray,
+        stag_np: np.ndarray,
+        missing: list[int],
+        corrupt: list[int],
+    ) -> bool:
+        """Read and verify `chunk` into `full` [c, slot or layer bytes], viewed as
+        stag_np [c, nl, lb]. Appends bad slots to missing/corrupt; False if any."""
+        lb, sb = self.fmt.layer_bytes, self.fmt.slot_bytes
+        bad_before = len(missing) + len(corrupt)
+        idx = np.asarray(chunk)
+        packed = (self.index.lens[idx] < lb).any(axis=1)
+        if layer is None:  # whole blocks: one pread per run of consecutive slots
+            for j, first, count in runs(chunk):
+                if packed[j : j + count].any():
+                    continue  # runs with a compressed slot are read slot by slot below
+                if not self._pread(full[j : j + count], first * sb):
+                    missing.extend(chunk[j : j + count])
+        else:
+            for j in np.flatnonzero(~packed):
+                if not self._pread(full[j], chunk[j] * sb + layer * lb):
+                    missing.append(chunk[j])
+        for j in np.flatnonzero(packed):
+            self._read_packed(chunk[j], layer, stag_np[j], missing, corrupt)
+        plain = np.flatnonzero(~packed)
+        if len(plain):
+            layers = slice(None) if layer is None else slice(layer, layer + 1)
+            got = self.checksum.rows(stag_np if len(plain) == len(chunk) else stag_np[plain])
+            want = self.index.sums[idx[plain]][:, layers]
+            bad = {chunk[plain[j]] for j in np.flatnonzero((got != want).any(axis=1))}
+            corrupt.extend(s for s in chunk if s in bad and s not in missing)
+        return len(missing) + len(corrupt) == bad_before
+
+    def _read_packed(
+        self, slot: int, layer: int | None, out: np.ndarray, missing: list, corrupt: list
+    ) -> None:
+        _, decompress = self.compressor or self.load_compressor()
+        lens, lb = self.index.lens[slot], self.fmt.layer_bytes
+        offs = np.concatenate([[0], np.cumsum(lens)])
+        layers = range(len(lens)) if layer is None else [layer]
+        lo, hi = offs[layers[0]], offs[layers[-1] + 1]
+        raw = np.empty(hi - lo, dtype=np.uint8)
+        if not self._pread(raw, slot * self.fmt.slot_bytes + int(lo)):
+            missing.append(slot)
+            return
+        for i, layer_i in enumerate(layers):
+            part = raw[offs[layer_i] - lo : offs[layer_i + 1] - lo]
+            if self.checksum.one(part) != int(self.index.sums[slot, layer_i]):
+                corrupt.append(slot)
+                return
+            if len(part) == lb:
+                out[i] = part
+            else:
+                decompress(part, out[i])
