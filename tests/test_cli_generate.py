@@ -4,6 +4,7 @@ tiny random byte-level model; bad flags exit 2 with one line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,24 @@ def test_generate_greedy_with_host_tier_and_stats(tiny_dir, capsys):
     assert "KV cache tiers (block size 16 tokens)" in out
     assert "device->host" in out
     assert "tokens cached: 40" in out  # 17 prompt + 24 new - the last one never fed
+
+
+def test_generate_reuses_the_prompt_prefix_a_previous_run_left_on_disk(tiny_dir, capsys, tmp_path):
+    argv = [
+        "generate", "--model", str(tiny_dir), "--prompt", PROMPT * 8, "--max-new-tokens", "8",
+        "--block-size", "16", "--resident-fraction", "0.5", "--disk-dir", str(tmp_path),
+        "--temperature", "0", "--no-stream", "--stats",
+    ]  # fmt: skip
+    code, first, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert "prefix cache: 0 of" in first
+    code, second, err = _run(capsys, *argv)  # a new run: the store is reopened from disk
+    assert code == 0, err
+    reused = re.search(r"prefix cache: (\d+) of (\d+) prompt tokens reused \(disk (\d+)\)", second)
+    assert reused, second
+    hit, total, on_disk = map(int, reused.groups())
+    assert hit == on_disk == (total - 1) // 16 * 16 > 0
+    assert first.split("KV cache tiers")[0] == second.split("KV cache tiers")[0]
 
 
 def test_generate_matches_between_placements_and_samples_with_seed(tiny_dir, capsys):

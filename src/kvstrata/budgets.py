@@ -8,11 +8,58 @@ group has the same block size (kvstrata.groups).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError
-from kvstrata.groups import LayerGroup
+from kvstrata.groups import LayerGroup, layer_groups
+from kvstrata.layout import BlockLayout
 from kvstrata.units import format_bytes
+
+
+def model_groups(model_or_config: Any) -> list[LayerGroup]:
+    """The layer groups of a model (or its config / KVGeometry)."""
+    from kvstrata.geometry import KVGeometry
+
+    config = getattr(model_or_config, "config", model_or_config)
+    g = config if isinstance(config, KVGeometry) else KVGeometry.from_hf_config(config)
+    return layer_groups(g.num_layers, g.sliding_layers, g.sliding_window)
+
+
+def group_layout(
+    model_or_config: Any,
+    block_size: int,
+    dtype: Any = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    v_head_dim: int | None = None,
+) -> BlockLayout:
+    """The layout of one block of one layer group: what a store's tiers hold per slot.
+
+    Args:
+        model_or_config: a model (its parameter dtype is the default dtype), a
+            transformers config or a KVGeometry.
+        dtype: the KV dtype (default: the model's parameters, else float32).
+        num_kv_heads / head_dim / v_head_dim: override the config (the K/V a model
+            really produces).
+    """
+    import torch
+
+    from kvstrata.geometry import KVGeometry
+
+    config = getattr(model_or_config, "config", model_or_config)
+    g = config if isinstance(config, KVGeometry) else KVGeometry.from_hf_config(config)
+    if dtype is None:
+        params = getattr(model_or_config, "parameters", None)
+        dtype = next(params()).dtype if params is not None else torch.float32
+    return BlockLayout(
+        num_layers=len(model_groups(g)[0].layers),
+        num_kv_heads=num_kv_heads or g.num_kv_heads,
+        head_dim=head_dim or g.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        v_head_dim=v_head_dim or g.v_head_dim,
+    )
 
 
 def blocks_for_context(groups: list[LayerGroup], num_tokens: int, block_size: int) -> int:
@@ -46,7 +93,9 @@ def device_slots(
     if config.device_budget is not None:
         slots = config.device_budget // device_block_bytes
     elif config.resident_fraction is not None:
-        slots = math.ceil(config.resident_fraction * total)
+        # never below one open block per sequence and group: a fraction of a small
+        # max_tokens would otherwise refuse the first step
+        slots = max(math.ceil(config.resident_fraction * total), num_sequences * len(groups))
     else:
         slots = total + num_sequences * len(groups)
     per_seq = 1 + -(-config.residual_tokens // bs) + -(-config.sink_tokens // bs)
@@ -65,3 +114,87 @@ def device_slots(
 def lower_slots(budget: int, block_bytes: int) -> int:
     """Slots of a host / disk tier of `budget` bytes."""
     return budget // block_bytes
+
+
+def lower_tier_bytes(
+    model: Any, codec: str, max_tokens: int, block_size: int, field: str = "codec"
+) -> int:
+    """Bytes a host / disk tier of `codec` needs to hold every block of a
+    `max_tokens`-token sequence, plus one spare block per group (the last block may
+    still be open when the device evicts)."""
+    from kvstrata.codecs.registry import get_codec
+
+    groups = model_groups(model)
+    blocks = blocks_for_context(groups, max_tokens, block_size) + len(groups)
+    return blocks * get_codec(codec, field).block_nbytes(group_layout(model, block_size))
+
+
+def placement(
+    model: Any,
+    context: int,
+    *,
+    codec: str = "none",
+    resident: float = 1.0,
+    block_size: int = 64,
+    residual_tokens: int = 128,
+    sink_tokens: int = 4,
+    disk_dir: str | None = None,
+) -> dict[str, Any]:
+    """CacheConfig fields that keep `resident` of a `context`-token sequence on the device
+    and the rest on the host (and, with `disk_dir`, half of the rest on disk).
+
+    The codec applies to the lower tiers. A lossy codec needs the residual window (the
+    newest `residual_tokens`) + the sinks + the open block on the device (per layer
+    group), so the device gets at least that many blocks whatever `resident` says.
+
+    Args:
+        model: The model (sizes blocks and groups).
+        context: Tokens the cache must hold.
+        codec: Codec of the host (and disk) tier.
+        resident: Fraction of the context resident on the device, in (0, 1].
+        block_size: Tokens per block.
+        residual_tokens / sink_tokens: The full-precision window and the sinks.
+        disk_dir: Parent directory of a disk tier (None = no disk tier).
+
+    Returns:
+        Keyword fields for :class:`~kvstrata.config.CacheConfig`.
+    """
+    from kvstrata.codecs.registry import get_codec
+
+    if isinstance(resident, bool) or not isinstance(resident, int | float):
+        raise ConfigError.field("resident", resident, "a fraction in (0, 1], e.g. 0.1")
+    if not 0 < resident <= 1:
+        raise ConfigError.field("resident", resident, "a fraction in (0, 1], e.g. 0.1")
+    lower = get_codec(codec, "codec")
+    layout = group_layout(model, block_size)
+    groups = model_groups(model)
+    total_blocks = blocks_for_context(groups, context, block_size)
+    dev_blocks = math.ceil(resident * total_blocks - 1e-9)
+    if not lower.lossless:
+        per_group = 1 + -(-residual_tokens // block_size) + -(-sink_tokens // block_size)
+        dev_blocks = max(dev_blocks, len(groups) * per_group)
+    dev_blocks = min(max(dev_blocks, len(groups)), total_blocks)
+    kwargs: dict[str, Any] = {
+        "block_size": block_size,
+        "max_tokens": context,
+        "residual_tokens": residual_tokens,
+        "sink_tokens": sink_tokens,
+        "device_budget": dev_blocks * get_codec("none").block_nbytes(layout),
+    }
+    cold_blocks = total_blocks - dev_blocks
+    if cold_blocks == 0:
+        return kwargs
+    # One spare block per group and lower tier: the last block may still be open when
+    # the device evicts, so the lower tiers can briefly hold one block more.
+    spare = len(groups)
+    lower_bytes = lower.block_nbytes(layout)
+    kwargs["host_codec"] = codec
+    if disk_dir is None:
+        kwargs["host_budget"] = (cold_blocks + spare) * lower_bytes
+        return kwargs
+    host_blocks = max(1, cold_blocks // 2)
+    kwargs["host_budget"] = host_blocks * lower_bytes
+    kwargs["disk_dir"] = disk_dir
+    kwargs["disk_codec"] = codec
+    kwargs["disk_budget"] = (cold_blocks - host_blocks + spare) * lower_bytes
+    return kwargs

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.budgets import group_layout as block_layout  # noqa: F401 - re-exported
+from kvstrata.budgets import placement  # noqa: F401 - re-exported
 from kvstrata.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -441,100 +443,6 @@ def heldout_windows(
             f"of {context} tokens",
         )
     return [stream[i * context : (i + 1) * context] for i in range(num_windows)]
-
-
-def block_layout(model: PreTrainedModel, block_size: int) -> Any:
-    """The BlockLayout a TieredCache builds for this model (fp dtype of its parameters).
-
-    Args:
-        model: A causal LM.
-        block_size: Tokens per block.
-
-    Returns:
-        The :class:`~kvstrata.layout.BlockLayout`.
-    """
-    from kvstrata.layout import BlockLayout
-
-    cfg = model.config
-    num_q = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q)
-    return BlockLayout(
-        num_layers=int(cfg.num_hidden_layers),
-        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_q),
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=next(model.parameters()).dtype,
-    )
-
-
-def placement(
-    model: PreTrainedModel,
-    context: int,
-    *,
-    codec: str = "none",
-    resident: float = 1.0,
-    block_size: int = 64,
-    residual_tokens: int = 128,
-    sink_tokens: int = 4,
-    disk_dir: str | None = None,
-) -> dict[str, Any]:
-    """CacheConfig fields that keep `resident` of a `context`-token sequence on the device
-    and the rest on the host (and, with `disk_dir`, half of the rest on disk).
-
-    The codec applies to the lower tiers. A lossy codec needs the residual window (the
-    newest `residual_tokens`) + the sinks + the open block on the device, so the device
-    gets at least that many blocks whatever `resident` says.
-
-    Args:
-        model: The model (sizes blocks).
-        context: Tokens the cache must hold.
-        codec: Codec of the host (and disk) tier.
-        resident: Fraction of the context resident on the device, in (0, 1].
-        block_size: Tokens per block.
-        residual_tokens / sink_tokens: The full-precision window and the sinks.
-        disk_dir: Parent directory of a disk tier (None = no disk tier).
-
-    Returns:
-        Keyword fields for :class:`~kvstrata.config.CacheConfig`.
-    """
-    from kvstrata.codecs.registry import get_codec
-
-    if isinstance(resident, bool) or not isinstance(resident, int | float):
-        raise ConfigError.field("resident", resident, "a fraction in (0, 1], e.g. 0.1")
-    if not 0 < resident <= 1:
-        raise ConfigError.field("resident", resident, "a fraction in (0, 1], e.g. 0.1")
-    lower = get_codec(codec, "codec")
-    layout = block_layout(model, block_size)
-    total_blocks = -(-context // block_size)
-    dev_blocks = math.ceil(resident * total_blocks - 1e-9)
-    if not lower.lossless:
-        dev_blocks = max(
-            dev_blocks, 1 + -(-residual_tokens // block_size) + -(-sink_tokens // block_size)
-        )
-    dev_blocks = min(max(dev_blocks, 1), total_blocks)
-    kwargs: dict[str, Any] = {
-        "block_size": block_size,
-        "max_tokens": context,
-        "residual_tokens": residual_tokens,
-        "sink_tokens": sink_tokens,
-        "device_budget": dev_blocks * get_codec("none").block_nbytes(layout),
-    }
-    cold_blocks = total_blocks - dev_blocks
-    if cold_blocks == 0:
-        return kwargs
-    # One spare block per lower tier: the last block may still be open when the
-    # device evicts, so the lower tiers can briefly hold one block more.
-    lower_bytes = lower.block_nbytes(layout)
-    kwargs["host_codec"] = codec
-    if disk_dir is None:
-        kwargs["host_budget"] = (cold_blocks + 1) * lower_bytes
-        return kwargs
-    host_blocks = max(1, cold_blocks // 2)
-    kwargs["host_budget"] = host_blocks * lower_bytes
-    kwargs["disk_dir"] = disk_dir
-    kwargs["disk_codec"] = codec
-    kwargs["disk_budget"] = (cold_blocks - host_blocks + 1) * lower_bytes
-    return kwargs
 
 
 # Below this many parameters a one-token forward is a few hundred small ops: dispatch,

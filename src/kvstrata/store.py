@@ -32,15 +32,13 @@ from kvstrata import budgets
 from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
-from kvstrata.errors import ConfigError, TierIOError
+from kvstrata.errors import ConfigError
 from kvstrata.geometry import KVGeometry
 from kvstrata.groups import LayerGroup, layer_groups
-from kvstrata.hashing import block_hash
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
+from kvstrata.prefix import _CODEC_FIELDS, PrefixIndex, PrefixStats
 from kvstrata.tiers.memory import DeviceTier, HostTier, resolve_device
-
-LAYOUT_VERSION = 2  # part of every block hash: bump when stored bytes change meaning
 
 
 @dataclass
@@ -51,26 +49,6 @@ class _Sequence:
     token_ids: list[int] | None = field(default_factory=list)  # None: unknown, no hashing
     num_hashed: int = 0  # leading full blocks hashed
     parents: list[bytes | None] = field(default_factory=list)  # last hash per group
-
-
-@dataclass
-class PrefixStats:
-    """Prefix-cache counters."""
-
-    lookups: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    corrupt_blocks: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "lookups": self.lookups,
-            "lookup_tokens": self.lookup_tokens,
-            "hit_tokens": self.hit_tokens,
-            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
-            "corrupt_blocks": self.corrupt_blocks,
-        }
 
 
 class KVStore:
@@ -125,12 +103,12 @@ class KVStore:
         self.policy = EvictionPolicy(cache_config.policy)
         self.device = resolve_device(cache_config.device)
         self.manager: BlockManager | None = None
+        self.disk_tier = None  # the DiskTier, once built with one
         self.layout: BlockLayout | None = None
         self.runtime = None
-        self.prefix = PrefixStats()
+        self.prefix_index = PrefixIndex(self)
         self._seqs: dict[int, _Sequence] = {}
         self._ids = itertools.count()
-        self._extra: dict[tuple[int, str], dict[str, str | int]] = {}
         self._closed = False
 
     # -- construction -------------------------------------------------------------------------
@@ -151,14 +129,8 @@ class KVStore:
 
         A built store checks that later K/V match its layout. `native`: use the
         native CPU decode attention (None: AttentionRuntime.native_attention)."""
-        g = self.geometry
-        layout = BlockLayout(
-            num_layers=len(self.groups[0].layers),
-            num_kv_heads=num_kv_heads or g.num_kv_heads,
-            head_dim=head_dim or g.head_dim,
-            block_size=self.config.block_size,
-            dtype=dtype,
-            v_head_dim=v_head_dim or g.v_head_dim,
+        layout = budgets.group_layout(
+            self.geometry, self.config.block_size, dtype, num_kv_heads, head_dim, v_head_dim
         )
         if self.layout is not None:
             if layout != self.layout:
@@ -198,13 +170,13 @@ class KVStore:
             )
         self.layout = layout
         self.manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)
-        self.manager.on_move = self._on_move
-        self._disk = tiers[-1] if cc.disk_dir else None
-        if self._disk is not None and self.prefix_caching:
-            for slot, key in sorted(self._disk.keyed_slots().items()):
-                hit = self._disk.lookup(key)
+        self.manager.on_move = self.prefix_index.on_move
+        self.disk_tier = tiers[-1] if cc.disk_dir else None
+        if self.disk_tier is not None and self.prefix_caching:
+            for slot, key in sorted(self.disk_tier.keyed_slots().items()):
+                hit = self.disk_tier.lookup(key)
                 if hit is not None:
-                    self.manager.adopt_cached(self._disk.name, slot, key, tuple(hit[1]))
+                    self.manager.adopt_cached(self.disk_tier.name, slot, key, tuple(hit[1]))
         from kvstrata.runtime import AttentionRuntime
 
         self.runtime = AttentionRuntime(self, native=native)
@@ -213,6 +185,15 @@ class KVStore:
         if self.manager is None:
             raise RuntimeError("KVStore is empty: build() it or run a forward pass first")
         return self.manager
+
+    @property
+    def prefix(self) -> PrefixStats:
+        """Prefix-cache counters (lookups, hit tokens per tier, corrupt blocks)."""
+        return self.prefix_index.stats
+
+    def persist(self) -> int:
+        """Write hashed blocks still in memory to the disk tier (see PrefixIndex)."""
+        return self.prefix_index.persist()
 
     @property
     def tiers(self) -> dict:
@@ -246,7 +227,7 @@ class KVStore:
             mgr.add_sequence(key, window=group.window)
         matched = 0
         if token_ids is not None and lookup and self.prefix_caching:
-            matched = self._attach_prefix(seq_id, [int(t) for t in token_ids])
+            matched = self.prefix_index.attach(seq_id, [int(t) for t in token_ids])
         return seq_id, matched
 
     def extend(
@@ -282,7 +263,7 @@ class KVStore:
         mgr.end_step([k for s in seq_ids for k in self.tables(s)])
         if self.prefix_caching:
             for seq_id in seq_ids:
-                self._hash_full_blocks(seq_id)
+                self.prefix_index.hash_full_blocks(seq_id)
 
     def num_tokens(self, seq_id: int) -> int:
         return self._require().num_tokens((seq_id, 0))
@@ -340,170 +321,14 @@ class KVStore:
     def runs(self, seq_id: int, group: int) -> list[Run]:
         return self._require().runs((seq_id, group))
 
-    # -- prefix index -------------------------------------------------------------------------
-    def _extra_keys(self, group: int, salt: str) -> dict[str, str | int]:
-        extra = self._extra.get((group, salt))
-        if extra is None:
-            assert self.layout is not None
-            extra = {
-                "model": self.model_key,
-                "dtype": str(self.layout.dtype).removeprefix("torch."),
-                "codecs": "/".join(self.codecs[f].name for f in _CODEC_FIELDS),
-                "layout": LAYOUT_VERSION,
-                "group": f"{group}:{self.groups[group].window or 0}:{len(self.groups)}",
-                "salt": salt,
-            }
-            self._extra[(group, salt)] = extra
-        return extra
-
-    def _hash_full_blocks(self, seq_id: int) -> None:
-        mgr = self._require()
-        seq = self._seqs[seq_id]
-        if seq.token_ids is None:
-            return
-        bs = self.config.block_size
-        num_full = min(len(seq.token_ids), self.num_tokens(seq_id)) // bs
-        for i in range(seq.num_hashed, num_full):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            for g, key in enumerate(self.tables(seq_id)):
-                h = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
-                seq.parents[g] = h
-                table = mgr.tables[key]
-                pos = i - table.first_block
-                if 0 <= pos < len(table.block_ids):
-                    block_id = table.block_ids[pos]
-                    if mgr.set_hash(block_id, h, tuple(tokens)):
-                        self._persist_key(block_id)
-        seq.num_hashed = max(seq.num_hashed, num_full)
-
-    def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
-        """Block ids of the cached prefix of one group (None where a block is absent),
-        for up to `limit` full blocks."""
-        mgr = self._require()
-        bs = self.config.block_size
-        found: list[int | None] = []
-        parent = None
-        extra = self._extra_keys(group, salt)
-        for i in range(limit):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            parent = block_hash(parent, tokens, extra)
-            block_id = mgr.hash_to_block.get(parent)
-            if block_id is not None and mgr.pool.blocks[block_id].token_ids != tuple(tokens):
-                block_id = None  # a hash collision: never serve it
-            found.append(block_id)
-        return found
-
-    def _attach_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        mgr = self._require()
-        bs = self.config.block_size
-        seq = self._seqs[seq_id]
-        limit = max(0, len(token_ids) - 1) // bs
-        self.prefix.lookups += 1
-        self.prefix.lookup_tokens += len(token_ids)
-        for _attempt in range(8):
-            found = [self._lookup_blocks(g.index, seq.salt, token_ids, limit) for g in self.groups]
-            k = self._longest_match(found)
-            if k == 0:
-                break
-            chosen = []
-            for group, ids in zip(self.groups, found, strict=True):
-                first = group.first_live_block(k * bs, bs)
-                chosen.append((first, ids[first:k]))
-            bad = self._verify_disk([b for _, ids in chosen for b in ids])
-            if bad:
-                continue
-            for key, (first, ids) in zip(self.tables(seq_id), chosen, strict=True):
-                mgr.attach(key, ids, first, k * bs)
-            seq.token_ids = list(token_ids[: k * bs])
-            seq.num_hashed = k
-            seq.parents = [
-                mgr.pool.blocks[ids[-1]].block_hash if ids else None for _, ids in chosen
-            ]
-            if any(p is None for p in seq.parents):  # a group keeps no block: re-derive
-                seq.num_hashed, seq.parents = 0, [None] * len(self.groups)
-                self._rechain(seq, k)
-            self.prefix.hit_tokens += k * bs
-            for block_id in chosen[0][1]:
-                tier = mgr.pool.blocks[block_id].tier
-                self.prefix.hit_tokens_by_tier[tier] = (
-                    self.prefix.hit_tokens_by_tier.get(tier, 0) + bs
-                )
-            return k * bs
-        return 0
-
-    def _rechain(self, seq: _Sequence, num_blocks: int) -> None:
-        bs = self.config.block_size
-        assert seq.token_ids is not None
-        for i in range(num_blocks):
-            for g in range(len(self.groups)):
-                tokens = seq.token_ids[i * bs : (i + 1) * bs]
-                seq.parents[g] = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
-        seq.num_hashed = num_blocks
-
-    def _longest_match(self, found: list[list[int | None]]) -> int:
-        """The most full blocks k such that every group holds the blocks it needs
-        after k blocks (all of them for full attention, its window for sliding)."""
-        bs = self.config.block_size
-        k = len(found[0]) if found else 0
-        for group, ids in zip(self.groups, found, strict=True):
-            if group.window is None:
-                k = min(k, next((i for i, b in enumerate(ids) if b is None), len(ids)))
-        while k > 0:
-            ok = True
-            for group, ids in zip(self.groups, found, strict=True):
-                first = group.first_live_block(k * bs, bs)
-                if any(b is None for b in ids[first:k]):
-                    ok = False
-                    break
-            if ok:
-                return k
-            k -= 1
-        return 0
-
-    def _verify_disk(self, block_ids: list[int]) -> bool:
-        """Read back the disk blocks of a hit (checksums); drop corrupt ones from the
-        index. True when one was bad."""
-        mgr = self._require()
-        if self._disk is None:
-            return False
-        disk = self._disk.name
-        slots = [mgr.pool.blocks[b].slot for b in block_ids if mgr.pool.blocks[b].tier == disk]
-        if not slots:
-            return False
-        try:
-            self._disk.read_encoded(slots)
-        except TierIOError as exc:
-            bad_slots = set(getattr(exc, "slots", None) or slots)
-            for block_id in block_ids:
-                block = mgr.pool.blocks[block_id]
-                if block.tier == disk and block.slot in bad_slots:
-                    self.prefix.corrupt_blocks += 1
-                    if block.ref_count == 0:
-                        mgr.evict_cached(block_id)
-                    else:
-                        mgr._unhash(block)
-            return True
-        return False
-
-    def _persist_key(self, block_id: int) -> None:
-        mgr = self._require()
-        block = mgr.pool.blocks[block_id]
-        if self._disk is not None and block.tier == self._disk.name and block.block_hash:
-            self._disk.put_key(block.slot, block.block_hash, list(block.token_ids or ()))
-
-    def _on_move(self, blocks: list, dst: str) -> None:
-        if self._disk is not None and dst == self._disk.name:
-            for block in blocks:
-                if block.block_hash is not None:
-                    self._persist_key(block.block_id)
-
     # -- adapters, stats, lifetime ------------------------------------------------------------
-    def cache(self, prompt_ids: Any = None, salt: str = "") -> Any:
+    def cache(self, prompt_ids: Any = None, salt: str = "", dtype: Any = None) -> Any:
         """A transformers `TieredCache` over this store; with `prompt_ids`, starting
-        from the prompt's cached prefix (see `TieredCache.matched_tokens`)."""
+        from the prompt's cached prefix (see `TieredCache.matched_tokens`). `dtype`:
+        the model's KV dtype when the store is not built yet (default: the config's)."""
         from kvstrata.integrations.hf import TieredCache
 
-        return TieredCache(self.geometry, store=self, prompt_ids=prompt_ids, salt=salt)
+        return TieredCache(self.geometry, store=self, prompt_ids=prompt_ids, salt=salt, dtype=dtype)
 
     def stats(self) -> dict[str, Any]:
         """Tier occupancy, bytes moved, prefix-cache counters, tokens per sequence."""
@@ -530,29 +355,6 @@ class KVStore:
             "tokens": {s: self.num_tokens(s) for s in sorted(self._seqs)},
         }
 
-    def persist(self) -> int:
-        """Write hashed blocks that live only in memory tiers to free disk slots and
-        key them there (a restarted process finds them). Returns blocks written."""
-        mgr = self.manager
-        if mgr is None or self._disk is None or not self.prefix_caching:
-            return 0
-        disk = self._disk
-        todo = [
-            b for b in mgr.pool.blocks.values() if b.block_hash is not None and b.tier != disk.name
-        ]
-        todo.sort(key=lambda b: b.block_id)
-        todo = todo[: disk.num_free]
-        for tier_name in mgr.tier_order[:-1]:
-            group = [b for b in todo if b.tier == tier_name]
-            if not group:
-                continue
-            slots = disk.allocate(len(group))
-            assert slots is not None
-            mgr._copy_data(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
-            for block, slot in zip(group, slots, strict=True):
-                disk.put_key(slot, block.block_hash, list(block.token_ids or ()))
-        return len(todo)
-
     def close(self) -> None:
         """Persist hashed blocks to the disk tier and release files. Idempotent."""
         if self._closed:
@@ -561,7 +363,7 @@ class KVStore:
         if self.manager is None:
             return
         try:
-            self.persist()
+            self.prefix_index.persist()
         finally:
             if self.runtime is not None:
                 self.runtime.close()
@@ -573,9 +375,6 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
 
 
 def _split_by_group(

@@ -54,10 +54,10 @@ def _prompt(tokenizer: Any, num_tokens: int) -> torch.Tensor:
     text = ""
     for path in heldout_files("default"):
         text += path.read_text(errors="replace")
-        ids = tokenizer(text)["input_ids"]
+        ids = tokenizer(text, verbose=False)["input_ids"]
         if len(ids) >= num_tokens:
             return torch.tensor([ids[:num_tokens]])
-    ids = tokenizer(text)["input_ids"] or [0]
+    ids = tokenizer(text, verbose=False)["input_ids"] or [0]
     return torch.tensor([(ids * (num_tokens // len(ids) + 1))[:num_tokens]])
 
 
@@ -93,12 +93,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tokens_ok: dict[str, bool] = {}
 
     def run(name: str, store: Any) -> float:
+        before = dict(store.prefix.hit_tokens_by_tier)
         t0 = time.perf_counter()
         cache = store.cache(prompt)  # the prefix lookup (and disk verification) counts
         out = model.generate(prompt, cache=cache, max_new_tokens=1)
         seconds = time.perf_counter() - t0
         tokens_ok[name] = tokens_ok.get(name, True) and torch.equal(out, ref)
-        hits[name] = dict(store.prefix.hit_tokens_by_tier)
+        after = store.prefix.hit_tokens_by_tier
+        hits[name] = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}
         cache.close()
         return seconds
 

@@ -18,43 +18,18 @@ not moved until the step ends; a shared or cached block is never written.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 
-from kvstrata.blocks.placement import PendingBlock, Placement, plan_placement
+from kvstrata.blocks.placement import PendingBlock, Placement, plan_placement, rank_keys
 from kvstrata.blocks.pool import Block, BlockPool
+from kvstrata.blocks.runs import Run, TokenWrites, pack_writes, table_runs
 from kvstrata.blocks.table import BlockTable
 from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.layout import BlockLayout
-from kvstrata.policies.eviction import BlockView, EvictionPolicy
+from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.tiers.base import Tier
 from kvstrata.units import format_bytes
-
-
-@dataclass(frozen=True)
-class Run:
-    """Consecutive blocks of one table in consecutive slots of one tier."""
-
-    tier: str
-    first_slot: int
-    num_slots: int
-    token_start: int  # logical position of the run's first token in the sequence
-    num_tokens: int
-
-
-@dataclass
-class TokenWrites:
-    """Where this step's new tokens go in one tier.
-
-    rows: arena row (slot*bs + offset) per written token.
-    src: index of that token in the step's flattened [len(tables) * new_tokens] order.
-    """
-
-    tier: str
-    rows: torch.Tensor
-    src: torch.Tensor
-    contiguous: tuple[int, int] | None = None  # (first_row, count) when src is 0..m-1
 
 
 class BlockManager:
@@ -206,7 +181,7 @@ class BlockManager:
         del table.block_ids[keep - table.first_block :]
         table.num_tokens = num_tokens
         if reopen:
-            self._unhash(last)
+            self.unhash(last)
             last.num_tokens = num_tokens % bs
             if last.tier != device:  # a partial block must be on the device
                 self._move([last], device)
@@ -227,9 +202,9 @@ class BlockManager:
         self.pool.release(block.block_id)
         self.tiers[block.tier].free([block.slot])
         self.on_tier[block.tier].discard(block.block_id)
-        self._unhash(block)
+        self.unhash(block)
 
-    def _unhash(self, block: Block) -> None:
+    def unhash(self, block: Block) -> None:
         if block.block_hash is not None:
             if self.hash_to_block.get(block.block_hash) == block.block_id:
                 del self.hash_to_block[block.block_hash]
@@ -408,56 +383,18 @@ class BlockManager:
                 )  # fmt: skip
             else:
                 self._runs.pop(seq_id, None)
-        writes = []
-        for tier_name, rows in rows_by_tier.items():
-            src = src_by_tier[tier_name]
-            contiguous = None
-            if src == list(range(len(src))) and rows == list(range(rows[0], rows[0] + len(rows))):
-                contiguous = (rows[0], len(rows))
-            writes.append(TokenWrites(tier_name, torch.tensor(rows), torch.tensor(src), contiguous))
-        return writes
+        return pack_writes(rows_by_tier, src_by_tier)
 
     # -- placement ----------------------------------------------------------------------------
-    def _rank_views(self, pending: list[PendingBlock], stepping: set) -> dict[int, tuple]:
-        """Policy keep-keys of every block (shared blocks: newest / most used owner),
-        live blocks above cached ones; `pending` blocks come after their table's;
-        tables in `stepping` are seen as accessed by this step."""
-        new_count: dict[Hashable, int] = {}
-        for p in pending:
-            if p.copy_of is None:
-                new_count[p.table] = new_count.get(p.table, 0) + 1
-        keys: dict[int, tuple] = {}
-        for seq_id, table in self.tables.items():
-            n = table.num_blocks + new_count.get(seq_id, 0)
-            last, count = self.seq_last_access[seq_id], self.seq_access_count[seq_id]
-            if seq_id in stepping:
-                last, count = self.clock + 1, count + 1
-            for i, block_id in enumerate(table.block_ids, start=table.first_block):
-                v = BlockView(block_id, i < self.num_sink_blocks, n - 1 - i, last, count)
-                key = (1, *self.policy.keep_key(v))
-                old = keys.get(block_id)
-                if old is None or key > old:
-                    keys[block_id] = key
-        for block_id in self.cached:
-            keys[block_id] = (0, self.pool.blocks[block_id].last_access, -block_id)
-        for i, p in enumerate(pending):
-            n = self.tables[p.table].num_blocks + new_count.get(p.table, 0)
-            v = BlockView(
-                -(i + 1), p.is_sink, n - 1 - p.index, self.clock + 1,
-                self.seq_access_count[p.table] + 1,
-            )  # fmt: skip
-            keys[-(i + 1)] = (1, *self.policy.keep_key(v))
-        return keys
-
     def eviction_order(self) -> list[int]:
         """Every block id, first to evict first (cached blocks before live ones)."""
-        keys = self._rank_views([], set())
+        keys = rank_keys(self, [], set())
         return sorted(keys, key=keys.__getitem__)
 
     def _plan(
         self, pending: list[PendingBlock], fixed: set[int], budgets: dict, stepping: list = ()
     ) -> Placement:
-        keys = self._rank_views(pending, set(stepping))
+        keys = rank_keys(self, pending, set(stepping))
         pending_key = {id(p): -(i + 1) for i, p in enumerate(pending)}
 
         def rank(b: object) -> tuple:
@@ -503,7 +440,7 @@ class BlockManager:
             pos = p.index - table.first_block
             if p.copy_of is not None:
                 old = self.pool.blocks[p.copy_of]
-                self._copy_data(self.tiers[old.tier], [old.slot], tier, [slot])
+                self.copy_blocks(self.tiers[old.tier], [old.slot], tier, [slot])
                 block.num_tokens = p.num_tokens
                 table.block_ids[pos] = block.block_id
                 self._decref(old.block_id)
@@ -521,7 +458,7 @@ class BlockManager:
         if slots is None:
             raise AssertionError(f"{dst_name}: no free slots for a planned move")
         src_slots = [b.slot for b in blocks]
-        self._copy_data(src, src_slots, dst, slots)
+        self.copy_blocks(src, src_slots, dst, slots)
         src.free(src_slots)
         link = f"{src_name}->{dst_name}"
         self.bytes_moved[link] = self.bytes_moved.get(link, 0) + len(blocks) * dst.block_bytes
@@ -537,7 +474,7 @@ class BlockManager:
         if self.on_move is not None:
             self.on_move(blocks, dst_name)
 
-    def _copy_data(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
+    def copy_blocks(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
         if src.codec.name == dst.codec.name:  # encoded as is: quantized once, never twice
             dst.write_encoded(dst_slots, src.read_encoded(src_slots))
             return
@@ -560,30 +497,10 @@ class BlockManager:
     def runs(self, seq_id: Hashable) -> list[Run]:
         """The table's stored tokens as runs of consecutive slots per tier, in order
         (a sliding table starts at its first live block)."""
-        cached = self._runs.get(seq_id)
-        if cached is not None:
-            return cached
-        bs = self.layout.block_size
-        table = self.tables[seq_id]
-        runs: list[Run] = []
-        entries = table.step_history + list(enumerate(table.block_ids, start=table.first_block))
-        for i, block_id in entries:
-            block = self.pool.blocks[block_id]
-            ntok = min(bs, table.num_tokens - i * bs)
-            if runs:
-                r = runs[-1]
-                if (
-                    r.tier == block.tier
-                    and r.first_slot + r.num_slots == block.slot
-                    and r.num_tokens == r.num_slots * bs
-                    and r.token_start + r.num_tokens == i * bs
-                ):
-                    runs[-1] = Run(
-                        r.tier, r.first_slot, r.num_slots + 1, r.token_start, r.num_tokens + ntok
-                    )
-                    continue
-            runs.append(Run(block.tier, block.slot, 1, i * bs, ntok))
-        self._runs[seq_id] = runs
+        runs = self._runs.get(seq_id)
+        if runs is None:
+            runs = table_runs(self.tables[seq_id], self.pool.blocks, self.layout.block_size)
+            self._runs[seq_id] = runs
         return runs
 
     def blocks_of(self, seq_id: Hashable) -> list[Block]:

@@ -17,13 +17,18 @@ plan reserved every slot they take).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.blocks.pool import Block
 from kvstrata.errors import OutOfBlocksError
+from kvstrata.policies.eviction import BlockView
 from kvstrata.tiers.base import Tier
 from kvstrata.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvstrata.blocks.manager import BlockManager
 
 
 @dataclass
@@ -130,3 +135,35 @@ def plan_placement(
     ]
     assert all(dest[id(p)] == device for p in pending if p.num_tokens < block_size)
     return plan
+
+
+def rank_keys(mgr: BlockManager, pending: list[PendingBlock], stepping: set) -> dict[int, tuple]:
+    """Policy keep-keys of every block (shared blocks: newest / most used owner),
+    live blocks above cached ones; `pending` blocks come after their table's;
+    tables in `stepping` are seen as accessed by this step."""
+    new_count: dict[Hashable, int] = {}
+    for p in pending:
+        if p.copy_of is None:
+            new_count[p.table] = new_count.get(p.table, 0) + 1
+    keys: dict[int, tuple] = {}
+    for seq_id, table in mgr.tables.items():
+        n = table.num_blocks + new_count.get(seq_id, 0)
+        last, count = mgr.seq_last_access[seq_id], mgr.seq_access_count[seq_id]
+        if seq_id in stepping:
+            last, count = mgr.clock + 1, count + 1
+        for i, block_id in enumerate(table.block_ids, start=table.first_block):
+            v = BlockView(block_id, i < mgr.num_sink_blocks, n - 1 - i, last, count)
+            key = (1, *mgr.policy.keep_key(v))
+            old = keys.get(block_id)
+            if old is None or key > old:
+                keys[block_id] = key
+    for block_id in mgr.cached:
+        keys[block_id] = (0, mgr.pool.blocks[block_id].last_access, -block_id)
+    for i, p in enumerate(pending):
+        n = mgr.tables[p.table].num_blocks + new_count.get(p.table, 0)
+        v = BlockView(
+            -(i + 1), p.is_sink, n - 1 - p.index, mgr.clock + 1,
+            mgr.seq_access_count[p.table] + 1,
+        )  # fmt: skip
+        keys[-(i + 1)] = (1, *mgr.policy.keep_key(v))
+    return keys

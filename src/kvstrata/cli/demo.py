@@ -138,10 +138,10 @@ def run_demo(args: argparse.Namespace, model_dir: Path) -> int:
 
 def _bytes_per_token(model: Any) -> int:
     """KV bytes per token in the model's dtype (all layers, K and V)."""
-    from kvstrata.evaluate import block_layout
+    from kvstrata.geometry import KVGeometry
 
-    layout = block_layout(model, 1)
-    return layout.raw_block_bytes
+    dtype = next(model.parameters()).dtype
+    return int(KVGeometry.from_hf_config(model.config).bytes_per_token(str(dtype)[6:]))
 
 
 def run(args: argparse.Namespace) -> int:

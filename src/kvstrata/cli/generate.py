@@ -97,8 +97,7 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
     Returns:
         Keyword fields for TieredCache.
     """
-    from kvstrata.codecs.registry import get_codec
-    from kvstrata.evaluate import block_layout
+    from kvstrata.budgets import lower_tier_bytes
 
     block_size = parse_tokens(args.block_size, "block_size")
     kw: dict[str, Any] = {
@@ -120,23 +119,21 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
     if frac is not None:
         kw["resident_fraction"] = frac
     offloading = "device_budget" in kw or "resident_fraction" in kw
-    # Enough lower-tier room for every block plus a spare (see evaluate.placement).
-    num_blocks = -(-kw["max_tokens"] // block_size) + 1
-    layout = block_layout(model, block_size)
+
+    # Enough lower-tier room for every block plus a spare (see budgets.placement).
+    def room(codec_field: str) -> int:
+        return lower_tier_bytes(model, kw[codec_field], kw["max_tokens"], block_size, codec_field)
+
     if args.host_budget is not None:
         kw["host_budget"] = parse_size(args.host_budget, "host_budget", allow_zero=True)
     elif offloading and args.disk_dir is None:
-        kw["host_budget"] = num_blocks * get_codec(kw["host_codec"], "host_codec").block_nbytes(
-            layout
-        )
+        kw["host_budget"] = room("host_codec")
     if args.disk_dir is not None:
         kw["disk_dir"] = args.disk_dir
         kw["disk_compress"] = args.disk_compress
         kw["disk_o_direct"] = args.disk_o_direct
         kw["disk_budget"] = (
-            parse_size(args.disk_budget, "disk_budget")
-            if args.disk_budget
-            else num_blocks * get_codec(kw["disk_codec"], "disk_codec").block_nbytes(layout)
+            parse_size(args.disk_budget, "disk_budget") if args.disk_budget else room("disk_codec")
         )
     elif args.disk_budget:
         raise ConfigError.field("disk_budget", args.disk_budget, "set --disk-dir to add a disk")
@@ -245,6 +242,14 @@ def render_stats(stats: dict[str, Any]) -> None:
         f"{sum(stats['tokens'].values())}",
         highlight=False,
     )
+    prefix = stats.get("prefix") or {}
+    if prefix.get("lookups"):
+        where = ", ".join(f"{t} {n}" for t, n in prefix["hit_tokens_by_tier"].items())
+        console.print(
+            f"prefix cache: {prefix['hit_tokens']} of {prefix['lookup_tokens']} prompt tokens "
+            f"reused{f' ({where})' if where else ''}",
+            highlight=False,
+        )
 
 
 def prompt_then_stream(tokenizer: Any, prompt: str) -> Any:
@@ -277,8 +282,12 @@ def run(args: argparse.Namespace) -> int:
     quiet_transformers()
     model, tokenizer = load_model(args.model)
     apply_threads(model, args.threads)
-    prompt_len = len(tokenizer(args.prompt).input_ids)
-    cache = TieredCache(model.config, **cache_kwargs(args, model, prompt_len + max_new))
+    prompt_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    kwargs = cache_kwargs(args, model, prompt_ids.shape[1] + max_new)
+    # With a disk tier, the prompt's longest prefix an earlier run left there is reused
+    # (only the rest is prefilled), and this run's blocks are kept for the next one.
+    dtype = next(model.parameters()).dtype
+    cache = TieredCache(model.config, prompt_ids=prompt_ids, dtype=dtype, **kwargs)
     enable(model)
     streamer = None if args.no_stream else prompt_then_stream(tokenizer, args.prompt)
     out = generate_ids(
@@ -297,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         print(tokenizer.decode(out[0], skip_special_tokens=True))
     if args.stats:
         render_stats(cache.stats())
+    cache.close()
     return 0
 
 

@@ -140,6 +140,8 @@ class TieredCache(Cache):
             store is attached, `matched_tokens` says how long, and `generate`
             computes only the rest.
         salt: tenant salt for prefix sharing (different salts never share).
+        dtype: the model's KV dtype, to open the store before the first forward when
+            `prompt_ids` is given (default: the config's dtype, else float32).
     """
 
     is_compileable = False
@@ -155,6 +157,7 @@ class TieredCache(Cache):
         store: KVStore | None = None,
         prompt_ids: Any = None,
         salt: str = "",
+        dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(config, KVGeometry):
@@ -181,10 +184,11 @@ class TieredCache(Cache):
         self._row_masks: list[RowMask] | None = None
         self._next_ids: torch.Tensor | None = None
         self.matched_tokens = 0
+        self._built_for: tuple | None = None
         if prompt_ids is not None:
-            self._start_from_prompt(prompt_ids)
+            self._start_from_prompt(prompt_ids, dtype)
 
-    def _start_from_prompt(self, prompt_ids: Any) -> None:
+    def _start_from_prompt(self, prompt_ids: Any, dtype: torch.dtype | None) -> None:
         rows = torch.as_tensor(prompt_ids)
         if rows.ndim == 1:
             rows = rows[None]
@@ -192,7 +196,7 @@ class TieredCache(Cache):
             raise ConfigError.field("prompt_ids", tuple(rows.shape), "token ids [batch, tokens]")
         store = self.store
         if not store.is_built:
-            dtype = _config_dtype(self.model_config)
+            dtype = dtype or _config_dtype(self.model_config)
             store.build(dtype, num_sequences=rows.shape[0], native=self.native_attention)
         matched = []
         for row in rows.tolist():
@@ -228,10 +232,10 @@ class TieredCache(Cache):
         store = self.store
         batch, heads, num_new, _ = key_states.shape
         if layer_idx == 0:
-            store.build(
-                key_states.dtype, heads, key_states.shape[-1], value_states.shape[-1],
-                num_sequences=batch, native=self.native_attention,
-            )  # fmt: skip
+            shape = (key_states.dtype, heads, key_states.shape[-1], value_states.shape[-1])
+            if shape != self._built_for:  # builds the store, or checks its layout
+                store.build(*shape, num_sequences=batch, native=self.native_attention)
+                self._built_for = shape
             if not self.seq_ids:
                 self.seq_ids = [store.add_sequence(salt=self.salt)[0] for _ in range(batch)]
             if len(self.seq_ids) != batch:
@@ -357,12 +361,16 @@ class TieredCache(Cache):
 
 
 def _config_dtype(config: Any) -> torch.dtype:
+    """The KV dtype a config names (transformers config or KVGeometry), else float32."""
+    from kvstrata.geometry import DTYPES, dtype_name
+
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, torch.dtype):
         return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    return torch.float32
+    try:
+        return DTYPES[dtype_name(dtype)][0] if dtype else torch.float32
+    except (ConfigError, KeyError):
+        return torch.float32
 
 
 def kvstrata_attention(

@@ -126,17 +126,6 @@ def exchange(staged: np.ndarray, part: torch.Tensor, to_staging: bool) -> None:
         pb.copy_(torch.from_numpy(staged))
 
 
-def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
-    """(index in slots, first slot, count) of each run of consecutive slots."""
-    i = 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        yield i, slots[i], j - i
-        i = j
-
-
 def mlh_keys(n: int) -> np.ndarray:
     """Fixed odd 64-bit multipliers (splitmix64 of 1..n): identical in every process."""
     with np.errstate(over="ignore"):

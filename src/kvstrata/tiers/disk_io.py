@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvstrata.errors import ConfigError, TierFullError, TierIOError
+from kvstrata.slots import slot_runs
 from kvstrata.tiers.disk_format import (
     SLOT_ALIGN,
     Checksum,
@@ -23,7 +24,6 @@ from kvstrata.tiers.disk_format import (
     aligned_empty,
     exchange,
     round_up,
-    runs,
 )
 from kvstrata.tiers.disk_index import DiskIndex
 from kvstrata.tiers.disk_vectored import VectoredIO
@@ -250,7 +250,7 @@ class BlockFile:
                 exchange(fmt.field_bytes(stag_np, key), fields(key, i0, i1), True)
             if self.compressor is None:
                 sums[i0:i1] = self.checksum.rows(stag_np)
-                for j, first, count in runs(chunk):
+                for j, first, count in slot_runs(chunk):
                     self._pwrite(full[j : j + count], first * sb, chunk)
             else:
                 for j, slot in enumerate(chunk):
@@ -323,7 +323,7 @@ class BlockFile:
         idx = np.asarray(chunk)
         packed = (self.index.lens[idx] < lb).any(axis=1)
         if layer is None:  # whole blocks: one pread per run of consecutive slots
-            for j, first, count in runs(chunk):
+            for j, first, count in slot_runs(chunk):
                 if packed[j : j + count].any():
                     continue  # runs with a compressed slot are read slot by slot below
                 if not self._pread(full[j : j + count], first * sb):

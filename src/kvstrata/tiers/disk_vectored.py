@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvstrata.errors import TierIOError
+from kvstrata.slots import slot_runs
 from kvstrata.tiers.disk_format import (
     Checksum,
     SlotFormat,
@@ -21,7 +22,6 @@ from kvstrata.tiers.disk_format import (
     exchange,
     iovecs,
     native_io,
-    runs,
     vector_io,
 )
 
@@ -105,7 +105,7 @@ class VectoredIO:
         Returns the slots a read found past the end of the file."""
         sb, item = self.fmt.slot_bytes, full.shape[1]
         if layer is None:
-            spans = [(j, count, first * sb) for j, first, count in runs(chunk)]
+            spans = [(j, count, first * sb) for j, first, count in slot_runs(chunk)]
             run_of = np.repeat(np.arange(len(spans)), [r[1] for r in spans])
         else:
             base = layer * self.fmt.layer_bytes
