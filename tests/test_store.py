@@ -140,6 +140,20 @@ def test_tenant_salts_never_share_a_block(llama):
     store.close()
 
 
+def test_other_weights_under_the_same_config_name_never_share_a_block(tmp_path):
+    cfg = _config(host_budget="4MiB", disk_dir=str(tmp_path), disk_budget="16MiB")
+    prompt = _ids(5, 300)
+    keys = []
+    for seed in (0, 1, 0):  # same architecture and (empty) name, other weights, then back
+        model = enable(tiny_model("llama", seed=seed))
+        with KVStore(model.config, cfg) as store:
+            cache = store.cache(prompt)
+            keys.append((store.model_key, cache.matched_tokens))
+            _greedy(model, prompt, cache, n=4)
+    assert keys[0][0] != keys[1][0] and keys[0][0] == keys[2][0]
+    assert [matched for _, matched in keys] == [0, 0, 256]
+
+
 def test_multi_turn_chat_with_one_cache_reuses_its_own_history(llama):
     model, prompts, refs, counter = llama
     store = KVStore(model.config, _config(host_budget="64MiB"))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 LAYOUT_VERSION = 2  # part of every block hash: bump when stored bytes change meaning
 _CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
+VERIFY_CHUNK_BYTES = 64 << 20  # disk hits are read back (checksums) this much at a time
 
 
 @dataclass
@@ -186,10 +187,12 @@ class PrefixIndex:
         slots = [mgr.pool.blocks[b].slot for b in block_ids if mgr.pool.blocks[b].tier == disk]
         if not slots:
             return False
+        per_read = max(1, VERIFY_CHUNK_BYTES // self.store.disk_tier.block_bytes)
         try:
-            self.store.disk_tier.read_encoded(slots)
+            for i in range(0, len(slots), per_read):  # bounded memory for long hits
+                self.store.disk_tier.read_encoded(slots[i : i + per_read])
         except TierIOError as exc:
-            bad_slots = set(getattr(exc, "slots", None) or slots)
+            bad_slots = set(getattr(exc, "slots", None) or slots[i : i + per_read])
             for block_id in block_ids:
                 block = mgr.pool.blocks[block_id]
                 if block.tier == disk and block.slot in bad_slots:

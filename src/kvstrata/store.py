@@ -35,6 +35,7 @@ from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError
 from kvstrata.geometry import KVGeometry
 from kvstrata.groups import LayerGroup, layer_groups
+from kvstrata.hashing import weights_of
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.prefix import _CODEC_FIELDS, PrefixIndex, PrefixStats
@@ -58,8 +59,8 @@ class KVStore:
         model_config: a transformers config (or a KVGeometry): layers, heads, windows.
         cache_config: a CacheConfig, or its fields as keyword arguments.
         model_key: names the weights in every block hash (default: the config's
-            `_name_or_path` and model type); give a distinct key for fine-tunes that
-            share a name.
+            model type and `_name_or_path`, plus a fingerprint of the weights when
+            `kvstrata.enable(model)` saw the model of this config object).
         prefix_caching: hash full blocks and reuse them across sequences.
     """
 
@@ -90,7 +91,9 @@ class KVStore:
             for local, layer in enumerate(group.layers):
                 self.layer_map[layer] = (group.index, local)
         name = getattr(model_config, "_name_or_path", "") or g.name
-        self.model_key = model_key or f"{g.model_type}:{name}"
+        self._model_key = model_key
+        self._default_key = f"{g.model_type}:{name}"
+        self._model_config = model_config
         self.prefix_caching = prefix_caching
         self.codecs = {f: get_codec(getattr(cache_config, f), f) for f in _CODEC_FIELDS}
         if not self.codecs["device_codec"].lossless:
@@ -110,6 +113,16 @@ class KVStore:
         self._seqs: dict[int, _Sequence] = {}
         self._ids = itertools.count()
         self._closed = False
+
+    @property
+    def model_key(self) -> str:
+        """What names the weights in every block hash: `model_key` if given, else the
+        config's model type and path plus the fingerprint of the weights `enable`
+        recorded for this config. Fixed at first use."""
+        if self._model_key is None:
+            weights = weights_of(self._model_config)
+            self._model_key = self._default_key + (f":{weights}" if weights else "")
+        return self._model_key
 
     # -- construction -------------------------------------------------------------------------
     @property
@@ -190,10 +203,6 @@ class KVStore:
     def prefix(self) -> PrefixStats:
         """Prefix-cache counters (lookups, hit tokens per tier, corrupt blocks)."""
         return self.prefix_index.stats
-
-    def persist(self) -> int:
-        """Write hashed blocks still in memory to the disk tier (see PrefixIndex)."""
-        return self.prefix_index.persist()
 
     @property
     def tiers(self) -> dict:

@@ -34,6 +34,7 @@ from kvstrata.blocks.manager import BlockManager
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError, UnsupportedModelError
 from kvstrata.geometry import KVGeometry
+from kvstrata.hashing import remember_weights
 from kvstrata.layout import BlockLayout
 from kvstrata.runtime import RowMask, write_layer, write_plan
 from kvstrata.store import KVStore
@@ -458,6 +459,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         )
     register()
     model.set_attn_implementation(ATTENTION_NAME)
+    remember_weights(model)  # names these weights in the block hashes of its stores
     if not getattr(model, "_kvstrata_hook", None):
         model._kvstrata_hook = model.register_forward_pre_hook(_observe_ids, with_kwargs=True)
     return model
