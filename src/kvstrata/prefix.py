@@ -83,12 +83,9 @@ class PrefixIndex:
             for g, key in enumerate(self.store.tables(seq_id)):
                 h = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
                 seq.parents[g] = h
-                table = mgr.tables[key]
-                pos = i - table.first_block
-                if 0 <= pos < len(table.block_ids):
-                    block_id = table.block_ids[pos]
-                    if mgr.set_hash(block_id, h, tuple(tokens)):
-                        self.persist_key(block_id)
+                block_id = mgr.block_at(key, i)
+                if block_id is not None and mgr.set_hash(block_id, h, tuple(tokens)):
+                    self.persist_key(block_id)
         seq.num_hashed = max(seq.num_hashed, num_full)
 
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:

@@ -184,6 +184,7 @@ class KVStore:
         self.layout = layout
         self.manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)
         self.manager.on_move = self.prefix_index.on_move
+        self.manager.keep_skipped_blocks = self.prefix_caching
         self.disk_tier = tiers[-1] if cc.disk_dir else None
         if self.disk_tier is not None and self.prefix_caching:
             for slot, key in sorted(self.disk_tier.keyed_slots().items()):
@@ -269,10 +270,10 @@ class KVStore:
         """The forward that extended these sequences finished: their full blocks are
         complete in every layer and can be hashed (found by later lookups)."""
         mgr = self._require()
-        mgr.end_step([k for s in seq_ids for k in self.tables(s)])
-        if self.prefix_caching:
+        if self.prefix_caching:  # before end_step: the step's skipped blocks get cached
             for seq_id in seq_ids:
                 self.prefix_index.hash_full_blocks(seq_id)
+        mgr.end_step([k for s in seq_ids for k in self.tables(s)])
 
     def num_tokens(self, seq_id: int) -> int:
         return self._require().num_tokens((seq_id, 0))

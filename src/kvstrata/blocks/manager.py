@@ -64,6 +64,9 @@ class BlockManager:
         self.num_moves = 0
         self.num_evicted_cached = 0
         self.bytes_moved: dict[str, int] = {}
+        # store full blocks a sliding window skips in a long step when slots are free,
+        # so they can serve later prefix hits (the store turns it on with prefix caching)
+        self.keep_skipped_blocks = False
         self.on_move = None  # callback(blocks, dst tier) after blocks moved (store hooks)
 
     # -- tables -------------------------------------------------------------------------------
@@ -83,11 +86,16 @@ class BlockManager:
 
     def free_sequence(self, seq_id: Hashable) -> None:
         table = self.tables.pop(seq_id)
-        for block_id in table.block_ids + [b for _, b in table.step_history]:
+        for block_id in self._held(table):
             self._decref(block_id)
         self._runs.pop(seq_id, None)
         self.seq_last_access.pop(seq_id, None)
         self.seq_access_count.pop(seq_id, None)
+
+    @staticmethod
+    def _held(table: BlockTable) -> list[int]:
+        """Every block id a table holds a reference to."""
+        return table.block_ids + [b for _, b in table.step_history + table.step_extra]
 
     def attach(
         self, seq_id: Hashable, block_ids: list[int], first_block: int, num_tokens: int
@@ -110,7 +118,7 @@ class BlockManager:
         """dst shares every block of src (ref counts); the first append to a shared
         partial block copies it (copy on write)."""
         table = self.tables[src_seq].copy()
-        for block_id in table.block_ids + [b for _, b in table.step_history]:
+        for block_id in self._held(table):
             self.pool.incref(block_id)
         if dst_seq in self.tables:
             self.free_sequence(dst_seq)
@@ -132,7 +140,7 @@ class BlockManager:
             for k, s in zip(keys, sources, strict=True)
         }
         for table in old.values():
-            for block_id in table.block_ids + [b for _, b in table.step_history]:
+            for block_id in self._held(table):
                 self.pool.incref(block_id)
         replaced = set(self.tables) if replace_all else set(sources) | set(keys)
         for key in [k for k in self.tables if k in replaced]:
@@ -275,6 +283,8 @@ class BlockManager:
         fixed: set[int] = set()
         drops: list[tuple[Hashable, int, int]] = []  # (table, first live, first new)
         skip: dict[Hashable, int] = {}  # new tokens of a table not stored
+        extra: dict[Hashable, range] = {}  # full skipped blocks worth keeping as cache
+        self.end_step(seq_ids)  # blocks a failed step left held
         for seq_id in seq_ids:
             table = self.tables[seq_id]
             total = table.num_tokens + num_new
@@ -284,6 +294,8 @@ class BlockManager:
                 after = self._first_live_block(table.window, total)
                 if after > first_new:
                     skip[seq_id] = after * bs - table.num_tokens
+                    if self.keep_skipped_blocks:
+                        extra[seq_id] = range(first_new, after)
                     first_new = after
                 drops.append((seq_id, live, first_new))
             if table.block_ids and table.num_tokens % bs and seq_id not in skip:
@@ -309,23 +321,70 @@ class BlockManager:
         for seq_id, live, first_new in drops:
             self._drop_history(seq_id, live, first_new if seq_id in skip else None)
         self._apply(plan, pending)
+        for seq_id, indices in extra.items():
+            kept = self._keep_extra(seq_id, indices)
+            if kept:
+                skip[seq_id] = kept * bs - self.tables[seq_id].num_tokens
         writes = self._token_writes(seq_ids, num_new, skip, grew=bool(pending))
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
         return writes
 
+    def _keep_extra(self, seq_id: Hashable, indices: range) -> int | None:
+        """Give the newest of `indices` (full blocks outside the window after this
+        step) free slots within the budgets, fastest tier first; they are written by
+        the step and become cached blocks at end_step. Returns the first kept index."""
+        table = self.tables[seq_id]
+        want = list(indices)
+        kept: list[tuple[int, int]] = []
+        for name in self.tier_order:
+            tier = self.tiers[name]
+            room = min(self.budget_slots[name] - tier.num_used, tier.num_free)
+            take = want[max(0, len(want) - room) :] if room > 0 else []
+            if not take:
+                continue
+            want = want[: len(want) - len(take)]
+            slots = tier.allocate(len(take))
+            assert slots is not None
+            for idx, slot in zip(take, slots, strict=True):
+                block = self.pool.new_block(name, slot)
+                self.on_tier[name].add(block.block_id)
+                kept.append((idx, block.block_id))
+            if not want:
+                break
+        table.step_extra = sorted(kept)
+        return table.step_extra[0][0] if kept else None
+
     def live_bytes(self) -> int:
-        """Stored bytes of referenced blocks on every tier (cached blocks excluded)."""
+        """Stored bytes of the blocks sequences hold on every tier (cached blocks and a
+        step's prefix-cache copies of skipped blocks excluded)."""
+        extra = dict.fromkeys(self.tier_order, 0)
+        for table in self.tables.values():
+            for _, block_id in table.step_extra:
+                extra[self.pool.blocks[block_id].tier] += 1
         return sum(
-            (len(self.on_tier[n]) - self.num_cached_on[n]) * self.tiers[n].block_bytes
+            (len(self.on_tier[n]) - self.num_cached_on[n] - extra[n]) * self.tiers[n].block_bytes
             for n in self.tier_order
         )
+
+    def block_at(self, seq_id: Hashable, index: int) -> int | None:
+        """Id of the table's block at logical `index` (live or written by this step as
+        a prefix-cache copy), or None when the table does not hold it."""
+        table = self.tables[seq_id]
+        pos = index - table.first_block
+        if 0 <= pos < len(table.block_ids):
+            return table.block_ids[pos]
+        for i, block_id in table.step_extra:
+            if i == index:
+                return block_id
+        return None
 
     def end_step(self, seq_ids: list) -> None:
         """The step's forward is over: release history held only for it."""
         for seq_id in seq_ids:
             table = self.tables.get(seq_id)
-            if table is not None and table.step_history:
-                held, table.step_history = table.step_history, []
+            if table is not None and (table.step_history or table.step_extra):
+                held = table.step_history + table.step_extra
+                table.step_history, table.step_extra = [], []
                 for _, block_id in held:
                     self._decref(block_id)
                 self._runs.pop(seq_id, None)
@@ -363,8 +422,13 @@ class BlockManager:
             table = self.tables[seq_id]
             start = table.num_tokens
             pos = start + skip.get(seq_id, 0)
+            extra = dict(table.step_extra)
             while pos < start + num_new:
-                block = self.pool.blocks[table.block_ids[pos // bs - table.first_block]]
+                idx = pos // bs
+                if idx < table.first_block:
+                    block = self.pool.blocks[extra[idx]]
+                else:
+                    block = self.pool.blocks[table.block_ids[idx - table.first_block]]
                 off = pos % bs
                 take = min(bs - off, start + num_new - pos)
                 base = block.slot * bs + off

@@ -3,7 +3,9 @@
 A table of a sliding-window layer group drops the blocks its window no longer sees:
 `block_ids[j]` is logical block `first_block + j`. During a step whose new tokens
 reach past the window of all its history, the history blocks the step's queries
-still read are held in `step_history` (logical index, block id) until the step ends.
+still read are held in `step_history` (logical index, block id) until the step ends;
+full blocks of the step that the window will not see are stored only when free
+slots allow, as future prefix-cache entries (`step_extra`).
 
     logical blocks:  0   1   2 | 3   4   5   6
                      dropped   | block_ids (first_block = 3)
@@ -23,6 +25,9 @@ class BlockTable:
     first_block: int = 0
     window: int | None = None
     step_history: list[tuple[int, int]] = field(default_factory=list)
+    # full blocks this step writes only as prefix-cache copies (outside the window at
+    # its end): (logical index, block id), released (cached once hashed) at end_step
+    step_extra: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -36,4 +41,5 @@ class BlockTable:
             self.first_block,
             self.window,
             list(self.step_history),
+            list(self.step_extra),
         )
