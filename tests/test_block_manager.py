@@ -24,7 +24,7 @@ from blockstore_harness import (
     write_step,
 )
 from kvstrata.blocks.manager import BlockManager, Run
-from kvstrata.errors import ConfigError, OutOfBlocksError
+from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import DeviceTier, HostTier
@@ -388,3 +388,49 @@ def test_fork_copy_on_write_and_free() -> None:
     check_contents(mgr, model)
     k, _ = read_sequence(mgr, 1, 1)
     assert k.shape == (2, 4, 4)
+
+
+def test_sliding_table_drops_blocks_outside_its_window_and_limits_crops() -> None:
+    # block size 2, window 4: after n tokens the table keeps blocks from
+    # (n - 3 - 2) // 2 on (one block of slack below the window)
+    mgr = _manager("window", [16, 4])
+    mgr.add_sequence(0, window=4)
+    mgr.add_sequence(1, window=4)
+    mgr.truncate(1, 0)  # nothing dropped yet: a crop to 0 is fine
+    mgr.append([0], 3)
+    assert mgr.tables[0].first_block == 0
+    mgr.append([0], 1)
+    mgr.append([0], 1)
+    mgr.append([0], 1)  # 6 tokens: the step starts at 5 -> first live block (5-5)//2 = 0
+    mgr.append([0], 1)  # starts at 6: (6 - 5) // 2 = 0
+    mgr.append([0], 1)  # starts at 7: block 1 is the first live one
+    table = mgr.tables[0]
+    assert (table.first_block, len(table.block_ids), table.num_tokens) == (1, 3, 8)
+    assert [r.token_start for r in mgr.runs(0)] == [2]
+    mgr.truncate(0, 7)  # one token back: still inside what the window kept
+    with pytest.raises(KvstrataError, match="crop by at most one block"):
+        mgr.truncate(0, 2)
+    # a long step stores only what its window keeps; history is held until it ends
+    mgr.append([0], 20)
+    table = mgr.tables[0]
+    assert table.first_block == (27 - 5) // 2 and table.step_history
+    mgr.end_step([0])
+    assert not table.step_history
+    assert mgr.tables[0].num_tokens == 27
+
+
+def test_skipped_sliding_blocks_kept_as_cache_copies_are_written_by_the_step() -> None:
+    # window 4, block size 2: a 20-token first step keeps blocks 7.. live; with free
+    # slots the full blocks 0..7 are stored too (written by this step, from token 0)
+    mgr = _manager("window", [16, 4])
+    mgr.keep_skipped_blocks = True
+    mgr.add_sequence(0, window=4)
+    writes = mgr.append([0], 20)
+    table = mgr.tables[0]
+    assert table.first_block == (20 - 5) // 2
+    assert [i for i, _ in table.step_extra] == list(range(7))  # all fit in free device slots
+    src = sorted(s for w in writes for s in w.src.tolist())
+    assert src == list(range(0, 20))  # every token of a kept block is written
+    assert mgr.live_bytes() == len(table.block_ids) * mgr.tiers["device"].block_bytes
+    mgr.end_step([0])
+    assert not table.step_extra and not mgr.cached  # unhashed copies are released

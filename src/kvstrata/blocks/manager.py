@@ -29,6 +29,7 @@ from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.tiers.base import Tier
+from kvstrata.tiers.memory import MemoryTier
 from kvstrata.units import format_bytes
 
 
@@ -127,23 +128,17 @@ class BlockManager:
         self.seq_access_count[dst_seq] = self.seq_access_count[src_seq]
         self._runs.pop(dst_seq, None)
 
-    def remap(self, sources: list, keys: list | None = None) -> None:
-        """Replace the tables by new ones, where new table `keys[i]` (default i) shares
+    def remap(self, sources: list) -> None:
+        """Replace every table by new ones 0..len(sources)-1, where new table i shares
         every block of old table `sources[i]` (beam reorder, batch repeat, batch
-        select). Tables not named in `keys` are kept. No data is copied; shared
-        partial blocks are copied on write."""
-        replace_all = keys is None
-        keys = list(range(len(sources))) if keys is None else keys
-        old = {k: self.tables[s].copy() for k, s in zip(keys, sources, strict=True)}
-        access = {
-            k: (self.seq_last_access[s], self.seq_access_count[s])
-            for k, s in zip(keys, sources, strict=True)
-        }
+        select). No data is copied; shared partial blocks are copied on write."""
+        old = {i: self.tables[s].copy() for i, s in enumerate(sources)}
+        last, count = self.seq_last_access, self.seq_access_count
+        access = {i: (last[s], count[s]) for i, s in enumerate(sources)}
         for table in old.values():
             for block_id in self._held(table):
                 self.pool.incref(block_id)
-        replaced = set(self.tables) if replace_all else set(sources) | set(keys)
-        for key in [k for k in self.tables if k in replaced]:
+        for key in list(self.tables):
             self.free_sequence(key)
         for key, table in old.items():
             self.tables[key] = table
@@ -164,7 +159,7 @@ class BlockManager:
             return
         bs = self.layout.block_size
         keep = -(-num_tokens // bs)
-        if table.window is not None and table.block_ids:
+        if table.window is not None and table.first_block > 0:
             need = max(0, num_tokens - (table.window - 1))
             if need < table.first_block * bs or keep <= table.first_block:
                 raise KvstrataError(
@@ -323,7 +318,7 @@ class BlockManager:
         self._apply(plan, pending)
         for seq_id, indices in extra.items():
             kept = self._keep_extra(seq_id, indices)
-            if kept:
+            if kept is not None:
                 skip[seq_id] = kept * bs - self.tables[seq_id].num_tokens
         writes = self._token_writes(seq_ids, num_new, skip, grew=bool(pending))
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
@@ -331,13 +326,16 @@ class BlockManager:
 
     def _keep_extra(self, seq_id: Hashable, indices: range) -> int | None:
         """Give the newest of `indices` (full blocks outside the window after this
-        step) free slots within the budgets, fastest tier first; they are written by
-        the step and become cached blocks at end_step. Returns the first kept index."""
+        step) free slots within the budgets of the memory tiers, fastest first; they
+        are written by the step and become cached blocks at end_step (and reach the
+        disk tier when the store closes). Returns the first kept index, or None."""
         table = self.tables[seq_id]
         want = list(indices)
         kept: list[tuple[int, int]] = []
         for name in self.tier_order:
             tier = self.tiers[name]
+            if not isinstance(tier, MemoryTier):  # no disk I/O for these in a prefill
+                continue
             room = min(self.budget_slots[name] - tier.num_used, tier.num_free)
             take = want[max(0, len(want) - room) :] if room > 0 else []
             if not take:
