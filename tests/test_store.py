@@ -199,6 +199,23 @@ def test_prefix_hit_on_sliding_window_models(family):
         model.set_attn_implementation(attn)
 
 
+def test_a_step_that_never_finished_stops_indexing_its_sequence():
+    geometry = KVGeometry(
+        model_type="toy", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, v_head_dim=4,
+        dtype="fp32",
+    )  # fmt: skip
+    store = KVStore(geometry, CacheConfig(block_size=4, max_tokens=64))
+    store.build(torch.float32)
+    seq, _ = store.add_sequence([])
+    store.extend([seq], 8, [list(range(3, 11))])
+    store.step_done([seq])  # two full blocks, indexed
+    assert len(store.manager.hash_to_block) == 2
+    store.extend([seq], 8, [list(range(11, 19))])  # the forward fails: no step_done
+    store.extend([seq], 1, [[19]])
+    store.step_done([seq])
+    assert len(store.manager.hash_to_block) == 2  # the possibly partial blocks are not
+
+
 # -- layer groups ------------------------------------------------------------------------------
 
 

@@ -49,6 +49,7 @@ class _Sequence:
     salt: str = ""
     token_ids: list[int] | None = field(default_factory=list)  # None: unknown, no hashing
     num_hashed: int = 0  # leading full blocks hashed
+    in_step: bool = False  # extended, step_done not yet called
     parents: list[bytes | None] = field(default_factory=list)  # last hash per group
 
 
@@ -257,6 +258,9 @@ class KVStore:
         writes = mgr.append(keys, num_new)
         for i, seq_id in enumerate(seq_ids):
             seq = self._seqs[seq_id]
+            if seq.in_step:  # the previous step never finished: its K/V may be partial,
+                seq.token_ids = None  # so this sequence's blocks are never indexed
+            seq.in_step = True
             if seq.token_ids is None:
                 continue
             new = token_ids[i] if token_ids is not None else None
@@ -270,8 +274,9 @@ class KVStore:
         """The forward that extended these sequences finished: their full blocks are
         complete in every layer and can be hashed (found by later lookups)."""
         mgr = self._require()
-        if self.prefix_caching:  # before end_step: the step's skipped blocks get cached
-            for seq_id in seq_ids:
+        for seq_id in seq_ids:
+            self._seqs[seq_id].in_step = False
+            if self.prefix_caching:  # before end_step: the step's skipped blocks get cached
                 self.prefix_index.hash_full_blocks(seq_id)
         mgr.end_step([k for s in seq_ids for k in self.tables(s)])
 

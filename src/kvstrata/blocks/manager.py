@@ -21,6 +21,7 @@ from collections.abc import Hashable
 
 import torch
 
+from kvstrata.blocks.cached import CachedBlocks
 from kvstrata.blocks.placement import PendingBlock, Placement, plan_placement, rank_keys
 from kvstrata.blocks.pool import Block, BlockPool
 from kvstrata.blocks.runs import Run, TokenWrites, pack_writes, table_runs
@@ -33,7 +34,7 @@ from kvstrata.tiers.memory import MemoryTier
 from kvstrata.units import format_bytes
 
 
-class BlockManager:
+class BlockManager(CachedBlocks):
     """Block tables, their placement, and cached (unreferenced, hashed) blocks."""
 
     def __init__(
@@ -189,64 +190,6 @@ class BlockManager:
             if last.tier != device:  # a partial block must be on the device
                 self._move([last], device)
         self._runs.pop(seq_id, None)
-
-    def _decref(self, block_id: int) -> None:
-        block = self.pool.decref(block_id, keep=True)
-        if block is None:
-            return
-        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
-            block.last_access = self.clock
-            self.cached[block_id] = None
-            self.num_cached_on[block.tier] += 1
-            return
-        self._release(block)
-
-    def _release(self, block: Block) -> None:
-        self.pool.release(block.block_id)
-        self.tiers[block.tier].free([block.slot])
-        self.on_tier[block.tier].discard(block.block_id)
-        self.unhash(block)
-
-    def unhash(self, block: Block) -> None:
-        if block.block_hash is not None:
-            if self.hash_to_block.get(block.block_hash) == block.block_id:
-                del self.hash_to_block[block.block_hash]
-            block.block_hash = block.token_ids = None
-        self._uncache(block)
-
-    def _uncache(self, block: Block) -> None:
-        if block.block_id in self.cached:
-            del self.cached[block.block_id]
-            self.num_cached_on[block.tier] -= 1
-
-    # -- content hashes -----------------------------------------------------------------------
-    def set_hash(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
-        """Index a full block under its content hash. False when another block already
-        holds that hash (the first one stays the cached copy)."""
-        if block_hash in self.hash_to_block:
-            return self.hash_to_block[block_hash] == block_id
-        block = self.pool.blocks[block_id]
-        block.block_hash, block.token_ids = block_hash, token_ids
-        self.hash_to_block[block_hash] = block_id
-        return True
-
-    def evict_cached(self, block_id: int) -> None:
-        """Drop an unreferenced cached block now (e.g. it failed verification)."""
-        block = self.pool.blocks[block_id]
-        assert block.ref_count == 0
-        self._release(block)
-
-    def adopt_cached(self, tier: str, slot: int, block_hash: bytes, token_ids: tuple) -> int:
-        """Register a block a durable tier already holds (found again after a restart)
-        as an unreferenced cached block; returns its id."""
-        block = self.pool.new_block(tier, slot)
-        block.ref_count, block.num_tokens = 0, self.layout.block_size
-        block.block_hash, block.token_ids = block_hash, token_ids
-        self.hash_to_block[block_hash] = block.block_id
-        self.cached[block.block_id] = None
-        self.num_cached_on[tier] += 1
-        self.on_tier[tier].add(block.block_id)
-        return block.block_id
 
     # -- budgets ------------------------------------------------------------------------------
     def set_budget(self, tier: str, num_slots: int) -> None:
