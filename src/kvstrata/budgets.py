@@ -62,9 +62,18 @@ def group_layout(
     )
 
 
-def blocks_for_context(groups: list[LayerGroup], num_tokens: int, block_size: int) -> int:
-    """Blocks (all groups) one sequence of `num_tokens` tokens needs at most."""
-    return sum(g.max_blocks_held(num_tokens, block_size) for g in groups)
+def blocks_for_context(
+    groups: list[LayerGroup], num_tokens: int, block_size: int, num_sequences: int = 1
+) -> int:
+    """Blocks (all groups) that `num_tokens` tokens need at most, split over
+    `num_sequences` sequences (each sliding group holds a window per sequence)."""
+    total = -(-num_tokens // block_size)
+    return sum(
+        total
+        if g.window is None
+        else min(total + num_sequences, num_sequences * g.max_blocks_held(num_tokens, block_size))
+        for g in groups
+    )
 
 
 def blocks_held(groups: list[LayerGroup], num_tokens: int, block_size: int) -> int:
@@ -89,7 +98,7 @@ def device_slots(
             the budget is smaller (names the bytes needed).
     """
     bs = config.block_size
-    total = blocks_for_context(groups, config.max_tokens, bs)
+    total = blocks_for_context(groups, config.max_tokens, bs, num_sequences)
     if config.device_budget is not None:
         slots = config.device_budget // device_block_bytes
     elif config.resident_fraction is not None:

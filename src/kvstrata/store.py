@@ -296,9 +296,12 @@ class KVStore:
         new_id = next(self._ids)
         src = self._seqs[seq_id]
         self._seqs[new_id] = _Sequence(
-            src.salt, None if src.token_ids is None else list(src.token_ids),
-            src.num_hashed, list(src.parents),
-        )  # fmt: skip
+            salt=src.salt,
+            token_ids=None if src.token_ids is None else list(src.token_ids),
+            num_hashed=src.num_hashed,
+            parents=list(src.parents),
+            in_step=src.in_step,
+        )
         for src_key, dst_key in zip(self.tables(seq_id), self.tables(new_id), strict=True):
             mgr.fork(src_key, dst_key)
         return new_id

@@ -401,6 +401,8 @@ class BlockManager(CachedBlocks):
     ) -> Placement:
         keys = rank_keys(self, pending, set(stepping))
         pending_key = {id(p): -(i + 1) for i, p in enumerate(pending)}
+        # blocks held only for a step in progress (another table's) do not move
+        fixed = fixed | {b for t in self.tables.values() for _, b in t.step_history + t.step_extra}
 
         def rank(b: object) -> tuple:
             return keys[pending_key[id(b)] if isinstance(b, PendingBlock) else b.block_id]
