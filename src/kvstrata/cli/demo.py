@@ -138,10 +138,10 @@ def run_demo(args: argparse.Namespace, model_dir: Path) -> int:
 
 def _bytes_per_token(model: Any) -> int:
     """KV bytes per token in the model's dtype (all layers, K and V)."""
-    from kvstrata.geometry import KVGeometry
+    from kvstrata.geometry import KVGeometry, dtype_name
 
-    dtype = next(model.parameters()).dtype
-    return int(KVGeometry.from_hf_config(model.config).bytes_per_token(str(dtype)[6:]))
+    dtype = dtype_name(next(model.parameters()).dtype)
+    return int(KVGeometry.from_hf_config(model.config).bytes_per_token(dtype))
 
 
 def run(args: argparse.Namespace) -> int:
