@@ -4,7 +4,7 @@ invariant checks shared by the block-manager tests.
 
 Writes mirror `TieredCache._write_layer`: zero-copy arenas take
 `k_arena[layer].index_copy_(1, rows, flat_k[:, src])`; other tiers take
-`write_layer(layer, rows[::bs] // bs, ...)`. Reads mirror `TieredCache._parts`: a
+`write_layer(layer, rows[::bs] // bs, ...)`. Reads mirror `AttentionRuntime._parts`: a
 zero-copy view per run of a memory tier, `read_layer` of the run's slots otherwise.
 """
 
