@@ -55,11 +55,12 @@ def write_step(
 
 
 def read_sequence(mgr: BlockManager, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [Hkv, num_tokens, D] of one sequence and layer, read run by run."""
+    """K and V [Hkv, tokens held, D] of one table and layer, read run by run."""
     lay = mgr.layout
     bs = lay.block_size
     k_parts, v_parts = [], []
-    expected_start = 0
+    # a sliding-window table starts at its first live block (0 for every other table)
+    expected_start = mgr.tables[seq_id].first_block * bs
     for run in mgr.runs(seq_id):
         assert run.token_start == expected_start, "runs must tile the sequence in order"
         assert 0 < run.num_tokens <= run.num_slots * bs

@@ -45,4 +45,4 @@ def test_placement_quick_reports_fractions_per_context(capsys):
     assert report["rows"][1]["blocks"] > report["rows"][0]["blocks"] > 0
     for row in report["rows"]:
         assert row["manager_ms"] > 0 and row["model_step_ms"] > 0
-        assert row["fraction"] == pytest.approx(row["manager_ms"] / row["model_step_ms"])
+    assert report["growth_vs_blocks"] > 0 and report["fraction_at_largest"] > 0

@@ -3,6 +3,7 @@ groups; and a stateful property test of many sequences over one store."""
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from pathlib import Path
 
@@ -13,13 +14,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from transformers import DynamicCache
 
+from blockstore_harness import read_sequence
 from hf_models import tiny_model
-from kvstrata import CacheConfig, KVStore, OutOfBlocksError
+from kvstrata import CacheConfig, ConfigError, KVStore, OutOfBlocksError
 from kvstrata.geometry import KVGeometry
 from kvstrata.groups import layer_groups
 from kvstrata.integrations.hf import enable
 from kvstrata.runtime import write_layer, write_plan
-from kvstrata.tiers.memory import MemoryTier
 
 PREFIX = 2048
 NEW = 40
@@ -123,6 +124,32 @@ def test_corrupt_disk_block_is_a_miss_and_is_recomputed(llama, tmp_path):
         counter.seen.clear()
         assert torch.equal(_greedy(model, prompts[1], cache), refs[1])
         assert counter.seen[0] == prompts[1].shape[1] - cache.matched_tokens
+
+
+def test_generate_with_another_prompt_than_the_cache_was_made_for_is_refused(llama):
+    model, prompts, refs, counter = llama
+    store = KVStore(model.config, _config(host_budget="64MiB"))
+    first = store.cache(prompts[0])
+    _greedy(model, prompts[0], first, n=2)
+    first.close()
+    made_for_0 = store.cache(prompts[0])
+    assert made_for_0.matched_tokens == PREFIX  # shared with prompt 1 too
+    with pytest.raises(ConfigError, match="input_ids"):
+        _greedy(model, prompts[1], made_for_0, n=2)  # its suffix is not prompt 0's
+    store.close()
+
+
+def test_a_cache_dropped_without_close_gives_its_blocks_back_to_the_store(llama):
+    model, prompts, refs, counter = llama
+    store = KVStore(model.config, _config(host_budget="64MiB"))
+    cache = store.cache(prompts[0])
+    _greedy(model, prompts[0], cache, n=2)
+    assert store.sequence_ids and store.manager.live_bytes() > 0
+    del cache
+    gc.collect()
+    assert store.sequence_ids == [] and store.manager.live_bytes() == 0
+    assert store.cache(prompts[1]).matched_tokens == PREFIX  # its blocks stayed cached
+    store.close()
 
 
 def test_tenant_salts_never_share_a_block(llama):
@@ -389,29 +416,12 @@ class StoreMachine(RuleBasedStateMachine):
                 else:  # a sliding group holds at least its window
                     assert start <= max(0, len(tokens) - group.window)
                 for local in range(len(group.layers)):
-                    got = _read(store, runs, local)
+                    got, _ = read_sequence(store.manager, (seq_id, group.index), local)
                     want, _ = _token_kv(
                         torch.tensor(tokens[start:]), start, local, group.index,
                         lay.num_kv_heads, lay.head_dim,
                     )  # fmt: skip
                     assert torch.equal(got, want), (seq_id, group.index, local)
-
-
-def _read(store: KVStore, runs, local: int) -> torch.Tensor:
-    lay = store.layout
-    parts = []
-    for run in runs:
-        tier = store.tiers[run.tier]
-        if isinstance(tier, MemoryTier) and tier.zero_copy:
-            k, _ = tier.layer_view(local, run.first_slot, run.num_slots)
-        else:
-            n = run.num_slots * lay.block_size
-            k = torch.empty((lay.num_kv_heads, n, lay.head_dim))
-            v = torch.empty_like(k)
-            slots = list(range(run.first_slot, run.first_slot + run.num_slots))
-            tier.read_layer(local, slots, k, v)
-        parts.append(k[:, : run.num_tokens])
-    return torch.cat(parts, dim=1)
 
 
 TestStoreMachine = StoreMachine.TestCase

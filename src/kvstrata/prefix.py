@@ -78,6 +78,7 @@ class PrefixIndex:
             return
         bs = self.store.config.block_size
         num_full = min(len(seq.token_ids), self.store.num_tokens(seq_id)) // bs
+        indexed = []
         for i in range(seq.num_hashed, num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             for g, key in enumerate(self.store.tables(seq_id)):
@@ -85,8 +86,9 @@ class PrefixIndex:
                 seq.parents[g] = h
                 block_id = mgr.block_at(key, i)
                 if block_id is not None and mgr.set_hash(block_id, h, tuple(tokens)):
-                    self.persist_key(block_id)
+                    indexed.append(mgr.pool.blocks[block_id])
         seq.num_hashed = max(seq.num_hashed, num_full)
+        self.key_on_disk(indexed)
 
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),
@@ -201,21 +203,19 @@ class PrefixIndex:
             return True
         return False
 
-    def persist_key(self, block_id: int) -> None:
-        mgr = self.store._require()
-        block = mgr.pool.blocks[block_id]
-        if (
-            self.store.disk_tier is not None
-            and block.tier == self.store.disk_tier.name
-            and block.block_hash
-        ):
-            self.store.disk_tier.put_key(block.slot, block.block_hash, list(block.token_ids or ()))
-
-    def on_move(self, blocks: list, dst: str) -> None:
-        if self.store.disk_tier is not None and dst == self.store.disk_tier.name:
-            for block in blocks:
-                if block.block_hash is not None:
-                    self.persist_key(block.block_id)
+    def key_on_disk(self, blocks: list) -> None:
+        """Key the hashed ones of these blocks that live on the disk tier in its durable
+        index (one transaction), so a restarted process finds them."""
+        disk = self.store.disk_tier
+        if disk is None:
+            return
+        entries = [
+            (b.slot, b.block_hash, list(b.token_ids or ()))
+            for b in blocks
+            if b.tier == disk.name and b.block_hash is not None
+        ]
+        if entries:
+            disk.put_keys(entries)
 
     def persist(self) -> int:
         """Write hashed blocks that live only in memory tiers to free disk slots and
@@ -236,6 +236,10 @@ class PrefixIndex:
             slots = disk.allocate(len(group))
             assert slots is not None
             mgr.copy_blocks(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
-            for block, slot in zip(group, slots, strict=True):
-                disk.put_key(slot, block.block_hash, list(block.token_ids or ()))
+            disk.put_keys(
+                [
+                    (slot, block.block_hash, list(block.token_ids or ()))
+                    for block, slot in zip(group, slots, strict=True)
+                ]
+            )
         return len(todo)

@@ -329,12 +329,12 @@ class AttentionRuntime:
             start = 0 if dense is not None else first_valid
             if window is not None:
                 start = max(start, past - window + 1)
-            start = min(start, past)
+            # a sliding group holds keys from its first live block on (older ones are
+            # outside every window still to come, so the mask would exclude them anyway)
+            runs = self.manager.runs((seq_id, group.index))
+            start = min(max(start, runs[0].token_start if runs else 0), past)
             # clone: staged views are only valid until the generator moves on
             parts = [(k.clone(), v.clone()) for k, v in self._parts(layer, seq_id, start, past)]
-            if parts and sum(k.shape[1] for k, _ in parts) != past - start:
-                # keys a sliding group dropped (only possible for a dense padding mask)
-                start = past - sum(k.shape[1] for k, _ in parts)
             keys = torch.cat([k for k, _ in parts] + [new_k], dim=1)
             values = torch.cat([v for _, v in parts] + [new_v], dim=1)
             kpos = torch.arange(start, total, device=q.device)

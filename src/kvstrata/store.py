@@ -30,6 +30,7 @@ import torch
 
 from kvstrata import budgets
 from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
+from kvstrata.blocks.runs import token_writes
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError
@@ -184,7 +185,7 @@ class KVStore:
             )
         self.layout = layout
         self.manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)
-        self.manager.on_move = self.prefix_index.on_move
+        self.manager.on_move = self.prefix_index.key_on_disk
         self.manager.keep_skipped_blocks = self.prefix_caching
         self.disk_tier = tiers[-1] if cc.disk_dir else None
         if self.disk_tier is not None and self.prefix_caching:
@@ -407,11 +408,6 @@ def _split_by_group(
         group_of = tw.src // per_group
         for g in torch.unique(group_of).tolist():
             sel = group_of == g
-            rows, src = tw.rows[sel], tw.src[sel] - g * per_group
-            n = len(rows)
-            contiguous = None
-            steps = bool((src.diff() == 1).all()) and bool((rows.diff() == 1).all())
-            if n and int(src[0]) == 0 and steps:
-                contiguous = (int(rows[0]), n)
-            out[g].append(TokenWrites(tw.tier, rows, src, contiguous))
+            rows, src = tw.rows[sel].tolist(), (tw.src[sel] - g * per_group).tolist()
+            out[g].append(token_writes(tw.tier, rows, src))
     return out

@@ -120,12 +120,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(clear, ignore_errors=True)
         t0 = time.perf_counter()
         store = KVStore(model.config, config)
-        if config.disk_dir is None:
-            store.build(torch.float32)
-            t0 = time.perf_counter()
-        else:
-            store.build(torch.float32)
-        opened = time.perf_counter() - t0
+        store.build(torch.float32)
+        opened = time.perf_counter() - t0 if config.disk_dir else 0.0
         try:
             return opened + run(name, store)
         finally:

@@ -69,7 +69,7 @@ class BlockManager(CachedBlocks):
         # store full blocks a sliding window skips in a long step when slots are free,
         # so they can serve later prefix hits (the store turns it on with prefix caching)
         self.keep_skipped_blocks = False
-        self.on_move = None  # callback(blocks, dst tier) after blocks moved (store hooks)
+        self.on_move = None  # callback(blocks) after blocks moved tier (the store keys them)
 
     # -- tables -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, window: int | None = None) -> None:
@@ -479,7 +479,7 @@ class BlockManager(CachedBlocks):
                 self.num_cached_on[dst_name] += 1
         self._runs.clear()
         if self.on_move is not None:
-            self.on_move(blocks, dst_name)
+            self.on_move(blocks)
 
     def copy_blocks(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
         if src.codec.name == dst.codec.name:  # encoded as is: quantized once, never twice

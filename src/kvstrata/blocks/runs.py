@@ -64,15 +64,17 @@ def table_runs(table: BlockTable, blocks: dict[int, Block], block_size: int) -> 
     return runs
 
 
+def token_writes(tier: str, rows: list[int], src: list[int]) -> TokenWrites:
+    """TokenWrites of one tier; `contiguous` set when sources are 0..n-1 and rows one
+    range (then a layer's write is one slice copy)."""
+    contiguous = None
+    if src == list(range(len(src))) and rows == list(range(rows[0], rows[0] + len(rows))):
+        contiguous = (rows[0], len(rows))
+    return TokenWrites(tier, torch.tensor(rows), torch.tensor(src), contiguous)
+
+
 def pack_writes(
     rows_by_tier: dict[str, list[int]], src_by_tier: dict[str, list[int]]
 ) -> list[TokenWrites]:
-    """TokenWrites per tier; `contiguous` set when rows and sources are both ranges."""
-    writes = []
-    for tier_name, rows in rows_by_tier.items():
-        src = src_by_tier[tier_name]
-        contiguous = None
-        if src == list(range(len(src))) and rows == list(range(rows[0], rows[0] + len(rows))):
-            contiguous = (rows[0], len(rows))
-        writes.append(TokenWrites(tier_name, torch.tensor(rows), torch.tensor(src), contiguous))
-    return writes
+    """TokenWrites per tier from the rows and sources a step collected."""
+    return [token_writes(tier, rows, src_by_tier[tier]) for tier, rows in rows_by_tier.items()]

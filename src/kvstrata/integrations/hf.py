@@ -22,6 +22,7 @@ a dense 4-D mask.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,13 +180,17 @@ class TieredCache(Cache):
         self.salt = salt
         sliding = [store.groups[g].is_sliding for g, _ in store.layer_map]
         super().__init__(layers=[_TieredLayer(self, i, s) for i, s in enumerate(sliding)])
-        self.seq_ids: list[int] = []
+        self.seq_ids: list[int] = []  # mutated in place: the finalizer below holds it
+        if not self._owns_store:
+            # a cache dropped without close() gives its sequences back to the shared store
+            weakref.finalize(self, _free_sequences, store, self.seq_ids)
         self._writes: list[list[tuple]] = []
         self._mask_key: tuple | None = None
         self._row_masks: list[RowMask] | None = None
         self._next_ids: torch.Tensor | None = None
         self.matched_tokens = 0
         self._built_for: tuple | None = None
+        self._rest_of_prompt: torch.Tensor | None = None
         if prompt_ids is not None:
             self._start_from_prompt(prompt_ids, dtype)
 
@@ -209,6 +214,7 @@ class TieredCache(Cache):
             if n > keep:
                 store.truncate(seq_id, keep)
         self.matched_tokens = keep
+        self._rest_of_prompt = rows[:, keep:]  # what the first forward must feed
 
     @property
     def manager(self) -> BlockManager:
@@ -238,7 +244,7 @@ class TieredCache(Cache):
                 store.build(*shape, num_sequences=batch, native=self.native_attention)
                 self._built_for = shape
             if not self.seq_ids:
-                self.seq_ids = [store.add_sequence(salt=self.salt)[0] for _ in range(batch)]
+                self.seq_ids[:] = [store.add_sequence(salt=self.salt)[0] for _ in range(batch)]
             if len(self.seq_ids) != batch:
                 raise ConfigError.field(
                     "batch", batch, f"this cache holds {len(self.seq_ids)} sequences"
@@ -247,6 +253,14 @@ class TieredCache(Cache):
             self._next_ids = None
             known = ids is not None and tuple(ids.shape) == (batch, num_new)
             tokens = ids.tolist() if known else None
+            rest, self._rest_of_prompt = self._rest_of_prompt, None
+            if tokens is not None and rest is not None and rest[:, :num_new].tolist() != tokens:
+                raise ConfigError.field(
+                    "input_ids",
+                    "not the prompt_ids the cache was created with",
+                    "pass the same prompt to TieredCache(prompt_ids=) and to generate(); "
+                    "the reused prefix belongs to that prompt",
+                )
             writes = store.extend(self.seq_ids, num_new, tokens)
             self._writes = [write_plan(store.runtime, w, batch) for w in writes]
             self._mask_key = None  # a new forward: its padding mask is analysed afresh
@@ -287,7 +301,7 @@ class TieredCache(Cache):
     def reset(self) -> None:
         for seq_id in self.seq_ids:
             self.store.free(seq_id)
-        self.seq_ids = []
+        self.seq_ids.clear()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens (transformers 5 passes a negative
@@ -299,7 +313,7 @@ class TieredCache(Cache):
 
     def _remap(self, sources: list[int]) -> None:
         if self.seq_ids:
-            self.seq_ids = self.store.remap(self.seq_ids, sources)
+            self.seq_ids[:] = self.store.remap(self.seq_ids, sources)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._remap([int(i) for i in beam_idx.tolist()])
@@ -359,6 +373,12 @@ class TieredCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _free_sequences(store: KVStore, seq_ids: list[int]) -> None:
+    for seq_id in seq_ids:
+        if store.has_sequence(seq_id):
+            store.free(seq_id)
 
 
 def _config_dtype(config: Any) -> torch.dtype:

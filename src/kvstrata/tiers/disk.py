@@ -192,9 +192,14 @@ class DiskTier(Tier):
             block_hash: the block's chained hash (kvstrata.hashing.block_hash).
             token_ids: the block's tokens, returned by `lookup` to verify a hit.
         """
-        if not self._index.written[slot]:
-            raise self._error(BlockMissingError, f"put_key on unwritten slot {slot}", [slot])
-        self._index.put_key(slot, block_hash, token_ids)
+        self.put_keys([(slot, block_hash, token_ids)])
+
+    def put_keys(self, entries: list[tuple[int, bytes, list[int]]]) -> None:
+        """`put_key` for many written slots in one index transaction."""
+        for slot, _, _ in entries:
+            if not self._index.written[slot]:
+                raise self._error(BlockMissingError, f"put_key on unwritten slot {slot}", [slot])
+        self._index.put_keys(entries)
 
     def lookup(self, block_hash: bytes) -> tuple[int, list[int]] | None:
         """(slot, token_ids) of the block stored under `block_hash`, or None."""

@@ -93,22 +93,24 @@ class DiskIndex:
         return taken
 
     # -- keys -------------------------------------------------------------------------
-    def put_key(self, slot: int, block_hash: bytes, token_ids: list[int]) -> None:
-        """Key the written `slot` by `block_hash` (a key held by another slot moves)."""
-        blob = np.asarray(token_ids, dtype="<i8").tobytes()
+    def put_keys(self, entries: list[tuple[int, bytes, list[int]]]) -> None:
+        """Key written slots by block hash, in one transaction: (slot, hash, token ids).
+        A key held by another slot moves to the new one."""
         with self.lock, self.db:
-            old = self._keys.get(block_hash)
-            if old is not None and old[0] != slot:  # the key moves to the new copy
-                self.db.execute("UPDATE blocks SET hash=NULL WHERE slot=?", (old[0],))
-                self._hash_of.pop(old[0], None)
-            prev = self._hash_of.pop(slot, None)
-            if prev is not None:
-                self._keys.pop(prev, None)
-            self.db.execute(
-                "UPDATE blocks SET hash=?, token_ids=? WHERE slot=?", (block_hash, blob, slot)
-            )
-            self._hash_of[slot] = block_hash
-            self._keys[block_hash] = (slot, list(token_ids))
+            for slot, block_hash, token_ids in entries:
+                old = self._keys.get(block_hash)
+                if old is not None and old[0] != slot:  # the key moves to the new copy
+                    self.db.execute("UPDATE blocks SET hash=NULL WHERE slot=?", (old[0],))
+                    self._hash_of.pop(old[0], None)
+                prev = self._hash_of.pop(slot, None)
+                if prev is not None:
+                    self._keys.pop(prev, None)
+                blob = np.asarray(token_ids, dtype="<i8").tobytes()
+                self.db.execute(
+                    "UPDATE blocks SET hash=?, token_ids=? WHERE slot=?", (block_hash, blob, slot)
+                )
+                self._hash_of[slot] = block_hash
+                self._keys[block_hash] = (slot, list(token_ids))
 
     def lookup(self, block_hash: bytes) -> tuple[int, list[int]] | None:
         """(slot, token_ids) of the block stored under `block_hash`, or None."""
