@@ -28,6 +28,7 @@ from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import DeviceTier, HostTier
+from reference_placement import check_order, compare_with_reference
 
 BYTES_RE = re.compile(r"\d+(\.\d+)? (B|KiB|MiB|GiB)")
 
@@ -64,6 +65,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
         self.mgr = BlockManager(
             self.layout, tiers, EvictionPolicy(self.policy), sink_tokens=self.sink_tokens
         )
+        compare_with_reference(self.mgr)  # every placement equals the old full sort's
         self.model = SeqModel(self.layout)
 
     def teardown(self) -> None:
@@ -168,6 +170,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         check_accounting(self.mgr)
+        check_order(self.mgr)
         check_contents(self.mgr, self.model)
 
 

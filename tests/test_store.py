@@ -21,6 +21,7 @@ from kvstrata.geometry import KVGeometry
 from kvstrata.groups import layer_groups
 from kvstrata.integrations.hf import enable
 from kvstrata.runtime import write_layer, write_plan
+from reference_placement import check_order, compare_with_reference
 
 PREFIX = 2048
 NEW = 40
@@ -329,6 +330,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _open(self) -> None:
         self.store = KVStore(self.geometry, self.cfg)
         self.store.build(torch.float32)
+        compare_with_reference(self.store.manager)  # placements equal the old full sort's
 
     def teardown(self) -> None:
         self.store.close()
@@ -403,6 +405,7 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def contents_match_a_run_alone(self) -> None:
         store = self.store
+        check_order(store.manager)
         lay = store.layout
         for seq_id, tokens in self.tokens.items():
             assert store.num_tokens(seq_id) == len(tokens)

@@ -3,7 +3,8 @@
 A mixin of `BlockManager` (it uses the manager's pool, tiers and counters): a block
 whose last reference goes stays *cached* when it is the indexed copy of its hash —
 placed, unreferenced, found again by `hash_to_block`, ranked below every live block
-and evicted oldest first (vLLM's "free but cached"); any other block is released.
+and evicted oldest first (vLLM's "free but cached"; the manager's `BlockOrder` keeps
+them in that order); any other block is released.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kvstrata.blocks.pool import Block
 
 if TYPE_CHECKING:
     from kvstrata.blocks.pool import BlockPool
+    from kvstrata.policies.order import BlockOrder
     from kvstrata.tiers.base import Tier
 
 
@@ -24,6 +26,7 @@ class CachedBlocks:
     tiers: dict[str, Tier]
     on_tier: dict[str, set[int]]
     cached: dict[int, None]
+    order: BlockOrder
     num_cached_on: dict[str, int]
     hash_to_block: dict[bytes, int]
     clock: int
@@ -37,6 +40,7 @@ class CachedBlocks:
             block.last_access = self.clock
             self.cached[block_id] = None
             self.num_cached_on[block.tier] += 1
+            self.order.cache(block.tier, block.last_access, block_id)
             return
         self._release(block)
 
@@ -57,6 +61,7 @@ class CachedBlocks:
         if block.block_id in self.cached:
             del self.cached[block.block_id]
             self.num_cached_on[block.tier] -= 1
+            self.order.uncache(block.tier, block.last_access, block.block_id)
 
     # -- content hashes -----------------------------------------------------------------------
     def set_hash(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
@@ -84,5 +89,6 @@ class CachedBlocks:
         self.hash_to_block[block_hash] = block.block_id
         self.cached[block.block_id] = None
         self.num_cached_on[tier] += 1
+        self.order.cache(tier, block.last_access, block.block_id)
         self.on_tier[tier].add(block.block_id)
         return block.block_id

@@ -22,13 +22,14 @@ from collections.abc import Hashable
 import torch
 
 from kvstrata.blocks.cached import CachedBlocks
-from kvstrata.blocks.placement import PendingBlock, Placement, plan_placement, rank_keys
+from kvstrata.blocks.placement import PendingBlock, Placement, PlacementView, plan_placement
 from kvstrata.blocks.pool import Block, BlockPool
 from kvstrata.blocks.runs import Run, TokenWrites, pack_writes, table_runs
 from kvstrata.blocks.table import BlockTable
 from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
+from kvstrata.policies.order import BlockOrder
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import MemoryTier
 from kvstrata.units import format_bytes
@@ -55,7 +56,8 @@ class BlockManager(CachedBlocks):
         self.tables: dict[Hashable, BlockTable] = {}
         self.budget_slots = {t.name: t.num_slots for t in tiers}
         self.on_tier: dict[str, set[int]] = {t.name: set() for t in tiers}
-        self.cached: dict[int, None] = {}  # unreferenced hashed blocks, oldest first
+        self.cached: dict[int, None] = {}  # unreferenced hashed blocks
+        self.order = BlockOrder(policy, self.tier_order, self.num_sink_blocks)
         self.num_cached_on: dict[str, int] = {t.name: 0 for t in tiers}
         self.peak_live_bytes = 0  # referenced blocks (all tiers), highest after a step
         self.hash_to_block: dict[bytes, int] = {}
@@ -88,11 +90,23 @@ class BlockManager(CachedBlocks):
 
     def free_sequence(self, seq_id: Hashable) -> None:
         table = self.tables.pop(seq_id)
+        self._unhold(seq_id, table.block_ids)
         for block_id in self._held(table):
             self._decref(block_id)
         self._runs.pop(seq_id, None)
         self.seq_last_access.pop(seq_id, None)
         self.seq_access_count.pop(seq_id, None)
+
+    def _hold(self, seq_id: Hashable) -> None:
+        """Enter every block of the table in the eviction order."""
+        table = self.tables[seq_id]
+        for i, block_id in enumerate(table.block_ids, start=table.first_block):
+            self.order.hold(seq_id, i, block_id, self.pool.blocks[block_id].tier)
+
+    def _unhold(self, seq_id: Hashable, block_ids: list[int]) -> None:
+        """The table no longer holds these blocks in its `block_ids`."""
+        for block_id in block_ids:
+            self.order.drop(seq_id, block_id, self.pool.blocks[block_id].tier)
 
     @staticmethod
     def _held(table: BlockTable) -> list[int]:
@@ -114,6 +128,7 @@ class BlockManager(CachedBlocks):
         table.block_ids = list(block_ids)
         table.first_block = first_block
         table.num_tokens = num_tokens
+        self._hold(seq_id)
         self._runs.pop(seq_id, None)
 
     def fork(self, src_seq: Hashable, dst_seq: Hashable) -> None:
@@ -125,6 +140,7 @@ class BlockManager(CachedBlocks):
         if dst_seq in self.tables:
             self.free_sequence(dst_seq)
         self.tables[dst_seq] = table
+        self._hold(dst_seq)
         self.seq_last_access[dst_seq] = self.seq_last_access[src_seq]
         self.seq_access_count[dst_seq] = self.seq_access_count[src_seq]
         self._runs.pop(dst_seq, None)
@@ -144,6 +160,7 @@ class BlockManager(CachedBlocks):
         for key, table in old.items():
             self.tables[key] = table
             self.seq_last_access[key], self.seq_access_count[key] = access[key]
+            self._hold(key)
         self._runs.clear()
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -180,7 +197,9 @@ class BlockManager(CachedBlocks):
             )
             if self.tiers[device].num_free + freed < 1:
                 raise OutOfBlocksError(self._no_device_slot("a cropped block"))
-        for block_id in table.block_ids[keep - table.first_block :]:
+        tail = table.block_ids[keep - table.first_block :]
+        self._unhold(seq_id, tail)
+        for block_id in tail:
             self._decref(block_id)
         del table.block_ids[keep - table.first_block :]
         table.num_tokens = num_tokens
@@ -340,10 +359,12 @@ class BlockManager(CachedBlocks):
         table = self.tables[seq_id]
         count = min(len(table.block_ids), live - table.first_block)
         if first_new is not None:  # the step's queries still read it: drop at end_step
+            self._unhold(seq_id, table.block_ids)
             first = table.first_block
             table.step_history = [(first + i, b) for i, b in enumerate(table.block_ids)]
             table.first_block, table.block_ids = first_new, []
         elif count > 0:
+            self._unhold(seq_id, table.block_ids[:count])
             for block_id in table.block_ids[:count]:
                 self._decref(block_id)
             del table.block_ids[:count]
@@ -392,26 +413,17 @@ class BlockManager(CachedBlocks):
 
     # -- placement ----------------------------------------------------------------------------
     def eviction_order(self) -> list[int]:
-        """Every block id, first to evict first (cached blocks before live ones)."""
-        keys = rank_keys(self, [], set())
-        return sorted(keys, key=keys.__getitem__)
+        """Every block id, first to evict first (cached blocks before live ones; the
+        blocks held only for a step in progress are not in the order)."""
+        view = PlacementView(self, [], set(), set())
+        return [block_id for _key, block_id in self.order.ascending(self.tier_order, view.state)]
 
     def _plan(
         self, pending: list[PendingBlock], fixed: set[int], budgets: dict, stepping: list = ()
     ) -> Placement:
-        keys = rank_keys(self, pending, set(stepping))
-        pending_key = {id(p): -(i + 1) for i, p in enumerate(pending)}
         # blocks held only for a step in progress (another table's) do not move
         fixed = fixed | {b for t in self.tables.values() for _, b in t.step_history + t.step_extra}
-
-        def rank(b: object) -> tuple:
-            return keys[pending_key[id(b)] if isinstance(b, PendingBlock) else b.block_id]
-
-        resident = {n: [self.pool.blocks[i] for i in self.on_tier[n]] for n in self.tier_order}
-        return plan_placement(
-            self.tiers, self.tier_order, budgets, resident, pending, fixed, rank,
-            self.layout.block_size, len(self.tables), self.layout.raw_block_bytes,
-        )  # fmt: skip
+        return plan_placement(PlacementView(self, pending, fixed, set(stepping)), budgets, pending)
 
     def _apply(self, plan: Placement, pending: list[PendingBlock]) -> None:
         for block in plan.drops:
@@ -419,42 +431,61 @@ class BlockManager(CachedBlocks):
             self._release(block)
         for blocks, dst in plan.moves:
             self._move(blocks, dst)
-        by_table: dict[tuple[Hashable, str], list[PendingBlock]] = {}
+        # slots and ids in rank order (as planned), then entered per table in index order
+        groups: dict[tuple[Hashable, str], list[PendingBlock]] = {}
         for i in plan.install_order:
-            by_table.setdefault((pending[i].table, plan.new_tiers[i]), []).append(pending[i])
-        for (seq_id, tier_name), group in by_table.items():
-            self._install(seq_id, tier_name, group)
+            groups.setdefault((pending[i].table, plan.new_tiers[i]), []).append(pending[i])
+        made: dict[Hashable, dict[int, Block]] = {}
+        for (seq_id, tier_name), group in groups.items():
+            new = made.setdefault(seq_id, {})
+            new.update(self._allocate(seq_id, tier_name, group, new))
+        for seq_id, new in made.items():
+            self._enter(seq_id, new)
 
-    def _install(self, seq_id: Hashable, tier_name: str, group: list[PendingBlock]) -> None:
-        """Give pending blocks of one table slots on one tier (consecutive after the
-        table's last block where possible) and enter them in the table."""
+    def _allocate(
+        self, seq_id: Hashable, tier_name: str, group: list[PendingBlock], made: dict[int, Block]
+    ) -> dict[int, Block]:
+        """New blocks for pending blocks of one table on one tier, in slots consecutive
+        after the table's previous block where possible (copies on write filled)."""
         tier = self.tiers[tier_name]
         table = self.tables[seq_id]
         group.sort(key=lambda p: p.index)
-        after = None
-        prev_idx = group[0].index - 1 - table.first_block
-        if 0 <= prev_idx < len(table.block_ids):
-            prev = self.pool.blocks[table.block_ids[prev_idx]]
-            if prev.tier == tier_name:
-                after = prev.slot
+        prev = made.get(group[0].index - 1)
+        prev_pos = group[0].index - 1 - table.first_block
+        if prev is None and 0 <= prev_pos < len(table.block_ids):
+            prev = self.pool.blocks[table.block_ids[prev_pos]]
+        after = prev.slot if prev is not None and prev.tier == tier_name else None
         slots = tier.allocate(len(group), after=after)
         if slots is None:
             raise AssertionError(f"{tier_name}: placement promised {len(group)} free slots")
+        out = {}
         for p, slot in zip(group, slots, strict=True):
             block = self.pool.new_block(tier_name, slot)
             block.is_sink = p.is_sink
             self.on_tier[tier_name].add(block.block_id)
-            pos = p.index - table.first_block
             if p.copy_of is not None:
                 old = self.pool.blocks[p.copy_of]
                 self.copy_blocks(self.tiers[old.tier], [old.slot], tier, [slot])
                 block.num_tokens = p.num_tokens
+            out[p.index] = block
+        return out
+
+    def _enter(self, seq_id: Hashable, new: dict[int, Block]) -> None:
+        """Put a step's new blocks in the table: a copy on write replaces the open
+        block, the others are appended."""
+        table = self.tables[seq_id]
+        for index in sorted(new):
+            block = new[index]
+            pos = index - table.first_block
+            if pos < len(table.block_ids):
+                old_id = table.block_ids[pos]
+                self._unhold(seq_id, [old_id])
                 table.block_ids[pos] = block.block_id
-                self._decref(old.block_id)
+                self._decref(old_id)
             else:
-                while len(table.block_ids) <= pos:
-                    table.block_ids.append(block.block_id)
-                table.block_ids[pos] = block.block_id
+                assert pos == len(table.block_ids), "a step's blocks follow the table's"
+                table.block_ids.append(block.block_id)
+            self.order.hold(seq_id, index, block.block_id, block.tier)
         self._runs.pop(seq_id, None)
 
     def _move(self, blocks: list[Block], dst_name: str) -> None:
@@ -474,9 +505,12 @@ class BlockManager(CachedBlocks):
             self.on_tier[src_name].discard(block.block_id)
             block.tier, block.slot = dst_name, slot
             self.on_tier[dst_name].add(block.block_id)
-            if block.block_id in self.cached:
+            cached = block.block_id in self.cached
+            if cached:
                 self.num_cached_on[src_name] -= 1
                 self.num_cached_on[dst_name] += 1
+            cached_key = (block.last_access, -block.block_id) if cached else None
+            self.order.move(block.block_id, src_name, dst_name, cached_key)
         self._runs.clear()
         if self.on_move is not None:
             self.on_move(blocks)

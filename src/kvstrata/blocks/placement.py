@@ -17,14 +17,15 @@ plan reserved every slot they take).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import heapq
+import itertools
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.blocks.pool import Block
 from kvstrata.errors import OutOfBlocksError
-from kvstrata.policies.eviction import BlockView
-from kvstrata.tiers.base import Tier
+from kvstrata.policies.order import TableState
 from kvstrata.units import format_bytes
 
 if TYPE_CHECKING:
@@ -58,63 +59,137 @@ class Placement:
         return not (self.drops or self.moves) and not self.new_tiers
 
 
+class PlacementView:
+    """The manager as one placement sees it: counts, pinned blocks, keys, and each
+    tier's eviction order (built per plan in O(tables + pinned blocks)).
+
+    Pinned blocks do not move this step: `fixed_ids` (open blocks being written and
+    blocks held for a step in progress) and partially filled blocks. Tables in
+    `stepping` are seen as accessed by this step; `pending` blocks count in their
+    table's length."""
+
+    def __init__(
+        self, mgr: BlockManager, pending: list[PendingBlock], fixed_ids: set[int], stepping: set
+    ) -> None:
+        self.mgr = mgr
+        self.tiers, self.tier_order = mgr.tiers, mgr.tier_order
+        self.block_size = bs = mgr.layout.block_size
+        self.num_tables = len(mgr.tables)
+        self.raw_block_bytes = mgr.layout.raw_block_bytes
+        new_count: dict[Hashable, int] = {}
+        for p in pending:
+            if p.copy_of is None:
+                new_count[p.table] = new_count.get(p.table, 0) + 1
+        self._new_count = new_count
+        self._stepping = stepping
+        self._states: dict[Hashable, TableState] = {}
+        blocks = mgr.pool.blocks
+        self.pinned = set(fixed_ids)
+        for table in mgr.tables.values():
+            if table.block_ids and blocks[table.block_ids[-1]].num_tokens < bs:
+                self.pinned.add(table.block_ids[-1])
+        self._pinned_on = dict.fromkeys(self.tier_order, 0)
+        for block_id in self.pinned:
+            self._pinned_on[blocks[block_id].tier] += 1
+        self._pending_key = {
+            id(p): mgr.order.live_key(self._pending_state(p.table), p.index, -(i + 1))
+            for i, p in enumerate(pending)
+        }
+
+    def _pending_state(self, table: Hashable) -> TableState:
+        mgr = self.mgr
+        n = mgr.tables[table].num_blocks + self._new_count.get(table, 0)
+        return TableState(n, mgr.clock + 1, mgr.seq_access_count[table] + 1)
+
+    def state(self, table: Hashable) -> TableState:
+        state = self._states.get(table)
+        if state is None:
+            mgr = self.mgr
+            n = mgr.tables[table].num_blocks + self._new_count.get(table, 0)
+            last, count = mgr.seq_last_access[table], mgr.seq_access_count[table]
+            if table in self._stepping:
+                last, count = mgr.clock + 1, count + 1
+            state = self._states[table] = TableState(n, last, count)
+        return state
+
+    def num_on(self, tier: str) -> int:
+        return len(self.mgr.on_tier[tier])
+
+    def pinned_on(self, tier: str) -> int:
+        return self._pinned_on[tier]
+
+    def key(self, b: Block | PendingBlock) -> tuple:
+        """Keep-key (larger = more deserving of the faster tier)."""
+        if isinstance(b, PendingBlock):
+            return self._pending_key[id(b)]
+        if b.block_id in self.mgr.cached:
+            return (0, b.last_access, -b.block_id)
+        return self.mgr.order.block_key(b.block_id, self.state)
+
+    def lowest(self, tier: str) -> Iterator[tuple[tuple, Block]]:
+        """Movable blocks of a tier, lowest keep-key first."""
+        blocks = self.mgr.pool.blocks
+        for key, block_id in self.mgr.order.ascending([tier], self.state):
+            if block_id not in self.pinned:
+                yield key, blocks[block_id]
+
+
 def plan_placement(
-    tiers: dict[str, Tier],
-    tier_order: list[str],
+    view: PlacementView,
     budgets: dict[str, int],
-    resident: dict[str, list[Block]],
     pending: list[PendingBlock],
-    fixed_ids: set[int],
-    rank: Callable[[object], tuple],
-    block_size: int,
-    num_tables: int,
-    raw_block_bytes: int,
 ) -> Placement:
     """Decide where every block goes; raise OutOfBlocksError when it cannot fit.
 
-    Args:
-        resident: blocks on each tier now (live and cached).
-        pending: new blocks of this step (partial ones must land on tier 0).
-        fixed_ids: blocks that may not move this step (open blocks being written).
-        rank: larger = more deserving of the faster tier (blocks and pending blocks).
+    Per tier only the blocks that must leave are looked at: the tier keeps its
+    movable blocks plus the incoming ones up to its room, so the `excess` lowest of
+    them (a lazy merge of the tier's eviction order with the sorted incoming blocks)
+    spill to the next tier. Nothing is sorted but the incoming blocks.
     """
+    tier_order, block_size = view.tier_order, view.block_size
     device = tier_order[0]
     incoming: list = list(pending)
     decisions: list[tuple[str, list, list]] = []  # (tier, arrive, leave)
     for depth, name in enumerate(tier_order):
-        here = resident[name]
-        fixed = [b for b in here if b.block_id in fixed_ids or b.num_tokens < block_size]
-        movable = [b for b in here if not (b.block_id in fixed_ids or b.num_tokens < block_size)]
+        pinned = view.pinned_on(name)
         must = [b for b in incoming if b.num_tokens < block_size] if depth == 0 else []
         if depth > 0 and any(b.num_tokens < block_size for b in incoming):
             raise AssertionError("partial blocks never leave the device")
-        room = budgets[name] - len(fixed) - len(must)
+        room = budgets[name] - pinned - len(must)
         if room < 0:
-            need = (len(fixed) + len(must)) * tiers[name].block_bytes
+            tier = view.tiers[name]
+            need = (pinned + len(must)) * tier.block_bytes
             raise OutOfBlocksError(
                 f"{name} tier needs {format_bytes(need)} for blocks being written "
-                f"(open blocks of {num_tables} sequences) but its budget is "
-                f"{format_bytes(budgets[name] * tiers[name].block_bytes)}: raise "
+                f"(open blocks of {view.num_tables} sequences) but its budget is "
+                f"{format_bytes(budgets[name] * tier.block_bytes)}: raise "
                 f"{name}_budget or lower block_size"
             )
-        candidates = movable + [b for b in incoming if b.num_tokens >= block_size]
-        ranked = sorted(candidates, key=rank, reverse=True)
-        keep, spill = ranked[:room], ranked[room:]
-        arrive = must + [b for b in keep if not (isinstance(b, Block) and b.tier == name)]
+        full_in = sorted(
+            ((view.key(b), b) for b in incoming if b.num_tokens >= block_size),
+            key=lambda e: e[0],
+        )
+        excess = view.num_on(name) - pinned + len(full_in) - room
+        spill: list = []
+        if excess > 0:
+            merged = heapq.merge(view.lowest(name), full_in, key=lambda e: e[0])
+            spill = [b for _key, b in itertools.islice(merged, excess)]
+        spilled = {id(b) for b in spill}
+        arrive = must + [b for _k, b in reversed(full_in) if id(b) not in spilled]
         leave = [b for b in spill if isinstance(b, Block) and b.tier == name]
         decisions.append((name, arrive, leave))
-        incoming = spill
+        incoming = spill[::-1]  # best first
         # No early exit when nothing spills: a lower tier whose budget just shrank
         # (set_budget) must still demote its own surplus.
     dropped = [b for b in incoming if isinstance(b, Block) and b.ref_count == 0]
     stuck = [b for b in incoming if not (isinstance(b, Block) and b.ref_count == 0)]
     if stuck:
         avail = ", ".join(
-            f"{n}={format_bytes(budgets[n] * tiers[n].block_bytes)}" for n in tier_order
+            f"{n}={format_bytes(budgets[n] * view.tiers[n].block_bytes)}" for n in tier_order
         )
         raise OutOfBlocksError(
             f"all tiers are full: {len(stuck)} more blocks "
-            f"({format_bytes(len(stuck) * raw_block_bytes)} raw) needed, budgets {avail}; "
+            f"({format_bytes(len(stuck) * view.raw_block_bytes)} raw) needed, budgets {avail}; "
             f"raise host_budget or disk_budget (or use a smaller codec on the lower tiers)"
         )
     plan = Placement(drops=dropped)
@@ -135,35 +210,3 @@ def plan_placement(
     ]
     assert all(dest[id(p)] == device for p in pending if p.num_tokens < block_size)
     return plan
-
-
-def rank_keys(mgr: BlockManager, pending: list[PendingBlock], stepping: set) -> dict[int, tuple]:
-    """Policy keep-keys of every block (shared blocks: newest / most used owner),
-    live blocks above cached ones; `pending` blocks come after their table's;
-    tables in `stepping` are seen as accessed by this step."""
-    new_count: dict[Hashable, int] = {}
-    for p in pending:
-        if p.copy_of is None:
-            new_count[p.table] = new_count.get(p.table, 0) + 1
-    keys: dict[int, tuple] = {}
-    for seq_id, table in mgr.tables.items():
-        n = table.num_blocks + new_count.get(seq_id, 0)
-        last, count = mgr.seq_last_access[seq_id], mgr.seq_access_count[seq_id]
-        if seq_id in stepping:
-            last, count = mgr.clock + 1, count + 1
-        for i, block_id in enumerate(table.block_ids, start=table.first_block):
-            v = BlockView(block_id, i < mgr.num_sink_blocks, n - 1 - i, last, count)
-            key = (1, *mgr.policy.keep_key(v))
-            old = keys.get(block_id)
-            if old is None or key > old:
-                keys[block_id] = key
-    for block_id in mgr.cached:
-        keys[block_id] = (0, mgr.pool.blocks[block_id].last_access, -block_id)
-    for i, p in enumerate(pending):
-        n = mgr.tables[p.table].num_blocks + new_count.get(p.table, 0)
-        v = BlockView(
-            -(i + 1), p.is_sink, n - 1 - p.index, mgr.clock + 1,
-            mgr.seq_access_count[p.table] + 1,
-        )  # fmt: skip
-        keys[-(i + 1)] = (1, *mgr.policy.keep_key(v))
-    return keys
