@@ -242,3 +242,32 @@ def test_cache_native_decode_matches_torch_path(family, host_codec):
     slow = _decode_logits(model, ids, 40, False, **kw)
     _close(fast, slow, 1e-4)
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
+
+
+def test_layer_descs_equal_descriptors_built_per_layer() -> None:
+    """The step's descriptor arrays (built from layers 0 and 1 and shifted) are, byte
+    for byte, the arrays built directly for every layer — raw and int8 parts."""
+    import ctypes
+
+    from kvstrata.attention import LayerDescs
+    from kvstrata.formats import PartDesc
+
+    layers, heads, rows, dim = 5, 2, 48, 64
+    raw = torch.randn(layers, heads, rows, dim)
+    codec = get_codec("int8")
+    layout = BlockLayout(num_layers=layers, num_kv_heads=heads, head_dim=dim, block_size=16)
+    fmt = codec.attend_format("k", layout)
+    data = torch.zeros(layers, heads, rows, dim, dtype=torch.int8)
+    scale = torch.ones(layers, heads, rows, 1)
+    zero = torch.zeros(layers, heads, rows, 1)
+
+    def parts(layer: int) -> list[tuple]:
+        k = raw[layer][:, 3:40]
+        enc = encoded_field(fmt, data[layer], scale[layer], zero[layer], 16)
+        return [(37, raw_field(k), raw_field(k)), (16, enc, enc)]
+
+    descs = LayerDescs(parts(0), parts(1), layers)
+    size = 2 * ctypes.sizeof(PartDesc)
+    for layer in range(layers):
+        want = bytes((PartDesc * 2)(*parts(layer)))
+        assert ctypes.string_at(descs.at(layer), size) == want

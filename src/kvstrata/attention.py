@@ -23,8 +23,10 @@ truth.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
+import numpy as np
 import torch
 
 from kvstrata.formats import FieldDesc, FieldFormat, PartDesc
@@ -99,23 +101,68 @@ def native_attention(
         (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M] fp32), or None when
         the native library is unavailable or the shapes are beyond it.
     """
+    if not parts:
+        return None
+    desc = (PartDesc * len(parts))(*parts)  # one contiguous kv_part array
+    return native_attention_desc(q, ctypes.addressof(desc), len(parts), dim_v, scale, softcap)
+
+
+def native_attention_desc(
+    q: torch.Tensor, desc: int, num_parts: int, dim_v: int, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`native_attention` over a ready `PartDesc` array at address `desc`."""
     from kvstrata._native import load
 
     lib = load()
     hkv, m, d = q.shape
-    if lib is None or not parts or m > NATIVE_MAX_ROWS or max(d, dim_v) > NATIVE_MAX_DIM:
+    if lib is None or not num_parts or m > NATIVE_MAX_ROWS or max(d, dim_v) > NATIVE_MAX_DIM:
         return None
     qf = q.detach().to("cpu", torch.float32).contiguous()
-    desc = (PartDesc * len(parts))(*parts)  # one contiguous kv_part array
     out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
     lse = torch.empty((hkv, m), dtype=torch.float32)
     rc = lib.kv_attn_decode(
-        len(parts), desc, qf.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
+        num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), qf.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native decode attention failed with status {rc}")
     return out.to(q.device, q.dtype), lse.to(q.device)
+
+
+class LayerDescs:
+    """The `PartDesc` arrays of every layer of a group, built once per step: the
+    arenas are [layers, ...] tensors, so one layer's descriptors differ from the
+    previous layer's by a fixed distance per pointer (the layer strides).
+
+    Built from the descriptors of local layers 0 and 1 (`second` None for a one-layer
+    group) with one vectorised op; `at(layer)` is then the address of that layer's
+    array, no per-layer work."""
+
+    # uint64 word of each pointer (K and V: data, scale, zero) within one PartDesc
+    _WORDS = [
+        (part.offset + ptr.offset) // 8
+        for part in (PartDesc.k, PartDesc.v)
+        for ptr in (FieldDesc.data, FieldDesc.scale, FieldDesc.zero)
+    ]
+
+    def __init__(self, first: list[tuple], second: list[tuple] | None, num_layers: int) -> None:
+        self.num_parts = n = len(first)
+        per_part = ctypes.sizeof(PartDesc) // 8
+        idx = np.array([p * per_part + w for p in range(n) for w in self._WORDS])
+        base = np.frombuffer(bytes((PartDesc * n)(*first)), dtype=np.uint64)
+        p0 = base[idx].astype(np.int64)
+        delta = np.zeros_like(p0)
+        if second is not None:
+            p1 = np.frombuffer(bytes((PartDesc * n)(*second)), dtype=np.uint64)[idx]
+            delta = np.where(p0 != 0, p1.astype(np.int64) - p0, 0)
+        self._bufs = np.tile(base, (num_layers, 1))
+        layers = np.arange(num_layers, dtype=np.int64)[:, None]
+        self._bufs[:, idx] = (p0 + layers * delta).astype(np.uint64)
+        self._addr, self._stride = self._bufs.ctypes.data, self._bufs.strides[0]
+
+    def at(self, layer: int) -> int:
+        """Address of the `PartDesc` array of local layer `layer`."""
+        return self._addr + layer * self._stride
 
 
 def pack_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

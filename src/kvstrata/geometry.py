@@ -221,12 +221,8 @@ class KVGeometry:
         Raises:
             ConfigError: a required field is missing or malformed (names the field).
         """
-        data = config.to_dict() if hasattr(config, "to_dict") else config
         where = name or "config"
-        if not isinstance(data, dict):
-            raise ConfigError.field(where, type(data).__name__, "a config dict or PretrainedConfig")
-        if isinstance(data.get("text_config"), dict):  # multimodal wrappers: the LM part
-            data = {**data["text_config"], "model_type": data["text_config"].get("model_type", "")}
+        data = _config_data(config, where)
         model_type = str(data.get("model_type") or "unknown")
         num_layers = _get_int(data, ("num_hidden_layers", "n_layer", "num_layers"), where)
         num_heads = _get_int(data, ("num_attention_heads", "n_head", "num_heads"), where)
@@ -461,3 +457,41 @@ def load_geometry(spec: str) -> KVGeometry:
     if path.is_dir() or path.is_file():
         return KVGeometry.from_json(path)
     return KVGeometry.from_preset(spec)  # raises, listing the presets
+
+
+# layer types whose KV a block cache holds (softmax attention over past keys)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _config_data(config: Any, where: str) -> dict:
+    """A config as a dict (multimodal wrappers: their language model's part)."""
+    data = config.to_dict() if hasattr(config, "to_dict") else config
+    if not isinstance(data, dict):
+        raise ConfigError.field(where, type(data).__name__, "a config dict or PretrainedConfig")
+    if isinstance(data.get("text_config"), dict):
+        data = {**data["text_config"], "model_type": data["text_config"].get("model_type", "")}
+    return data
+
+
+def check_cacheable(config: Any, name: str = "") -> None:
+    """Refuse models whose caches are not per-layer softmax K/V (encoder-decoder
+    cross-attention, linear-attention / SSM state layers).
+
+    Raises:
+        UnsupportedModelError: names the model type and what is not supported.
+    """
+    from kvstrata.errors import UnsupportedModelError
+
+    data = _config_data(config, name or "config")
+    model_type = data.get("model_type") or "?"
+    if data.get("is_encoder_decoder"):
+        raise UnsupportedModelError(
+            f"model_type={model_type!r}: encoder-decoder models (cross-attention caches) "
+            "are not supported by TieredCache; use a decoder-only model"
+        )
+    other = sorted({t for t in data.get("layer_types") or [] if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} has layers of type {other}: TieredCache serves "
+            "softmax-attention layers only (no linear-attention / SSM state caches)"
+        )

@@ -9,9 +9,13 @@ Per store, decided once at build time:
             PCIe): copied / decoded a chunk at a time through the Stager's two
             fixed buffers, the next chunk (or the next layer's first) prefetched
 
-Per sequence and layer, `attend` combines partials over the runs of the sequence's
-table in the layer's group (merged with log-sum-exp) with this step's new keys.
-Transformers-free: the HF adapter passes queries and new K/V in.
+Per step (flashinfer's plan / run split): at a sequence's first layer of a group,
+`_read_plan` decides once which runs are read how (zero-copy views, staged chunks,
+the native kernel's descriptors as one `LayerDescs` array) and every other layer of
+the group reuses it — a layer only offsets the descriptors' pointers and slices its
+arena views. Per sequence and layer, `attend` combines the partials (merged with
+log-sum-exp) with this step's new keys. Transformers-free: the HF adapter passes
+queries and new K/V in.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from kvstrata import _native
 from kvstrata.attention import (
     NATIVE_MAX_DIM,
     NATIVE_MAX_ROWS,
+    LayerDescs,
     encoded_field,
     masked_attention,
     merge_all,
     merge_sink,
-    native_attention,
+    native_attention_desc,
     pack_gqa,
     partial_attention,
     raw_field,
@@ -44,6 +49,20 @@ if TYPE_CHECKING:
     from kvstrata.store import KVStore
 
 SMALL_PART_TOKENS = 2048
+
+
+@dataclass
+class ReadPlan:
+    """How one step reads keys [start, end) of one sequence in one layer group.
+
+    pieces: (staged, run, lo, hi) of the runs read as torch parts (arena views, or
+    staged chunks when `staged`), in order; native: descriptors of the runs the native
+    decode kernel reads in place; runs: the table's runs it was built from."""
+
+    runs: list[Run]
+    pieces: list[tuple[bool, Run, int, int]]
+    native: LayerDescs | None
+    has_staged: bool = False
 
 
 @dataclass
@@ -74,6 +93,8 @@ class AttentionRuntime:
         self.tiers = mgr.tiers
         self.device_name = tiers[0].name
         self.step_tokens = 0
+        self._plans: dict[tuple, Any] = {}  # this step's read plans and cold runs
+        self._lone: bool | None = None  # one sequence in the store (this step)
         # tiers whose raw arenas take token writes and zero-copy views directly
         self.arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
         self.local = {
@@ -136,13 +157,45 @@ class AttentionRuntime:
         if self.stager is not None:
             self.stager.engine.close()
 
-    # -- runs of one table ----------------------------------------------------------------
-    def _parts(self, layer: int, seq_id: int, start: int, end: int, native: list | None = None):
-        """(k, v) parts covering keys [start, end) of a sequence in the group of model
-        layer `layer`, in order.
+    # -- the step's read plans ------------------------------------------------------------
+    def begin_step(self, num_new: int) -> None:
+        """A forward step of `num_new` tokens per sequence starts (the store has placed
+        them): read plans are built afresh, once, at each sequence's first layer."""
+        self.step_tokens = num_new
+        self._plans.clear()
+        self._lone = None
 
-        With a `native` list, runs the native kernel can read in place are appended
-        to it as (tokens, K descriptor, V descriptor) instead of being yielded.
+    def _read_plan(self, group: int, seq_id: int, start: int, end: int, native: bool) -> ReadPlan:
+        """What reading keys [start, end) of a sequence in a layer group takes, built
+        at the step's first layer of the group and reused by the others."""
+        runs = self.manager.runs((seq_id, group))
+        key = (group, seq_id, start, end, native)
+        plan = self._plans.get(key)
+        if plan is not None and plan.runs is runs:
+            return plan
+        layers = len(self.store.groups[group].layers)
+        pieces: list[tuple[bool, Run, int, int]] = []
+        first: list[tuple] = []
+        second: list[tuple] = []
+        for run in runs:
+            lo = max(start, run.token_start)
+            hi = min(end, run.token_start + run.num_tokens)
+            if lo >= hi:
+                continue
+            if native and run.tier in self.native:
+                first.append(self._native_part(0, run, lo, hi))
+                if layers > 1:
+                    second.append(self._native_part(1, run, lo, hi))
+            else:
+                pieces.append((run.tier not in self.local, run, lo, hi))
+        descs = LayerDescs(first, second if layers > 1 else None, layers) if first else None
+        has_staged = any(staged for staged, *_ in pieces)
+        plan = self._plans[key] = ReadPlan(runs, pieces, descs, has_staged)
+        return plan
+
+    def _parts(self, layer: int, plan: ReadPlan, seq_id: int):
+        """(k, v) parts of a read plan's non-native pieces for model layer `layer`, in
+        order.
 
         Where the data may be attended in place, parts are zero-copy views of the
         arenas, and consecutive small ones (< SMALL_PART_TOKENS together, e.g. the
@@ -150,7 +203,7 @@ class AttentionRuntime:
         a partial costs a kernel launch, thread synchronisation and a merge, more
         than copying a few blocks. Cold runs come through the stager's buffers; such
         a view is valid only until the generator resumes (the buffer is reused)."""
-        group, local = self.store.layer_map[layer]
+        _group, local = self.store.layer_map[layer]
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         pending_tokens = 0
 
@@ -162,17 +215,9 @@ class AttentionRuntime:
                 torch.cat([v for _, v in pending], dim=1),
             )
 
-        runs = self.manager.runs((seq_id, group))
-        then = self._next_layer_chunk(layer, seq_id, runs)
-        for run in runs:
-            lo = max(start, run.token_start)
-            hi = min(end, run.token_start + run.num_tokens)
-            if lo >= hi:
-                continue
-            if native is not None and run.tier in self.native:
-                native.append(self._native_part(local, run, lo, hi))
-                continue
-            if run.tier not in self.local:
+        then = self._next_layer_chunk(layer, seq_id) if plan.has_staged else None
+        for staged, run, lo, hi in plan.pieces:
+            if staged:
                 if pending:
                     yield flush()
                     pending, pending_tokens = [], 0
@@ -218,34 +263,38 @@ class AttentionRuntime:
         ]
         return hi - lo, *fields
 
-    def _cold_history(self, seq_id: int, runs: list[Run]) -> list[tuple[Run, int]]:
+    def _cold_history(self, seq_id: int, group: int) -> list[tuple[Run, int]]:
         """Cold runs holding history (tokens before this step) as (run, end token);
         this step's blocks may not be written for later layers yet. Runs the native
-        decode attention reads in place are not cold."""
-        past = self.store.num_tokens(seq_id) - self.step_tokens
-        return [
-            (r, min(past, r.token_start + r.num_tokens))
-            for r in runs
-            if r.tier not in self.local and r.tier not in self.native and r.token_start < past
-        ]
+        decode attention reads in place are not cold. Once per step and group."""
+        key = ("cold", group, seq_id)
+        cold = self._plans.get(key)
+        if cold is None:
+            past = self.store.num_tokens(seq_id) - self.step_tokens
+            cold = self._plans[key] = [
+                (r, min(past, r.token_start + r.num_tokens))
+                for r in self.manager.runs((seq_id, group))
+                if r.tier not in self.local and r.tier not in self.native and r.token_start < past
+            ]
+        return cold
 
     def _first_chunk(self, local: int, run: Run, end: int) -> tuple:
         first, count, _ = self.stager.chunks(run, run.token_start, end)[0]
         return (local, run.tier, first, count)
 
-    def _next_layer_chunk(self, layer: int, seq_id: int, runs: list[Run]) -> tuple | None:
+    def _next_layer_chunk(self, layer: int, seq_id: int) -> tuple | None:
         """The first cold chunk layer + 1 will read for a lone sequence with one cold
         run: loading it can start as soon as this layer's last cold chunk is in (its
         buffer is free then), overlapping this layer's attention."""
         store = self.store
         if self.stager is None or layer + 1 >= len(store.layer_map):
             return None
-        if len(store.sequence_ids) != 1:
+        if self._lone is None:
+            self._lone = len(store.sequence_ids) == 1
+        if not self._lone:
             return None
         group, local = store.layer_map[layer + 1]
-        if group != store.layer_map[layer][0]:
-            runs = self.manager.runs((seq_id, group))
-        cold = self._cold_history(seq_id, runs)
+        cold = self._cold_history(seq_id, group)
         return self._first_chunk(local, *cold[0]) if len(cold) == 1 else None
 
     def prefetch_next_layer(self, layer: int, seq_ids: list[int]) -> None:
@@ -255,7 +304,7 @@ class AttentionRuntime:
             return
         group, local = self.store.layer_map[layer + 1]
         for seq_id in sorted(seq_ids):
-            cold = self._cold_history(seq_id, self.manager.runs((seq_id, group)))
+            cold = self._cold_history(seq_id, group)
             if cold:
                 self.stager.prefetch(self._first_chunk(local, *cold[0]))
                 return
@@ -274,13 +323,20 @@ class AttentionRuntime:
         """Partials (out, lse) of packed queries qp over keys [start, end), which every
         query sees: one native call for the runs readable in place (CPU, few query
         rows), one torch partial per other part (staged chunks, device arenas)."""
-        native: list | None = [] if self.native and qp.shape[1] <= NATIVE_MAX_ROWS else None
+        native = bool(self.native) and qp.shape[1] <= NATIVE_MAX_ROWS
+        group, local = self.store.layer_map[layer]
+        plan = self._read_plan(group, seq_id, start, end, native)
         parts = [
             _partial_where_kv_lives(qp, k, v, scale, softcap)
-            for k, v in self._parts(layer, seq_id, start, end, native)
+            for k, v in self._parts(layer, plan, seq_id)
         ]
-        if native:
-            parts.append(native_attention(qp, native, self.layout.dim_v, scale, softcap))
+        if plan.native is not None:
+            descs = plan.native
+            parts.append(
+                native_attention_desc(
+                    qp, descs.at(local), descs.num_parts, self.layout.dim_v, scale, softcap
+                )
+            )
         return parts
 
     def attend(
@@ -334,7 +390,8 @@ class AttentionRuntime:
             runs = self.manager.runs((seq_id, group.index))
             start = min(max(start, runs[0].token_start if runs else 0), past)
             # clone: staged views are only valid until the generator moves on
-            parts = [(k.clone(), v.clone()) for k, v in self._parts(layer, seq_id, start, past)]
+            plan = self._read_plan(group.index, seq_id, start, past, native=False)
+            parts = [(k.clone(), v.clone()) for k, v in self._parts(layer, plan, seq_id)]
             keys = torch.cat([k for k, _ in parts] + [new_k], dim=1)
             values = torch.cat([v for _, v in parts] + [new_v], dim=1)
             kpos = torch.arange(start, total, device=q.device)

@@ -257,6 +257,8 @@ class KVStore:
         mgr = self._require()
         keys = [k for g in self.groups for k in ((s, g.index) for s in seq_ids)]
         writes = mgr.append(keys, num_new)
+        if self.runtime is not None:
+            self.runtime.begin_step(num_new)
         for i, seq_id in enumerate(seq_ids):
             seq = self._seqs[seq_id]
             if seq.in_step:  # the previous step never finished: its K/V may be partial,

@@ -34,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvstrata.blocks.manager import BlockManager
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError, UnsupportedModelError
-from kvstrata.geometry import KVGeometry
+from kvstrata.geometry import KVGeometry, check_cacheable
 from kvstrata.hashing import remember_weights
 from kvstrata.layout import BlockLayout
 from kvstrata.runtime import RowMask, write_layer, write_plan
@@ -43,7 +43,6 @@ from kvstrata.units import parse_size
 
 ATTENTION_NAME = "kvstrata"
 # Chunked attention (Llama 4) has its own mask semantics, not implemented: refused.
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 @dataclass
@@ -106,27 +105,6 @@ class _TieredLayer(CacheLayerMixin):
         pass
 
 
-def _check_supported(config: Any) -> None:
-    model_type = getattr(config, "model_type", "?")
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"model_type={model_type!r}: encoder-decoder models (cross-attention caches) "
-            "are not supported by TieredCache; use a decoder-only model"
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES})
-    if other:
-        raise UnsupportedModelError(
-            f"model_type={model_type!r} has layers of type {other}: TieredCache serves "
-            "softmax-attention layers only (no linear-attention / SSM state caches)"
-        )
-    for name in ("num_hidden_layers", "num_attention_heads"):
-        if getattr(config, name, None) is None:
-            raise UnsupportedModelError(
-                f"model_type={model_type!r}: config has no {name}; cannot size the KV cache"
-            )
-
-
 class TieredCache(Cache):
     """A transformers `Cache` whose K/V live in kvstrata blocks across tiers.
 
@@ -163,7 +141,7 @@ class TieredCache(Cache):
         **kwargs: Any,
     ) -> None:
         if not isinstance(config, KVGeometry):
-            _check_supported(config)
+            check_cacheable(config)
         if store is None:
             store = KVStore(config, cache_config, **kwargs)
             self._owns_store = True
@@ -264,7 +242,6 @@ class TieredCache(Cache):
             writes = store.extend(self.seq_ids, num_new, tokens)
             self._writes = [write_plan(store.runtime, w, batch) for w in writes]
             self._mask_key = None  # a new forward: its padding mask is analysed afresh
-            store.runtime.step_tokens = num_new
         group, local = store.layer_map[layer_idx]
         write_layer(self._writes[group], local, key_states, value_states)
         handle = TieredKV(self, layer_idx, key_states, value_states)
@@ -471,7 +448,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         UnsupportedModelError: the model's attention does not go through
             transformers' AttentionInterface, or it has non-attention layers.
     """
-    _check_supported(model.config)
+    check_cacheable(model.config)
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModelError(
             f"model_type={model.config.model_type!r}: its attention does not go through "

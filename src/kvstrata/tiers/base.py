@@ -9,6 +9,7 @@ Tiers know nothing of policies or sequences: they own slots, bytes, and I/O stat
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
@@ -150,7 +151,7 @@ class Tier(ABC):
     def num_used(self) -> int:
         return self.allocator.num_used
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
         """Stored bytes of one block in this tier (after the codec)."""
         return self.codec.block_nbytes(self.layout)
