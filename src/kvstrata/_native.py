@@ -1,11 +1,12 @@
 """The native kernel library: plain C++ in `kvstrata/native/`, called through ctypes.
 
 One shared library holds the codec kernels (`codecs.cpp`), the disk tier's vectored
-I/O with checksums (`pio.cpp`) and the decode attention over tiered runs
-(`attention.cpp`). No torch headers, so g++ builds it in a few seconds. It is built
-once per machine and source version into torch's extensions directory
-(`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions/<py>_cpu/`) and loaded
-once per process. ctypes releases the GIL for the duration of every call.
+I/O with XXH3-64 checksums (`pio.cpp`, with xxHash's `xxhash.h` vendored unchanged)
+and the decode attention over tiered runs (`attention.cpp`). No torch headers, so g++
+builds it in a few seconds. It is built once per machine and source version into
+torch's extensions directory (`$TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions/<py>_cpu/`) and loaded once per process. ctypes releases
+the GIL for the duration of every call.
 
 Without a compiler, or with `KVSTRATA_NATIVE=0`, `load()` returns None and every
 caller takes its pure torch/numpy path (same results, slower).
@@ -62,8 +63,8 @@ _SIGNATURES["kv_attn_decode"] = ([_ci, _parts, _vp, _vp, _vp] + [_i64] * 4 + [_f
 _SIGNATURES["kv_abi_layout"] = ([ctypes.POINTER(_i64), _ci], _ci)
 _SIGNATURES["kv_use_openmp"] = ([ctypes.c_char_p], _ci)
 _SIGNATURES["kv_pio_limit_call_bytes"] = ([_i64], None)
-# fd, write, n, addr, len, foff, woff, out_idx, keys, sums, status, batch_bytes, threads
-_SIGNATURES["kv_pio"] = ([_ci, _ci, _i64] + [_vp] * 8 + [_i64, _ci], _i64)
+# fd, write, n, addr, len, foff, out_idx, sums, status, batch_bytes, threads
+_SIGNATURES["kv_pio"] = ([_ci, _ci, _i64] + [_vp] * 6 + [_i64, _ci], _i64)
 
 
 def _cpu_tag() -> str:

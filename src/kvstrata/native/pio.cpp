@@ -6,14 +6,16 @@
 // the file go to one preadv/pwritev (at most IOV_MAX buffers, at most `batch` bytes, so
 // a batch just read is still in cache when it is checksummed, and a batch about to be
 // written was just brought into cache by its checksum). The pieces are split over up to
-// `nth` threads by bytes: copying between the page cache and user memory is the cost
-// of a warm disk tier, and one thread does not saturate memory bandwidth.
+// `nth` threads by bytes, at region boundaries: copying between the page cache and user
+// memory is the cost of a warm disk tier, and one thread does not saturate memory
+// bandwidth.
 //
-// Checksum `mlh64`: for a piece starting at word `woff` of its layer,
-//     sum_j w[j] * keys[woff + j]   (mod 2^64, 64-bit little-endian words)
-// added atomically into sums[out_idx] (out_idx < 0: not checksummed). Linear, so a
-// layer's value is the sum of its pieces' values: identical to the numpy fallback in
-// kvstrata/tiers/disk_format.py, bit for bit.
+// Checksum: XXH3-64 (seed 0, the default secret; xxHash 0.8, vendored as xxhash.h) of
+// each checksummed region -- one layer of one block, in file order. The pieces of a
+// region are consecutive in the list and all go to one thread, which feeds them to a
+// streaming XXH3 state in file order; the digest is stored to sums[out[p]] (out[p] < 0:
+// not checksummed, e.g. the slot tail). The value equals xxhash.xxh3_64 of the
+// region's bytes, which the Python paths compute (kvstrata/tiers/disk_format.py).
 //
 // status[i] = 1 when a read found the end of the file before piece i was complete.
 // Returns 0, or -errno of the first failed system call; the other workers stop at
@@ -35,6 +37,8 @@
 
 #include "common.h"
 
+#define XXH_INLINE_ALL
+#include "xxhash.h"
 
 static int iov_max() {
   static const int n = [] {
@@ -44,29 +48,34 @@ static int iov_max() {
   return n;
 }
 
-// Pieces are 8-byte aligned with lengths a multiple of 8: the Python side only hands
-// over such views (disk_format.direct_view) and 16-byte-aligned staging gaps.
-static inline u64 mlh(const u64 *__restrict w, const u64 *__restrict k, i64 n) {
-  u64 s = 0;
-  for (i64 j = 0; j < n; j++) s += w[j] * k[j];
-  return s;
-}
-
 struct Job {
   std::atomic<i64> *err;  // first failure (-errno); the other workers stop early
   int fd, write;
-  const i64 *addr, *len, *foff, *woff, *out;
-  const u64 *keys;
+  const i64 *addr, *len, *foff, *out;
   u64 *sums;
   u8 *status;
   i64 batch;
 };
 
-static void checksum(const Job &J, i64 i, i64 j) {
+// The running checksum of one worker: the region it is in and its XXH3 state.
+struct Hasher {
+  XXH3_state_t st;
+  i64 cur = -1;
+  void finish(const Job &J) {
+    if (cur >= 0) J.sums[cur] = (u64)XXH3_64bits_digest(&st);
+    cur = -1;
+  }
+};
+
+static void checksum(const Job &J, Hasher &H, i64 i, i64 j) {
   for (i64 p = i; p < j; p++) {
-    if (J.out[p] < 0 || J.status[p]) continue;
-    u64 s = mlh((const u64 *)J.addr[p], J.keys + J.woff[p], J.len[p] / 8);
-    __atomic_fetch_add(&J.sums[J.out[p]], s, __ATOMIC_RELAXED);
+    if (J.out[p] < 0) continue;
+    if (J.out[p] != H.cur) {
+      H.finish(J);
+      XXH3_64bits_reset(&H.st);
+      H.cur = J.out[p];
+    }
+    if (!J.status[p]) XXH3_64bits_update(&H.st, (const void *)J.addr[p], (size_t)J.len[p]);
   }
 }
 
@@ -127,6 +136,7 @@ static i64 transfer(const Job &J, i64 i, i64 j) {
 }
 
 static i64 worker(const Job &J, i64 a, i64 b) {
+  Hasher H;
   i64 i = a;
   while (i < b && J.err->load() == 0) {
     i64 j = i + 1, bytes = J.len[i];
@@ -135,34 +145,37 @@ static i64 worker(const Job &J, i64 a, i64 b) {
       bytes += J.len[j];
       j++;
     }
-    if (J.write) checksum(J, i, j);
+    if (J.write) checksum(J, H, i, j);
     i64 rc = transfer(J, i, j);
     if (rc < 0) {
       i64 none = 0;
       J.err->compare_exchange_strong(none, rc);
       return rc;
     }
-    if (!J.write) checksum(J, i, j);
+    if (!J.write) checksum(J, H, i, j);
     i = j;
   }
+  H.finish(J);
   return 0;
 }
 
 extern "C" i64 kv_pio(int fd, int write, i64 n, const i64 *addr, const i64 *len, const i64 *foff,
-                      const i64 *woff, const i64 *out, const u64 *keys, u64 *sums, u8 *status,
-                      i64 batch, int nth) {
+                      const i64 *out, u64 *sums, u8 *status, i64 batch, int nth) {
   std::atomic<i64> err{0};
-  Job J{&err, fd, write, addr, len, foff, woff, out, keys, sums, status, std::max<i64>(batch, 1)};
+  Job J{&err, fd, write, addr, len, foff, out, sums, status, std::max<i64>(batch, 1)};
   i64 total = 0;
   for (i64 p = 0; p < n; p++) total += len[p];
   nth = (int)std::max<i64>(1, std::min<i64>(nth, total / (4 << 20)));
   if (nth <= 1 || n < 2) return worker(J, 0, n);
-  // Split at piece boundaries into nth ranges of about equal bytes.
+  // Split into nth ranges of about equal bytes, at region boundaries (a region's
+  // pieces are hashed in order by one thread).
   std::vector<i64> cut{0};
   i64 acc = 0;
   for (i64 p = 0; p < n && (int)cut.size() < nth; p++) {
     acc += len[p];
-    if (acc * nth >= total * (i64)cut.size()) cut.push_back(p + 1);
+    if (acc * nth >= total * (i64)cut.size() &&
+        (p + 1 == n || out[p + 1] < 0 || out[p + 1] != out[p]))
+      cut.push_back(p + 1);
   }
   if (cut.back() != n) cut.push_back(n);
   std::vector<std::thread> ts;

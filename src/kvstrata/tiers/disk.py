@@ -5,24 +5,30 @@ Files in `directory`:
     blocks.bin     the arena, preallocated at creation: num_slots * slot_bytes
     index.sqlite   meta (layout, codec, checksum) + one row per written slot:
                    (slot, checksum per layer, stored bytes per layer, key, token ids)
+    tier.lock      an exclusive flock held while the tier is open (one owner)
 
 The slot layout (one block = one contiguous extent; with `compress=True` the layers
-of a slot are packed) is described in kvstrata.tiers.disk_format. The tier composes
-a DiskIndex (tiers/disk_index.py: the sqlite index and its in-memory mirror) and a
-BlockFile (tiers/disk_io.py: the arena and every read and write path).
+of a slot are packed) is described in kvstrata.tiers.disk_format. The tier's open
+files (tiers/disk_files.py) are a DirLock (tiers/disk_lock.py: one owner per
+directory), a DiskIndex (tiers/disk_index.py: the sqlite index and its in-memory
+mirror) and a BlockFile (tiers/disk_io.py: the arena and every read and write path).
+The guarantees are stated in the README's "Durability contract".
 
 Crash safety: a rewritten slot loses its index row before its new data is written,
 and the new row is committed only after the data. So a crash leaves either no row
-(the slot is free on reopen) or a row whose checksums cover what was written; a
-torn write fails its checksum. Reads verify every layer they return and raise
-BlockCorruptError / BlockMissingError (TierIOError, with `.slots` and `.filename`)
-instead of returning wrong data; ENOSPC raises TierFullError. On reopen, keyed slots
-(`put_key`) are found again and marked used; unkeyed slots are free.
+(the slot is free on reopen) or a row whose checksums (XXH3-64 per layer) cover what
+was written; a torn write fails its checksum. Reads verify every layer they return
+and raise BlockCorruptError / BlockMissingError (TierIOError, with `.slots` and
+`.path`) instead of returning wrong data. Every storage error is a TierIOError
+(TierFullError for a full disk) naming the file and the fix. On reopen, keyed slots
+(`put_key`) are found again and marked used; unkeyed slots are free; a lost index or
+arena means an empty tier (with a RuntimeWarning), never wrong data.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +45,21 @@ from kvstrata.errors import (
 )
 from kvstrata.layout import KINDS, BlockLayout
 from kvstrata.tiers.base import Encoded, Tier
-from kvstrata.tiers.disk_format import CHECKSUMS, Checksum, SlotFormat, load_compressor
+from kvstrata.tiers.disk_files import ARENA_FILE, INDEX_FILE, DiskFiles
+from kvstrata.tiers.disk_format import (
+    CHECKSUMS,
+    DEFAULT_CHECKSUM,
+    Checksum,
+    SlotFormat,
+    load_compressor,
+)
 from kvstrata.tiers.disk_index import DiskIndex
-from kvstrata.tiers.disk_io import BlockFile, Fields, tier_error
+from kvstrata.tiers.disk_io import BlockFile, Fields, slot_list, tier_error
+from kvstrata.tiers.disk_lock import LOCK_FILE
 
-__all__ = ["ARENA_FILE", "CHECKSUMS", "DiskTier", "FORMAT_VERSION", "INDEX_FILE"]
+__all__ = ["ARENA_FILE", "CHECKSUMS", "DiskTier", "FORMAT_VERSION", "INDEX_FILE", "LOCK_FILE"]
 
 FORMAT_VERSION = 1  # bump when the slot layout or the index schema changes
-ARENA_FILE = "blocks.bin"
-INDEX_FILE = "index.sqlite"
 # Module attributes the tier reads when it runs: tests substitute stand-ins.
 _load_compressor = load_compressor
 
@@ -58,22 +70,31 @@ class DiskTier(Tier):
     Args:
         layout: the block layout.
         num_slots: slots in the arena.
-        directory: where blocks.bin and index.sqlite live (created if needed).
+        directory: where blocks.bin, index.sqlite and tier.lock live (created if
+            needed). One open tier per directory: a second opener is refused.
         codec: stored format (default `none`).
         compress: compress each (block, layer) slice losslessly (saves bandwidth).
         fsync: fdatasync data before committing index rows (power-loss durability).
         max_file_bytes: refuse (TierFullError) an arena larger than this.
-        checksum: "mlh64" (fast, default) or "crc32".
+        checksum: "xxh3-64" (default: XXH3-64, computed in the native I/O kernels)
+            or "crc32" (zlib, in Python on staged buffers, slower).
         io_threads: threads that copy and checksum one large read or write (native
-            kernels, mlh64, uncompressed); default min(4, CPU count).
+            kernels, uncompressed); default min(4, CPU count).
         o_direct: move block data with O_DIRECT (bypass the page cache: reads really
             come from the device, and a big spill does not evict the page cache of
             everything else). Data goes through a 4 KiB-aligned staging buffer;
             one layer is read as the aligned 4 KiB pages around it. Not with compress.
 
     Raises:
-        ConfigError: the directory holds a tier with another layout/codec/checksum.
+        ConfigError: a bad argument, or the directory holds a tier with another
+            layout/codec/checksum (or one written with a retired checksum).
+        TierIOError: the directory is in use by another tier (names the holder), or
+            its files cannot be opened or are damaged.
         TierFullError: the arena does not fit (max_file_bytes or ENOSPC).
+
+    Warns:
+        RuntimeWarning: the index or the arena was lost or truncated: the blocks it
+            held are dropped (they are recomputed), nothing wrong is served.
     """
 
     def __init__(
@@ -85,10 +106,16 @@ class DiskTier(Tier):
         compress: bool = False,
         fsync: bool = False,
         max_file_bytes: int | None = None,
-        checksum: str = "mlh64",
+        checksum: str = DEFAULT_CHECKSUM,
         io_threads: int | None = None,
         o_direct: bool = False,
     ) -> None:
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise ConfigError.field("disk_dir", directory, "a directory path")
+        if io_threads is not None and (
+            isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1
+        ):
+            raise ConfigError.field("io_threads", io_threads, "a positive integer")
         codec = codec or NoneCodec()
         super().__init__("disk", layout, num_slots, codec)
         self.directory = Path(directory)
@@ -99,11 +126,9 @@ class DiskTier(Tier):
         self._format = fmt = SlotFormat(layout, codec)
         self.field_specs, self.regions = fmt.field_specs, fmt.regions
         self.layer_bytes, self.slot_bytes = fmt.layer_bytes, fmt.slot_bytes
-        self._checksum = Checksum(checksum, self.layer_bytes)
-        if io_threads is not None and (not isinstance(io_threads, int) or io_threads < 1):
-            raise ConfigError.field("io_threads", io_threads, "a positive integer")
+        self._checksum = Checksum(checksum)
         self.io_threads = io_threads or min(4, os.cpu_count() or 1)
-        native = load_native() if self._checksum.linear else None
+        native = load_native() if self._checksum.native else None
         if o_direct and compress:
             raise ConfigError.field(
                 "o_direct", True, "O_DIRECT cannot be combined with compress=True; drop one"
@@ -116,7 +141,7 @@ class DiskTier(Tier):
             raise self._error(
                 TierFullError,
                 f"arena of {num_slots} slots needs {self.file_bytes} bytes, "
-                f"over max_file_bytes={max_file_bytes}",
+                f"over max_file_bytes={max_file_bytes}: lower disk_budget or raise the cap",
             )
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -124,20 +149,20 @@ class DiskTier(Tier):
             raise ConfigError.field(
                 "disk_dir", str(self.directory), f"cannot create it ({exc.strerror})"
             ) from exc
-        self._index = DiskIndex(self.directory / INDEX_FILE, num_slots, layout.num_layers, fsync)
-        self._index.check_meta(self._meta(), self.directory)
-        # _load_compressor is looked up when a compressed slot is read, as before
-        self._file = BlockFile(
-            self.path, fmt, num_slots, self._index, self._checksum, native, compressor,
-            lambda: _load_compressor(), self.io_threads, o_direct,
-        )  # fmt: skip
-        old_size = self._file.open()
-        try:
-            self._file.prepare(old_size)
-        except BaseException:
-            self.close()
-            raise
-        self.allocator.take(self._index.load(self.slot_bytes, old_size))
+        self._files = files = DiskFiles()
+
+        def make_file(index: DiskIndex) -> BlockFile:
+            # _load_compressor is looked up when a compressed slot is read, as before
+            return BlockFile(
+                self.path, fmt, num_slots, index, self._checksum, native, compressor,
+                lambda: _load_compressor(), self.io_threads, o_direct,
+            )  # fmt: skip
+
+        taken = files.open(self.directory, fmt, num_slots, fsync, self._meta(), make_file)
+        self._pid = files.pid  # the owner: a forked child may not use this tier
+        self._index, self._file = files.index, files.file
+        self.allocator.take(taken)
+        self._finalizer = weakref.finalize(self, files.release)
         self.stats.peak_used_slots = self.num_used
 
     @property
@@ -183,6 +208,15 @@ class DiskTier(Tier):
     ) -> TierIOError:
         return tier_error(cls, msg, self.path, slots)
 
+    def _owned(self) -> None:
+        """Refuse use from a forked child (it holds no lock on the directory)."""
+        if os.getpid() != self._pid:
+            raise self._error(
+                TierIOError,
+                f"this disk tier was opened by process {self._pid} and cannot be used "
+                "after a fork: open a DiskTier (on another disk_dir) in this process",
+            )
+
     # -- keys -------------------------------------------------------------------------
     def put_key(self, slot: int, block_hash: bytes, token_ids: list[int]) -> None:
         """Record that `slot` holds the full block `block_hash` (durable across restarts).
@@ -196,6 +230,10 @@ class DiskTier(Tier):
 
     def put_keys(self, entries: list[tuple[int, bytes, list[int]]]) -> None:
         """`put_key` for many written slots in one index transaction."""
+        if not entries:
+            return
+        self._owned()
+        self._file.check_linked([e[0] for e in entries], TierIOError)
         for slot, _, _ in entries:
             if not self._index.written[slot]:
                 raise self._error(BlockMissingError, f"put_key on unwritten slot {slot}", [slot])
@@ -211,6 +249,7 @@ class DiskTier(Tier):
 
     def free(self, slots: list[int]) -> None:
         """Release slots; their index rows and keys are dropped."""
+        self._owned()
         self._drop_rows(slots)
         super().free(slots)
 
@@ -287,11 +326,12 @@ class DiskTier(Tier):
         n = len(slots)
         if n == 0:
             return
+        self._owned()
         self._file.check_linked(slots, TierIOError)
         self._drop_rows(slots)  # a crash from here on leaves these slots free
         sums, lens = self._file.write(slots, fields)
         if self.fsync:
-            os.fdatasync(self._fd)
+            self._file.sync()
         self._commit_rows(slots, sums, lens)
         self.stats.blocks_written += n
         self.stats.bytes_written += int(lens.sum())
@@ -324,12 +364,15 @@ class DiskTier(Tier):
         n = len(slots)
         if n == 0:
             return
+        self._owned()
         self._file.check_linked(slots, BlockMissingError)
         index, idx = self._index, np.asarray(slots)
-        unknown = idx[~index.written[idx] | index.missing[idx]].tolist()
+        unknown = idx[~index.written[idx]].tolist()
         if unknown:
             self.stats.read_errors += 1
-            raise self._error(BlockMissingError, f"no stored block in slots {unknown}", unknown)
+            raise self._error(
+                BlockMissingError, f"no stored block in slots {slot_list(unknown)}", unknown
+            )
         missing, corrupt = self._file.read(
             slots, layer, lambda i0, i1: self._read_targets(outs, i0, i1, layer, encoded)
         )
@@ -338,9 +381,10 @@ class DiskTier(Tier):
             cls = BlockCorruptError if corrupt else BlockMissingError
             what = []
             if corrupt:
-                what.append(f"checksum mismatch in slots {corrupt}")
+                what.append(f"checksum mismatch in slots {slot_list(corrupt)}")
             if missing:
-                what.append(f"file too short for slots {missing}")
+                what.append(f"file too short for slots {slot_list(missing)}")
+            what.append("not served: recompute them (free these slots and write them again)")
             raise self._error(cls, "; ".join(what), corrupt + missing)
         self.stats.blocks_read += n
         lens = index.lens[idx] if layer is None else index.lens[idx, layer]
@@ -383,16 +427,19 @@ class DiskTier(Tier):
     # -- lifecycle --------------------------------------------------------------------
     def drop_cache(self) -> None:
         """Flush the arena and ask the kernel to drop its cached pages (cold reads)."""
+        self._owned()
         self._file.drop_cache()
 
     def close(self) -> None:
-        """Commit the index and close both files (idempotent)."""
-        file = getattr(self, "_file", None)
-        if file is not None:
-            file.close(self.fsync)
-        index = getattr(self, "_index", None)
-        if index is not None:
-            index.close()
+        """Commit the index, close the arena and the index, release the directory
+        lock (idempotent). Everything is released even when a step fails; the first
+        failure is then raised (TierIOError)."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is None or not finalizer.alive:
+            return
+        finalizer.detach()
+        self._pending.clear()
+        self._files.close(self.fsync)
 
     def __enter__(self) -> DiskTier:
         return self

@@ -13,16 +13,21 @@ layers are packed from the start of the slot (layer l at the sum of the stored
 lengths before it). The slot size stays the uncompressed size: compression saves
 bandwidth (bytes read and written), not disk space.
 
-The direct path moves bytes between the arena file and the caller's tensors, one
-iovec per contiguous piece: for a field stored as [Hkv, rows, cols] per (block,
-layer), one piece per head of each block. With the native kernels (`native_io`,
-kvstrata/native/pio.cpp) one call per chunk batches the pieces into preadv/pwritev
-calls, checksums each batch while it is in cache and splits the chunk over threads;
-without them, os.preadv / os.pwritev and a numpy checksum do the same. Field
-padding, the slot tail and fields that cannot be viewed directly (a GPU tensor, a
-4-byte scale) go through a small staging buffer. The `mlh64` checksum is linear
-in the words of a layer, so it is summed piece by piece right after each chunk is
-read (the bytes are still in cache) with no copy at all.
+Every (block, layer) region carries a checksum: XXH3-64 (default) or CRC-32 of its
+stored bytes, in file order (see `Checksum` and the "Durability contract" section of
+the README for what each detects).
+
+The direct path (native kernels only) moves bytes between the arena file and the
+caller's tensors, one iovec per contiguous piece: for a field stored as [Hkv, rows,
+cols] per (block, layer), one piece per head of each block. One native call per chunk
+(`native_io`, kvstrata/native/pio.cpp) batches the pieces into preadv/pwritev calls,
+feeds each batch to a streaming XXH3 state per region while it is in cache (right
+after it is read, right before it is written) and splits the chunk over threads at
+region boundaries. Field padding, the slot tail and fields that cannot be viewed
+directly (a GPU tensor, a 4-byte scale) go through a small staging buffer. Without
+the native kernels (or with crc32, O_DIRECT or compression) blocks are staged in a
+contiguous buffer and each region is hashed there by the `xxhash` package (zlib for
+crc32): the same values, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +44,12 @@ from kvstrata.codecs.base import Codec
 from kvstrata.errors import ConfigError
 from kvstrata.layout import KINDS, BlockLayout, FieldSpec
 
-CHECKSUMS = ("mlh64", "crc32")
+CHECKSUMS = ("xxh3-64", "crc32")
+DEFAULT_CHECKSUM = "xxh3-64"
+# Checksums older versions wrote, which are no longer read: why, for the message.
+RETIRED_CHECKSUMS = {
+    "mlh64": "a linear multiply hash that misses paired bit flips",
+}
 FIELD_ALIGN = 16  # each field region starts 16-byte aligned (viewable as its dtype)
 SLOT_ALIGN = 4096  # slots, O_DIRECT transfers and staging buffers are 4 KiB-aligned
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
@@ -126,51 +136,59 @@ def exchange(staged: np.ndarray, part: torch.Tensor, to_staging: bool) -> None:
         pb.copy_(torch.from_numpy(staged))
 
 
-def mlh_keys(n: int) -> np.ndarray:
-    """Fixed odd 64-bit multipliers (splitmix64 of 1..n): identical in every process."""
-    with np.errstate(over="ignore"):
-        z = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return (z ^ (z >> np.uint64(31))) | np.uint64(1)
+def _xxh3_64() -> object:
+    """xxhash.xxh3_64_intdigest, or ConfigError naming the fix."""
+    try:
+        import xxhash
+    except ImportError as exc:
+        raise ConfigError.field(
+            "checksum", DEFAULT_CHECKSUM, "needs the xxhash package: pip install 'xxhash>=3'"
+        ) from exc
+    return xxhash.xxh3_64_intdigest
 
 
 class Checksum:
-    """Per-region checksums.
+    """Per-region checksums, one 64-bit value per (block, layer) region.
 
-    `mlh64` (default): sum of 64-bit words times fixed odd multipliers, mod 2^64, one
-    numpy matmul over many regions. It detects every change confined to one word
-    (torn, stale or zeroed sectors change many words and escape with negligible
-    probability); it is not a cryptographic MAC. Being linear, a region's value is
-    the sum of its pieces' values (`keys` at the pieces' word offsets), which is what
-    lets the direct path checksum the caller's tensors in place.
-    `crc32`: zlib.crc32 per region, slower, the classic guarantee for burst errors.
+    `xxh3-64` (default): XXH3-64 (xxHash 0.8, seed 0) of the region's bytes. A
+    non-linear 64-bit hash that passes SMHasher: any corruption (a bit flip, paired
+    or burst flips, a zeroed, stale or torn sector) goes undetected with probability
+    about 2^-64 per region. The native I/O kernels compute it while the bytes are in
+    cache; elsewhere the `xxhash` package does, bit for bit the same.
+    `crc32`: zlib's CRC-32 (IEEE), always in Python on staged buffers: detects every
+    burst of up to 32 bits and every 1- or 2-bit error (regions below 512 MiB); other
+    random corruption escapes with probability about 2^-32. Slower.
+    Neither is a cryptographic MAC: they catch accidents, not an attacker.
     """
 
-    def __init__(self, name: str, max_bytes: int) -> None:
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise ConfigError.field("checksum", name, f"one of {', '.join(CHECKSUMS)}")
+        if name in RETIRED_CHECKSUMS:
+            raise ConfigError.field(
+                "checksum",
+                name,
+                f"{name} is retired ({RETIRED_CHECKSUMS[name]}); use one of {', '.join(CHECKSUMS)}",
+            )
         if name not in CHECKSUMS:
             raise ConfigError.field("checksum", name, f"one of {', '.join(CHECKSUMS)}")
         self.name = name
-        self.linear = name == "mlh64"
-        self.keys = mlh_keys(max_bytes // 8 + 1) if self.linear else None
+        # the native I/O kernels compute this checksum (kvstrata/native/pio.cpp)
+        self.native = name == "xxh3-64"
+        self._fn = _xxh3_64() if name == "xxh3-64" else zlib.crc32
 
     def rows(self, regions: np.ndarray) -> np.ndarray:
-        """Checksums of the last axis of a [..., nbytes] uint8 array (nbytes % 8 == 0,
-        last axis contiguous): one value per region, shape [...]."""
-        if self.keys is None:
-            flat = regions.reshape(-1, regions.shape[-1])
-            sums = np.array([zlib.crc32(r) for r in flat], dtype=np.uint64)
-            return sums.reshape(regions.shape[:-1])
-        words = regions.view(np.uint64)
-        return words @ self.keys[: words.shape[-1]]
+        """Checksums of the last axis of a [..., nbytes] uint8 array (last axis
+        contiguous): one value per region, shape [...]."""
+        out = np.empty(regions.shape[:-1], dtype=np.uint64)
+        fn = self._fn
+        for idx in np.ndindex(out.shape):
+            out[idx] = fn(regions[idx])
+        return out
 
     def one(self, data: np.ndarray) -> int:
-        """Checksum of one uint8 buffer of any length."""
-        if self.keys is None:
-            return zlib.crc32(data)
-        padded = np.zeros(round_up(len(data), 8), dtype=np.uint8)
-        padded[: len(data)] = data
-        return int(self.rows(padded[None])[0])
+        """Checksum of one contiguous uint8 buffer of any length."""
+        return int(self._fn(data))
 
 
 def load_compressor() -> tuple:
@@ -205,21 +223,15 @@ def direct_view(t: torch.Tensor, rows: int, piece_bytes: int) -> np.ndarray | No
     )
 
 
-def flat_bytes(arr: np.ndarray) -> memoryview:
-    """A flat byte memoryview from `arr`'s first byte to its last (strides >= 0)."""
-    span = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides, strict=True)) + 1
-    return memoryview(np.lib.stride_tricks.as_strided(arr, shape=(span,), strides=(1,)))
-
-
 @dataclass
 class Template:
     """File-order segments of one item (a slot, or one layer of a slot).
 
     Arrays of length P: src (STAGE or 1 + index into `keys`), layer (0..nl-1), head,
     off (byte offset in the item for staged segments), nbytes, fpos (byte offset in the
-    item's file extent), woff (first checksum word within its layer; -1: the slot tail,
-    not checksummed). `gaps`: per-layer byte ranges [a, b) not covered by direct fields
-    (checksummed from the staging buffer).
+    item's file extent), summed (bool: part of its layer's checksummed region; False
+    for the slot tail). `gaps`: per-layer byte ranges [a, b) not covered by direct
+    fields (moved and checksummed from the staging buffer).
     """
 
     keys: list[str]
@@ -229,7 +241,7 @@ class Template:
     off: np.ndarray
     nbytes: np.ndarray
     fpos: np.ndarray
-    woff: np.ndarray
+    summed: np.ndarray
     gaps: list[tuple[int, int]]
 
 
@@ -266,18 +278,18 @@ def build_template(
                 continue
             for g0, g1 in gaps:  # staged bytes before this field (in file order)
                 if g1 == off:
-                    segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0, g0 // 8))
+                    segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0, 1))
             piece = nbytes // num_heads
             src = 1 + direct.index(key)
-            segs.extend((src, li, h, 0, piece, (off + h * piece) // 8) for h in range(num_heads))
+            segs.extend((src, li, h, 0, piece, 1) for h in range(num_heads))
         if gaps and gaps[-1][1] == layer_bytes:
             g0, g1 = gaps[-1]
-            segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0, g0 // 8))
+            segs.append((STAGE, li, 0, li * layer_bytes + g0, g1 - g0, 1))
     if item_bytes > nl * layer_bytes:
-        segs.append((STAGE, 0, 0, nl * layer_bytes, item_bytes - nl * layer_bytes, -1))
-    src, layer, head, off, nbytes, woff = np.array(segs, dtype=np.int64).reshape(-1, 6).T
+        segs.append((STAGE, 0, 0, nl * layer_bytes, item_bytes - nl * layer_bytes, 0))
+    src, layer, head, off, nbytes, summed = np.array(segs, dtype=np.int64).reshape(-1, 6).T
     fpos = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
-    return Template(list(direct), src, layer, head, off, nbytes, fpos, woff, gaps=gaps)
+    return Template(list(direct), src, layer, head, off, nbytes, fpos, summed > 0, gaps=gaps)
 
 
 def piece_offsets(tpl: Template, views: list[np.ndarray], item_bytes: int, c: int) -> np.ndarray:
@@ -293,73 +305,6 @@ def piece_offsets(tpl: Template, views: list[np.ndarray], item_bytes: int, c: in
     return (first[None, :] + np.arange(c, dtype=np.int64)[:, None] * st[None, :, 2]).reshape(-1)
 
 
-def iovecs(
-    tpl: Template,
-    views: list[np.ndarray],
-    stage: np.ndarray,
-    item_bytes: int,
-    run_of_block: np.ndarray,
-) -> tuple[list[memoryview], np.ndarray, np.ndarray]:
-    """iovecs for c items, adjacent pieces merged; the run boundaries in the list.
-
-    Args:
-        tpl: the item template.
-        views: direct views [nl, Hkv, c, piece], in `tpl.keys` order.
-        stage: staging bytes [c, item_bytes] (C-contiguous).
-        item_bytes: bytes per item in the staging buffer.
-        run_of_block: [c] run index of each item (items of one run are contiguous
-            in the file, so their iovecs go to the same syscall).
-
-    Returns:
-        (iovecs, bounds [runs+1] into iovecs, cumulative bytes [len(iovecs)+1]).
-    """
-    c = len(run_of_block)
-    bufs = [memoryview(stage.reshape(-1))] + [flat_bytes(v) for v in views]
-    start = piece_offsets(tpl, views, item_bytes, c)
-    src = np.broadcast_to(tpl.src, (c, len(tpl.src))).reshape(-1)
-    length = np.broadcast_to(tpl.nbytes, (c, len(tpl.src))).reshape(-1)
-    run = np.repeat(run_of_block, len(tpl.src))
-    brk = np.ones(len(src), dtype=bool)
-    brk[1:] = (
-        (src[1:] != src[:-1]) | (start[1:] != start[:-1] + length[:-1]) | (run[1:] != run[:-1])
-    )
-    idx = np.flatnonzero(brk)
-    m_len = np.add.reduceat(length, idx)
-    iov = [
-        bufs[s][a : a + n]
-        for s, a, n in zip(src[idx].tolist(), start[idx].tolist(), m_len.tolist(), strict=True)
-    ]
-    bounds = np.searchsorted(run[idx], np.arange(run_of_block[-1] + 2))
-    cum = np.zeros(len(iov) + 1, dtype=np.int64)
-    np.cumsum(m_len, out=cum[1:])
-    return iov, bounds, cum
-
-
-def vector_io(fd: int, iov: list[memoryview], cum: np.ndarray, offset: int, write: bool) -> bool:
-    """pwritev / preadv `iov` at `offset`, IOV_MAX buffers per call, resuming after a
-    short transfer. `cum`: cumulative sizes, cum[0] == 0. False when a read hits the
-    end of the file."""
-    call = os.pwritev if write else os.preadv
-    i = 0
-    while i < len(iov):
-        n = min(IOV_MAX, len(iov) - i)
-        got = call(fd, iov[i : i + n], offset)
-        if got == 0 and not write:
-            return False
-        offset += got
-        if got == cum[i + n] - cum[i]:
-            i += n
-            continue
-        # short transfer (a signal, a huge request): restart inside buffer j
-        j = int(np.searchsorted(cum, cum[i] + got, side="right")) - 1
-        skip = int(cum[i] + got - cum[j])
-        iov = [iov[j][skip:], *iov[j + 1 :]]
-        cum = cum[j:] - (cum[j] + skip)
-        cum[0] = 0
-        i = 0
-    return True
-
-
 # Bytes per preadv/pwritev batch of the native path: small enough to be checksummed
 # while still in L2 (read) or to stay there between checksum and write.
 NATIVE_BATCH = 512 << 10
@@ -373,12 +318,11 @@ def native_io(
     stage: np.ndarray,
     file_base: np.ndarray,
     nl: int,
-    keys: np.ndarray,
     write: bool,
     threads: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Move c items in one native call (kvstrata/native/pio.cpp), checksumming every
-    piece while it is in cache, split over `threads` threads.
+    region (XXH3-64) while it is in cache, split over `threads` threads.
 
     Args:
         lib: the native library.
@@ -387,12 +331,11 @@ def native_io(
         stage: staging bytes [c, item_bytes] (C-contiguous) for the staged segments.
         file_base: [c] file offset of each item.
         nl: layers per item.
-        keys: the mlh64 multipliers.
         write: pwritev (True) or preadv.
         threads: most threads to use.
 
     Returns:
-        (per-layer mlh64 sums [c, nl], bool [c] items a read found past the end of file).
+        (per-layer XXH3-64 [c, nl], bool [c] items a read found past the end of file).
 
     Raises:
         OSError: a failed system call (errno set).
@@ -404,14 +347,13 @@ def native_io(
     item = np.arange(c, dtype=np.int64)[:, None]
     length = np.broadcast_to(tpl.nbytes, (c, P)).reshape(-1).copy()
     foff = (file_base.astype(np.int64)[:, None] + tpl.fpos[None, :]).reshape(-1)
-    woff = np.broadcast_to(np.maximum(tpl.woff, 0), (c, P)).reshape(-1).copy()
-    out = np.where(tpl.woff[None, :] >= 0, item * nl + tpl.layer[None, :], -1).reshape(-1)
+    out = np.where(tpl.summed[None, :], item * nl + tpl.layer[None, :], -1).reshape(-1)
     sums = np.zeros(c * nl, dtype=np.uint64)
     status = np.zeros(c * P, dtype=np.uint8)
     ptr = lambda a: a.ctypes.data  # noqa: E731
     rc = lib.kv_pio(
-        fd, int(write), c * P, ptr(addr), ptr(length), ptr(foff), ptr(woff), ptr(out),
-        ptr(keys), ptr(sums), ptr(status), NATIVE_BATCH, threads,
+        fd, int(write), c * P, ptr(addr), ptr(length), ptr(foff), ptr(out),
+        ptr(sums), ptr(status), NATIVE_BATCH, threads,
     )  # fmt: skip
     if rc < 0:
         raise OSError(-rc, os.strerror(-rc))

@@ -7,18 +7,68 @@ Every read is verified against the checksums held here, and a slot without a row
 holds no block. DiskTier orders the changes around its data writes (a row is dropped
 before its slot is rewritten and committed only after the new data), which is what
 makes the arena crash safe.
+
+Storage errors are typed: any sqlite3.Error or OSError becomes a TierIOError
+(TierFullError for a full disk) naming index.sqlite and the fix. The index is watched:
+before every write transaction and at close, the file at the path must still be the
+one the connection opened (same device and inode; the connection keeps it open, so
+its inode number cannot be reused meanwhile). When it was deleted or replaced, it is
+rebuilt from the in-memory mirror (atomically: written aside, then renamed into
+place) and a RuntimeWarning says so; the rows are never silently lost.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
 
-from kvstrata.errors import ConfigError
+from kvstrata.errors import ConfigError, TierFullError, TierIOError
+from kvstrata.tiers.disk_format import RETIRED_CHECKSUMS
+from kvstrata.tiers.disk_io import os_error, tier_error
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
+    "CREATE TABLE IF NOT EXISTS blocks (slot INTEGER PRIMARY KEY, sums BLOB NOT NULL,"
+    " lens BLOB NOT NULL, hash BLOB UNIQUE, token_ids BLOB)",
+)
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+REBUILD_SUFFIX = ".rebuild"
+
+
+def sqlite_error(exc: sqlite3.Error, path: Path, what: str) -> TierIOError:
+    """The typed error for a failed sqlite call on the index `path`: one line naming
+    the file and the fix."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    text = str(exc)
+    low = text.lower()
+    if name.startswith("SQLITE_FULL") or "full" in low:
+        cls, fix = TierFullError, "free space on that filesystem or lower disk_budget"
+    elif name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or (
+        "not a database" in low or "malformed" in low
+    ):
+        cls, fix = (
+            TierIOError,
+            "the index is damaged: delete it (the disk tier then starts empty) or use "
+            "another disk_dir",
+        )
+    elif name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")) or (
+        "readonly" in low or "unable to open" in low
+    ):
+        cls, fix = TierIOError, "make the directory writable or use another disk_dir"
+    else:
+        cls, fix = (
+            TierIOError,
+            "check free space, file size limits and the device, or use another disk_dir",
+        )
+    return tier_error(cls, f"index error while {what} ({text}): {fix}", path)
 
 
 class DiskIndex:
@@ -35,33 +85,176 @@ class DiskIndex:
         lens: [num_slots, L] int64 stored bytes of each layer (less than a layer's
             bytes: compressed).
         written: [num_slots] bool, the slot has a committed row.
-        missing: [num_slots] bool, the row survived but the arena lost its bytes.
+        created: the index file did not exist before (a new or lost index).
+
+    Raises:
+        TierIOError: the index cannot be opened or is damaged (TierFullError: no space).
     """
 
     def __init__(self, path: Path, num_slots: int, num_layers: int, fsync: bool) -> None:
+        self.path = path
         self.num_slots = num_slots
         self.num_layers = num_layers
+        self.fsync = fsync
         self.lock = threading.RLock()
         self.sums = np.zeros((num_slots, num_layers), dtype=np.uint64)
         self.lens = np.zeros((num_slots, num_layers), dtype=np.int64)
         self.written = np.zeros(num_slots, dtype=bool)
-        self.missing = np.zeros(num_slots, dtype=bool)
         self._hash_of: dict[int, bytes] = {}
         self._keys: dict[bytes, tuple[int, list[int]]] = {}
-        self.db: sqlite3.Connection | None = sqlite3.connect(path, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
-        self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
-        self.db.execute(
-            "CREATE TABLE IF NOT EXISTS blocks (slot INTEGER PRIMARY KEY, sums BLOB NOT NULL,"
-            " lens BLOB NOT NULL, hash BLOB UNIQUE, token_ids BLOB)"
+        self._meta: str | None = None
+        self._ident: tuple[int, int] | None = None
+        self.db: sqlite3.Connection | None = None
+        with self._guard("opening the index"):
+            self._remove(path.with_name(path.name + REBUILD_SUFFIX))  # an interrupted rebuild
+            self.created = not path.exists()
+            if self.created:
+                # side files of a deleted index would be replayed into the new one
+                for suffix in _SIDE_FILES:
+                    self._remove(path.with_name(path.name + suffix))
+            self.db = self._connect(path)
+            try:
+                self._ident = self._stat()
+            except BaseException:
+                self.db.close()
+                self.db = None
+                raise
+
+    # -- plumbing ---------------------------------------------------------------------
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """Turn sqlite3.Error / OSError raised inside into the typed TierIOError family."""
+        try:
+            yield
+        except TierIOError:
+            raise
+        except sqlite3.Error as exc:
+            raise sqlite_error(exc, self.path, what) from exc
+        except OSError as exc:
+            raise os_error(exc, self.path, [], what) from exc
+
+    def _connect(self, path: Path) -> sqlite3.Connection:
+        db = sqlite3.connect(path, check_same_thread=False)
+        try:
+            db.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
+            db.execute("PRAGMA journal_mode=WAL")
+            for statement in _SCHEMA:
+                db.execute(statement)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def _conn(self) -> sqlite3.Connection:
+        if self.db is None:
+            raise tier_error(TierIOError, "the disk tier is closed: open a new one", self.path)
+        return self.db
+
+    @contextmanager
+    def _transaction(self, what: str) -> Iterator[sqlite3.Connection]:
+        """A write transaction on the index, after making sure the file at the path is
+        still ours (rebuilt from memory otherwise). Rolled back on any failure,
+        including a failed commit."""
+        with self.lock, self._guard(what):
+            self._check_identity()
+            db = self._conn()
+            try:
+                yield db
+                db.commit()
+            except BaseException:
+                with suppress(sqlite3.Error):
+                    db.rollback()
+                raise
+
+    def _check_identity(self) -> None:
+        self._conn()
+        if self._stat() != self._ident:
+            self.rebuild("deleted" if not self.path.exists() else "replaced")
+
+    def rebuild(self, reason: str) -> None:
+        """Write the in-memory rows to a fresh index.sqlite (aside, then renamed into
+        place) and reconnect to it; warns that the index was `reason`."""
+        with self.lock, self._guard("rebuilding the index"):
+            old, self.db = self.db, None
+            if old is not None:
+                with suppress(sqlite3.Error):
+                    old.close()
+            tmp = self.path.with_name(self.path.name + REBUILD_SUFFIX)
+            self._remove(tmp)
+            db = sqlite3.connect(tmp)
+            try:
+                for statement in _SCHEMA:
+                    db.execute(statement)
+                if self._meta is not None:
+                    db.execute("INSERT INTO meta VALUES ('config', ?)", (self._meta,))
+                db.executemany("INSERT INTO blocks VALUES (?, ?, ?, ?, ?)", self._rows())
+                db.commit()
+            finally:
+                db.close()
+            for suffix in _SIDE_FILES:  # stale side files of the lost file
+                self._remove(self.path.with_name(self.path.name + suffix))
+            os.replace(tmp, self.path)
+            self.db = self._connect(self.path)
+            self._ident = self._stat()
+        warnings.warn(
+            f"kvstrata disk tier: index {str(self.path)!r} was {reason} while open; "
+            f"rebuilt it from memory ({int(self.written.sum())} blocks)",
+            RuntimeWarning,
+            stacklevel=4,
         )
 
-    def check_meta(self, want: dict[str, object], directory: Path) -> None:
-        """Refuse (ConfigError) an index written with other meta; record `want`."""
-        row = self.db.execute("SELECT value FROM meta WHERE key='config'").fetchone()
+    def _rows(self) -> Iterator[tuple]:
+        for slot in np.flatnonzero(self.written).tolist():
+            key = self._hash_of.get(slot)
+            ids = None
+            if key is not None:
+                ids = np.asarray(self._keys[key][1], dtype="<i8").tobytes()
+            yield (
+                slot,
+                self.sums[slot].astype("<u8").tobytes(),
+                self.lens[slot].astype("<i8").tobytes(),
+                key,
+                ids,
+            )
+
+    # -- open -------------------------------------------------------------------------
+    def check_meta(self, want: dict[str, object], directory: Path) -> bool:
+        """Refuse (ConfigError) an index written with other meta; record `want`.
+        Returns whether the index already had meta (it is not new)."""
+        with self._guard("reading the index"):
+            row = self._conn().execute("SELECT value FROM meta WHERE key='config'").fetchone()
         if row is not None:
-            have = json.loads(row[0])
+            try:
+                have = json.loads(row[0])
+                if not isinstance(have, dict):
+                    raise ValueError("not an object")
+            except ValueError as exc:
+                raise tier_error(
+                    TierIOError,
+                    "index meta is damaged: delete the index (the disk tier then starts "
+                    "empty) or use another disk_dir",
+                    self.path,
+                ) from exc
+            old = have.get("checksum")
+            if isinstance(old, str) and old in RETIRED_CHECKSUMS and old != want.get("checksum"):
+                raise ConfigError(
+                    f"disk tier directory {str(directory)!r} was written by an older kvstrata "
+                    f"with checksum {old!r} ({RETIRED_CHECKSUMS[old]}), which is no longer "
+                    "read: delete that directory (its blocks are recomputed) or use another "
+                    "disk_dir"
+                )
             for key, value in want.items():
                 if have.get(key) != value:
                     raise ConfigError(
@@ -69,48 +262,103 @@ class DiskIndex:
                         f"{have.get(key)!r}, this tier has {key}={value!r}: use another "
                         "directory or delete that one"
                     )
-        with self.db:
-            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('config', ?)", (json.dumps(want),))
+        self._meta = json.dumps(want)
+        with self._transaction("writing the index") as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('config', ?)", (self._meta,))
+        return row is not None
 
-    def load(self, slot_bytes: int, arena_size: int) -> list[int]:
-        """Read the rows back on reopen and return the slots they hold. Unkeyed rows
-        (and rows past the arena's slots) are dropped: those slots are free. A keyed
-        slot beyond `arena_size` (the arena's size before it was opened) is missing."""
+    def load(self, slot_bytes: int, layer_bytes: int, arena_size: int) -> tuple[list[int], int]:
+        """Read the rows back on reopen; returns (the slots they hold, keyed rows
+        dropped). Unkeyed rows (and rows past the arena's slots) are dropped: those
+        slots are free. So are keyed rows whose block lies past `arena_size` (the
+        arena's size before it was opened: it was truncated or lost) or whose row does
+        not parse (a damaged index): such blocks are gone, and are recomputed."""
         L = self.num_layers
-        with self.db:
-            self.db.execute("DELETE FROM blocks WHERE hash IS NULL OR slot >= ?", (self.num_slots,))
-        taken = []
-        for slot, sums, lens, key, tokens in self.db.execute("SELECT * FROM blocks"):
-            self.sums[slot] = np.frombuffer(sums, dtype="<u8", count=L)
-            self.lens[slot] = np.frombuffer(lens, dtype="<i8", count=L)
-            self.written[slot] = True
-            # The file was deleted or truncated under the index: the block is gone.
-            self.missing[slot] = (slot + 1) * slot_bytes > arena_size
-            ids = np.frombuffer(tokens, dtype="<i8").tolist()
-            self._hash_of[slot] = key
-            self._keys[key] = (slot, ids)
-            taken.append(slot)
-        return taken
+        taken: list[int] = []
+        bad: list[int] = []
+        with self._guard("loading the index"):
+            db = self._conn()
+            with db:
+                db.execute(
+                    "DELETE FROM blocks WHERE hash IS NULL OR slot >= ? OR slot < 0",
+                    (self.num_slots,),
+                )
+            for slot, sums, lens, key, tokens in db.execute("SELECT * FROM blocks"):
+                if not self._valid(slot, sums, lens, key, tokens, slot_bytes, layer_bytes):
+                    bad.append(slot)
+                    continue
+                if (slot + 1) * slot_bytes > arena_size:
+                    bad.append(slot)  # the file was truncated or lost under the index
+                    continue
+                self.sums[slot] = np.frombuffer(sums, dtype="<u8", count=L)
+                self.lens[slot] = np.frombuffer(lens, dtype="<i8", count=L)
+                self.written[slot] = True
+                ids = np.frombuffer(tokens, dtype="<i8").tolist()
+                self._hash_of[slot] = key
+                self._keys[key] = (slot, ids)
+                taken.append(slot)
+            if bad:
+                with db:
+                    db.executemany("DELETE FROM blocks WHERE slot=?", [(s,) for s in bad])
+        return taken, len(bad)
+
+    def _valid(
+        self,
+        slot: object,
+        sums: object,
+        lens: object,
+        key: object,
+        tokens: object,
+        slot_bytes: int,
+        layer_bytes: int,
+    ) -> bool:
+        L = self.num_layers
+        if not isinstance(slot, int) or not isinstance(key, bytes) or not key:
+            return False
+        if not all(isinstance(b, bytes) for b in (sums, lens, tokens)):
+            return False
+        if len(sums) != 8 * L or len(lens) != 8 * L or len(tokens) % 8:
+            return False
+        n = np.frombuffer(lens, dtype="<i8")
+        return bool((n > 0).all() and (n <= layer_bytes).all() and n.sum() <= slot_bytes)
 
     # -- keys -------------------------------------------------------------------------
     def put_keys(self, entries: list[tuple[int, bytes, list[int]]]) -> None:
         """Key written slots by block hash, in one transaction: (slot, hash, token ids).
-        A key held by another slot moves to the new one."""
-        with self.lock, self.db:
-            for slot, block_hash, token_ids in entries:
-                old = self._keys.get(block_hash)
-                if old is not None and old[0] != slot:  # the key moves to the new copy
-                    self.db.execute("UPDATE blocks SET hash=NULL WHERE slot=?", (old[0],))
-                    self._hash_of.pop(old[0], None)
-                prev = self._hash_of.pop(slot, None)
-                if prev is not None:
-                    self._keys.pop(prev, None)
-                blob = np.asarray(token_ids, dtype="<i8").tobytes()
-                self.db.execute(
-                    "UPDATE blocks SET hash=?, token_ids=? WHERE slot=?", (block_hash, blob, slot)
-                )
-                self._hash_of[slot] = block_hash
-                self._keys[block_hash] = (slot, list(token_ids))
+        A key held by another slot moves to the new one. The mirror changes only once
+        the transaction has committed."""
+        # changes to the mirror, applied once committed (None: removed)
+        keys: dict[bytes, tuple[int, list[int]] | None] = {}
+        hash_of: dict[int, bytes | None] = {}
+        with self.lock:
+            key_of = lambda h: keys[h] if h in keys else self._keys.get(h)  # noqa: E731
+            hash_at = lambda s: hash_of[s] if s in hash_of else self._hash_of.get(s)  # noqa: E731
+            with self._transaction("keying blocks in the index") as db:
+                for slot, block_hash, token_ids in entries:
+                    old = key_of(block_hash)
+                    if old is not None and old[0] != slot:  # the key moves to the new copy
+                        db.execute("UPDATE blocks SET hash=NULL WHERE slot=?", (old[0],))
+                        hash_of[old[0]] = None
+                    prev = hash_at(slot)
+                    if prev is not None:
+                        keys[prev] = None
+                    blob = np.asarray(token_ids, dtype="<i8").tobytes()
+                    db.execute(
+                        "UPDATE blocks SET hash=?, token_ids=? WHERE slot=?",
+                        (block_hash, blob, slot),
+                    )
+                    hash_of[slot] = block_hash
+                    keys[block_hash] = (slot, list(token_ids))
+            for h, hit in keys.items():
+                if hit is None:
+                    self._keys.pop(h, None)
+                else:
+                    self._keys[h] = hit
+            for s, h in hash_of.items():
+                if h is None:
+                    self._hash_of.pop(s, None)
+                else:
+                    self._hash_of[s] = h
 
     def lookup(self, block_hash: bytes) -> tuple[int, list[int]] | None:
         """(slot, token_ids) of the block stored under `block_hash`, or None."""
@@ -128,10 +376,11 @@ class DiskIndex:
         stale = idx[self.written[idx]].tolist()  # no Python loop per block
         if not stale:
             return
-        with self.lock, self.db:
-            self.db.executemany("DELETE FROM blocks WHERE slot=?", [(s,) for s in stale])
+        with self.lock:
+            with self._transaction("dropping index rows") as db:
+                db.executemany("DELETE FROM blocks WHERE slot=?", [(s,) for s in stale])
             for s in stale:
-                self.written[s] = self.missing[s] = False
+                self.written[s] = False
                 key = self._hash_of.pop(s, None)
                 if key is not None:
                     self._keys.pop(key, None)
@@ -143,15 +392,39 @@ class DiskIndex:
             (s, sums[i].astype("<u8").tobytes(), lens[i].astype("<i8").tobytes())
             for i, s in enumerate(slots)
         ]
-        with self.lock, self.db:
-            self.db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, NULL, NULL)", rows)
+        with self.lock:
+            with self._transaction("recording written blocks in the index") as db:
+                db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, NULL, NULL)", rows)
             idx = np.asarray(slots)
             self.sums[idx], self.lens[idx] = sums, lens
-            self.written[idx], self.missing[idx] = True, False
+            self.written[idx] = True
 
-    def close(self) -> None:
-        """Commit and close the database (idempotent)."""
-        if self.db is not None:
-            self.db.commit()
-            self.db.close()
-            self.db = None
+    # -- lifecycle --------------------------------------------------------------------
+    def close(self, persist: bool = True) -> None:
+        """Commit and close the database (idempotent). With `persist`, an index that
+        was deleted or replaced is first rebuilt from memory. The connection is closed
+        even when that fails (then TierIOError)."""
+        if self.db is None:
+            return
+        failure: BaseException | None = None
+        if persist:
+            try:
+                with self.lock, self._guard("closing the index"):
+                    self._check_identity()
+            except TierIOError as exc:
+                failure = exc
+        db, self.db = self.db, None
+        if db is None:  # a failed rebuild left no connection
+            if failure is not None:
+                raise failure
+            return
+        try:
+            with self._guard("closing the index"):
+                try:
+                    db.commit()
+                finally:
+                    db.close()
+        except TierIOError as exc:
+            failure = failure or exc
+        if failure is not None:
+            raise failure

@@ -11,6 +11,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,8 +26,10 @@ from kvstrata.tiers.disk_format import (
     exchange,
     round_up,
 )
-from kvstrata.tiers.disk_index import DiskIndex
 from kvstrata.tiers.disk_vectored import VectoredIO
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.disk_index import DiskIndex
 
 # I/O per chunk: amortizes Python overhead; small enough that a chunk just read is
 # still in L2/L3 when its checksum is computed.
@@ -41,15 +44,47 @@ Targets = Callable[[int, int], tuple[dict[str, torch.Tensor], Callable[[], None]
 """targets(i0, i1): (field tensors to read blocks i0..i1 into, what to run once verified)."""
 
 
+def slot_list(slots: list[int], most: int = 8) -> str:
+    """`slots` for a one-line message: at most `most` of them, then the count."""
+    if len(slots) <= most:
+        return str(list(slots))
+    return f"[{', '.join(map(str, slots[:most]))}, ...] ({len(slots)} slots)"
+
+
 def tier_error(
     cls: type[TierIOError], msg: str, path: Path, slots: list[int] | None = None
 ) -> TierIOError:
-    """A `cls` naming the arena file, with `.path` and `.slots` set."""
+    """A `cls` naming the file, with `.path` and `.slots` set."""
     # Not OSError.filename: setting it changes str(exc) to "[Errno None] ...".
     exc = cls(f"{msg} (file {str(path)!r})")
     exc.path = str(path)
     exc.slots = list(slots or [])
     return exc
+
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def os_error(exc: OSError, path: Path, slots: list[int], what: str) -> TierIOError:
+    """The typed error for a failed system call on `path` while doing `what`:
+    TierFullError for a full disk (ENOSPC, EDQUOT, EFBIG), else TierIOError; one
+    line naming the file and the fix."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in FULL_ERRNOS:
+        return tier_error(
+            TierFullError,
+            f"out of space while {what} ({reason}): free space on that filesystem (or raise "
+            "the file size limit) or lower disk_budget",
+            path,
+            slots,
+        )
+    return tier_error(
+        TierIOError,
+        f"I/O error while {what} ({reason}): check the device and its permissions, or "
+        "use another disk_dir",
+        path,
+        slots,
+    )
 
 
 class BlockFile:
@@ -94,15 +129,31 @@ class BlockFile:
         self.fd = -1  # the arena
         self.dfd = -1  # the descriptor block data moves through (O_DIRECT or fd)
         self._local = threading.local()
-        self._vec = VectoredIO(fmt, checksum, native, io_threads, index.sums, self.io_error)
+        self._vec = (
+            None
+            if native is None
+            else VectoredIO(fmt, native, io_threads, index.sums, self.io_error)
+        )
+        # chunks move in place through the native kernels (which compute XXH3-64)
+        self.direct = (
+            self._vec is not None and checksum.native and compressor is None and not o_direct
+        )
 
     # -- file -------------------------------------------------------------------------
-    def open(self) -> int:
-        """Open the arena, creating it if needed; returns its size before."""
-        old_size = self.path.stat().st_size if self.path.exists() else 0
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.dfd = self.fd
-        return old_size
+    def open(self) -> int | None:
+        """Open the arena, creating it if needed; returns its size before, or None
+        when it did not exist."""
+        try:
+            try:
+                self.fd = os.open(self.path, os.O_RDWR)
+            except FileNotFoundError:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                self.dfd = self.fd
+                return None
+            self.dfd = self.fd
+            return os.fstat(self.fd).st_size
+        except OSError as exc:
+            raise self.io_error(exc, [], "opening the arena") from exc
 
     def prepare(self, old_size: int) -> None:
         """Size the arena (`old_size`: its size when opened) and open the O_DIRECT
@@ -149,20 +200,41 @@ class BlockFile:
 
     def drop_cache(self) -> None:
         """Flush the arena and ask the kernel to drop its cached pages (cold reads)."""
-        os.fdatasync(self.fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.check_linked([], TierIOError)
+        try:
+            os.fdatasync(self.fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            raise self.io_error(exc, [], "flushing the arena") from exc
+
+    def sync(self) -> None:
+        """fdatasync the arena (TierIOError on failure)."""
+        try:
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            raise self.io_error(exc, [], "flushing the arena") from exc
 
     def close(self, sync: bool) -> None:
-        """Close both descriptors, after fdatasync if `sync` (idempotent)."""
+        """Close both descriptors, after fdatasync if `sync` (idempotent). The
+        descriptors are closed even when the flush fails (then TierIOError)."""
         dfd, self.dfd = self.dfd, -1
         fd, self.fd = self.fd, -1
-        if dfd >= 0 and dfd != fd:
-            os.close(dfd)
-        if fd >= 0:
-            if sync:
+        self._local = threading.local()  # drop the staging buffers
+        failure = None
+        if fd >= 0 and sync:
+            try:
                 os.fdatasync(fd)
-            os.close(fd)
+            except OSError as exc:
+                failure = exc
+        for f in {dfd, fd}:
+            if f >= 0:
+                try:
+                    os.close(f)
+                except OSError as exc:
+                    failure = failure or exc
+        if failure is not None:
+            raise self.io_error(failure, [], "closing the arena") from failure
 
     # -- errors -----------------------------------------------------------------------
     def error(
@@ -171,16 +243,25 @@ class BlockFile:
         return tier_error(cls, msg, self.path, slots)
 
     def io_error(self, exc: OSError, slots: list[int], what: str) -> TierIOError:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return self.error(TierFullError, f"disk full while {what}: {exc}", slots)
-        return self.error(TierIOError, f"I/O error while {what}: {exc}", slots)
+        return os_error(exc, self.path, slots, what)
 
     def check_linked(self, slots: list[int], cls: type[TierIOError]) -> None:
-        """Raise `cls` when the arena was deleted. An unlinked arena still reads back
-        through our fd, but it is no longer durable: report it instead of silently
-        serving from a ghost file."""
-        if os.fstat(self.fd).st_nlink == 0:
-            raise self.error(cls, "arena file was deleted", slots)
+        """Raise `cls` when the arena was deleted or replaced (or the tier closed). An
+        unlinked arena still reads back through our fd, but it is no longer durable:
+        report it instead of silently serving from a ghost file."""
+        if self.fd < 0:
+            raise self.error(TierIOError, "the disk tier is closed: open a new one", slots)
+        try:
+            gone = os.fstat(self.fd).st_nlink == 0
+        except OSError as exc:
+            raise self.io_error(exc, slots, "checking the arena") from exc
+        if gone:
+            raise self.error(
+                cls,
+                "arena file was deleted or replaced while open, its blocks are gone: close "
+                "this tier (a new one on the directory starts empty)",
+                slots,
+            )
 
     # -- staging ----------------------------------------------------------------------
     def _staging(self, nbytes: int) -> np.ndarray:
@@ -193,8 +274,7 @@ class BlockFile:
         return buf[:nbytes]
 
     def _chunks(self, n: int, item_bytes: int) -> Iterator[tuple[int, int]]:
-        direct = self.native is not None and self.compressor is None and not self.o_direct
-        step = max(1, (NATIVE_CHUNK_BYTES if direct else CHUNK_BYTES) // item_bytes)
+        step = max(1, (NATIVE_CHUNK_BYTES if self.direct else CHUNK_BYTES) // item_bytes)
         for i0 in range(0, n, step):
             yield i0, min(n, i0 + step)
 
@@ -206,16 +286,22 @@ class BlockFile:
             while done < len(view):
                 done += os.pwrite(self.dfd, view[done:], offset + done)
         except OSError as exc:
-            raise self.io_error(exc, slots, f"writing slots {slots}") from exc
+            raise self.io_error(exc, slots, f"writing slots {slot_list(slots)}") from exc
 
-    def _pread(self, out: np.ndarray, offset: int) -> bool:
+    def _pread(self, out: np.ndarray, offset: int, slots: list[int]) -> bool:
         """Fill `out` from `offset`; False when the file ends first (truncated).
         With O_DIRECT, an unaligned range is read as the aligned pages around it."""
+        try:
+            return self._pread_raw(out, offset)
+        except OSError as exc:
+            raise self.io_error(exc, slots, f"reading slots {slot_list(slots)}") from exc
+
+    def _pread_raw(self, out: np.ndarray, offset: int) -> bool:
         if self.o_direct and (offset % SLOT_ALIGN or out.nbytes % SLOT_ALIGN):
             a = offset - offset % SLOT_ALIGN
             b = round_up(offset + out.nbytes, SLOT_ALIGN)
             pages = aligned_empty(b - a, SLOT_ALIGN)
-            if not self._pread(pages, a):
+            if not self._pread_raw(pages, a):
                 return False
             out.reshape(-1)[:] = pages[offset - a : offset - a + out.nbytes]
             return True
@@ -241,7 +327,7 @@ class BlockFile:
             c, chunk = i1 - i0, slots[i0:i1]
             full = self._staging(c * sb).reshape(c, sb)
             stag_np = full[:, : L * lb].reshape(c, L, lb)
-            if self.compressor is None and self.checksum.linear and not self.o_direct:
+            if self.direct:
                 src = {key: fields(key, i0, i1) for key in fmt.regions}
                 sums[i0:i1] = self._vec.write(self.fd, chunk, src, full, stag_np)
                 continue
@@ -289,11 +375,7 @@ class BlockFile:
             full = self._staging(c * item_bytes).reshape(c, item_bytes)
             stag_np = full[:, : nl * lb].reshape(c, nl, lb)
             chunk = slots[i0:i1]
-            if (
-                self.checksum.linear
-                and not self.o_direct
-                and not (self.index.lens[idx[i0:i1]] < lb).any()
-            ):
+            if self.direct and not (self.index.lens[idx[i0:i1]] < lb).any():
                 dest, finish = targets(i0, i1)
                 if self._vec.read(self.fd, chunk, layer, dest, full, stag_np, missing, corrupt):
                     finish()
@@ -326,11 +408,11 @@ class BlockFile:
             for j, first, count in slot_runs(chunk):
                 if packed[j : j + count].any():
                     continue  # runs with a compressed slot are read slot by slot below
-                if not self._pread(full[j : j + count], first * sb):
+                if not self._pread(full[j : j + count], first * sb, chunk[j : j + count]):
                     missing.extend(chunk[j : j + count])
         else:
             for j in np.flatnonzero(~packed):
-                if not self._pread(full[j], chunk[j] * sb + layer * lb):
+                if not self._pread(full[j], chunk[j] * sb + layer * lb, [chunk[j]]):
                     missing.append(chunk[j])
         for j in np.flatnonzero(packed):
             self._read_packed(chunk[j], layer, stag_np[j], missing, corrupt)
@@ -352,7 +434,7 @@ class BlockFile:
         layers = range(len(lens)) if layer is None else [layer]
         lo, hi = offs[layers[0]], offs[layers[-1] + 1]
         raw = np.empty(hi - lo, dtype=np.uint8)
-        if not self._pread(raw, slot * self.fmt.slot_bytes + int(lo)):
+        if not self._pread(raw, slot * self.fmt.slot_bytes + int(lo), [slot]):
             missing.append(slot)
             return
         for i, layer_i in enumerate(layers):

@@ -1,7 +1,7 @@
 """DiskTier's direct path: chunks of blocks move between the arena and the caller's
-field tensors in place, one iovec per contiguous piece, checksummed on the way
-(mlh64 only: it is linear, so pieces are summed where they lie). See disk_format
-for the templates, iovecs and the native call this builds on.
+field tensors in place, one iovec per contiguous piece, checksummed (XXH3-64, one
+streaming state per region, in file order) on the way by the native kernels. See
+disk_format for the templates and the native call this builds on.
 """
 
 from __future__ import annotations
@@ -12,17 +12,13 @@ import numpy as np
 import torch
 
 from kvstrata.errors import TierIOError
-from kvstrata.slots import slot_runs
 from kvstrata.tiers.disk_format import (
-    Checksum,
     SlotFormat,
     Template,
     build_template,
     direct_view,
     exchange,
-    iovecs,
     native_io,
-    vector_io,
 )
 
 
@@ -31,25 +27,21 @@ class VectoredIO:
 
     Args:
         fmt: the slot format.
-        checksum: the tier's checksum (linear: mlh64).
-        native: the native library (kvstrata/native/pio.cpp), or None for os.preadv /
-            os.pwritev and a numpy checksum.
+        native: the native library (kvstrata/native/pio.cpp).
         io_threads: threads the native call may split a chunk over.
         stored_sums: the index's per-layer checksums [num_slots, L], which reads verify.
-        io_error: (OSError, slots, what) -> the TierIOError a failed write raises.
+        io_error: (OSError, slots, what) -> the TierIOError a failed call raises.
     """
 
     def __init__(
         self,
         fmt: SlotFormat,
-        checksum: Checksum,
-        native: object | None,
+        native: object,
         io_threads: int,
         stored_sums: np.ndarray,
         io_error: Callable[[OSError, list[int], str], TierIOError],
     ) -> None:
         self.fmt = fmt
-        self.checksum = checksum
         self.native = native
         self.io_threads = io_threads
         self.stored_sums = stored_sums
@@ -78,53 +70,6 @@ class VectoredIO:
             self._templates[tkey] = tpl
         return tpl, [views[key] for key in direct]
 
-    def _sums(self, tpl: Template, views: list[np.ndarray], stag3: np.ndarray) -> np.ndarray:
-        """Per-layer mlh64 [c, nl] of a chunk: in-place pieces plus staged gaps."""
-        keys = self.checksum.keys
-        sums = np.zeros(stag3.shape[:2], dtype=np.uint64)
-        for key, view in zip(tpl.keys, views, strict=True):
-            off, nbytes = self.fmt.regions[key]
-            kw = keys[off // 8 : (off + nbytes) // 8].reshape(self.fmt.num_kv_heads, -1, 1)
-            part = np.matmul(view.view(np.uint64), kw)[..., 0]  # [nl, Hkv, c]
-            sums += part.sum(axis=1, dtype=np.uint64).T
-        for g0, g1 in tpl.gaps:
-            sums += stag3[:, :, g0:g1].view(np.uint64) @ keys[g0 // 8 : g1 // 8]
-        return sums
-
-    def _move(
-        self,
-        fd: int,
-        chunk: list[int],
-        layer: int | None,
-        tpl: Template,
-        views: list[np.ndarray],
-        full: np.ndarray,
-        write: bool,
-    ) -> list[int]:
-        """One preadv/pwritev per run of consecutive slots (per slot for one layer).
-        Returns the slots a read found past the end of the file."""
-        sb, item = self.fmt.slot_bytes, full.shape[1]
-        if layer is None:
-            spans = [(j, count, first * sb) for j, first, count in slot_runs(chunk)]
-            run_of = np.repeat(np.arange(len(spans)), [r[1] for r in spans])
-        else:
-            base = layer * self.fmt.layer_bytes
-            spans = [(j, 1, slot * sb + base) for j, slot in enumerate(chunk)]
-            run_of = np.arange(len(chunk))
-        iov, bounds, cum = iovecs(tpl, views, full, item, run_of)
-        missing: list[int] = []
-        for r, (j, count, offset) in enumerate(spans):
-            b0, b1 = int(bounds[r]), int(bounds[r + 1])
-            try:
-                ok = vector_io(fd, iov[b0:b1], cum[b0 : b1 + 1] - cum[b0], offset, write)
-            except OSError as exc:
-                if write:
-                    raise self.io_error(exc, chunk, f"writing slots {chunk}") from exc
-                raise
-            if not ok:
-                missing.extend(chunk[j : j + count])
-        return missing
-
     def write(
         self,
         fd: int,
@@ -145,18 +90,11 @@ class VectoredIO:
         for key in fmt.regions:
             if key not in tpl.keys:
                 exchange(fmt.field_bytes(stag3, key), src[key], True)
-        if self.native is not None:
-            base = np.asarray(chunk, dtype=np.int64) * fmt.slot_bytes
-            try:
-                sums, _ = native_io(
-                    self.native, fd, tpl, views, full, base, L, self.checksum.keys,
-                    True, self.io_threads,
-                )  # fmt: skip
-            except OSError as exc:
-                raise self.io_error(exc, chunk, f"writing slots {chunk}") from exc
-            return sums
-        sums = self._sums(tpl, views, stag3)  # also brings the chunk into cache
-        self._move(fd, chunk, None, tpl, views, full, write=True)
+        base = np.asarray(chunk, dtype=np.int64) * fmt.slot_bytes
+        try:
+            sums, _ = native_io(self.native, fd, tpl, views, full, base, L, True, self.io_threads)
+        except OSError as exc:
+            raise self.io_error(exc, chunk, f"writing slots {chunk}") from exc
         return sums
 
     def read(
@@ -175,18 +113,18 @@ class VectoredIO:
         `dest` (nothing unverified is left behind); False if any."""
         fmt = self.fmt
         tpl, views = self._plan(dest, stag3.shape[1], full.shape[1])
-        if self.native is not None:
-            base = np.asarray(chunk, dtype=np.int64) * fmt.slot_bytes
-            if layer is not None:
-                base += layer * fmt.layer_bytes
+        base = np.asarray(chunk, dtype=np.int64) * fmt.slot_bytes
+        if layer is not None:
+            base += layer * fmt.layer_bytes
+        try:
             got, past_end = native_io(
-                self.native, fd, tpl, views, full, base, stag3.shape[1],
-                self.checksum.keys, False, self.io_threads,
-            )  # fmt: skip
-            short = [chunk[j] for j in np.flatnonzero(past_end)]
-        else:
-            short = self._move(fd, chunk, layer, tpl, views, full, write=False)
-            got = self._sums(tpl, views, stag3)
+                self.native, fd, tpl, views, full, base, stag3.shape[1], False, self.io_threads
+            )
+        except OSError as exc:
+            for view in views:  # nothing unverified is left behind
+                view[...] = 0
+            raise self.io_error(exc, chunk, f"reading slots {chunk}") from exc
+        short = [chunk[j] for j in np.flatnonzero(past_end)]
         layers = slice(None) if layer is None else slice(layer, layer + 1)
         want = self.stored_sums[np.asarray(chunk)][:, layers]
         bad = np.flatnonzero((got != want).any(axis=1))
@@ -197,6 +135,7 @@ class VectoredIO:
             return True
         missing.extend(short)
         corrupt.extend(s for s in (chunk[j] for j in bad) if s not in short)
+        bad = np.union1d(bad, np.flatnonzero(past_end))
         for view in views:
             view[:, :, bad] = 0
         return False
