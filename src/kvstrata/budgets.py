@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvstrata.config import CacheConfig
+from kvstrata.config import CacheConfig, device_memory
 from kvstrata.errors import ConfigError
 from kvstrata.groups import LayerGroup, layer_groups
 from kvstrata.layout import BlockLayout
@@ -81,6 +81,15 @@ def blocks_held(groups: list[LayerGroup], num_tokens: int, block_size: int) -> i
     return sum(g.blocks_held(num_tokens, block_size) for g in groups)
 
 
+def _device_field(config: CacheConfig) -> tuple[str, Any]:
+    """The field that sized the device tier, and its value as the user gave it."""
+    if config.device_budget is not None:
+        return "device_budget", config.device_budget
+    if config.resident_fraction is not None:
+        return "resident_fraction", config.resident_fraction
+    return "max_tokens", config.max_tokens
+
+
 def device_slots(
     config: CacheConfig,
     groups: list[LayerGroup],
@@ -94,8 +103,13 @@ def device_slots(
     all of it (one open block per sequence and group on top).
 
     Raises:
-        ConfigError: lossy lower tiers need the residual window on the device and
-            the budget is smaller (names the bytes needed).
+        ConfigError: naming the field that sized the device tier (device_budget,
+            resident_fraction or max_tokens) when the tier cannot hold one open block
+            per sequence and group; when there is no host or disk tier and it cannot
+            hold `max_tokens`; when it is larger than the device's memory (it is
+            allocated up front); or when lossy lower tiers need the residual window and
+            the sinks on the device and it is smaller (names the bytes needed). Naming
+            sink_tokens when the sinks alone do not fit on the device.
     """
     bs = config.block_size
     total = blocks_for_context(groups, config.max_tokens, bs, num_sequences)
@@ -107,21 +121,72 @@ def device_slots(
         slots = max(math.ceil(config.resident_fraction * total), num_sequences * len(groups))
     else:
         slots = total + num_sequences * len(groups)
-    per_seq = 1 + -(-config.residual_tokens // bs) + -(-config.sink_tokens // bs)
+    field, value = _device_field(config)
+    if slots < num_sequences * len(groups):
+        raise ConfigError.field(
+            field,
+            value,
+            f"the device tier needs one open {bs}-token block per sequence and layer group: "
+            f"at least {format_bytes(num_sequences * len(groups) * device_block_bytes)} "
+            f"({format_bytes(device_block_bytes)} per block)",
+        )
+    lower = config.host_budget > 0 or config.disk_dir is not None
+    if not lower and slots < total:
+        raise ConfigError.field(
+            field,
+            value,
+            f"with no host or disk tier the device must hold max_tokens={config.max_tokens}: "
+            f"at least {format_bytes(total * device_block_bytes)} (device_budget); or add "
+            "host_budget / disk_dir for the rest, or lower max_tokens",
+        )
+    what, memory = device_memory(config.device)
+    if memory and slots * device_block_bytes > memory:
+        raise ConfigError.field(
+            field,
+            value,
+            f"the device tier would take {format_bytes(slots * device_block_bytes)}, more "
+            f"than the {format_bytes(memory)} of {what}: lower max_tokens, or keep part of "
+            "it on the device (resident_fraction / device_budget) with host_budget / disk_dir",
+        )
+    tables = num_sequences * len(groups)
+    sink_blocks = -(-config.sink_tokens // bs)
+    if tables * sink_blocks > slots:
+        per_seq = slots // tables * bs
+        raise ConfigError.field(
+            "sink_tokens",
+            config.sink_tokens,
+            f"the sinks stay on the device, which holds {per_seq} tokens per sequence and "
+            f"layer group ({field}={value!r}): at most {per_seq}, or raise {field}",
+        )
+    per_seq = 1 + -(-config.residual_tokens // bs) + sink_blocks
     need = num_sequences * len(groups) * per_seq
     if lossy_below and slots < need:
         raise ConfigError.field(
-            "device_budget",
-            format_bytes(slots * device_block_bytes),
-            f"lossy lower tiers need the residual window ({config.residual_tokens} tokens) "
-            f"+ sinks + an open block per sequence on the device: at least "
-            f"{format_bytes(need * device_block_bytes)}",
+            field,
+            value,
+            f"lossy lower tiers need the residual window (residual_tokens="
+            f"{config.residual_tokens}) + the sinks (sink_tokens={config.sink_tokens}) + an "
+            f"open block per sequence on the device: at least "
+            f"{format_bytes(need * device_block_bytes)}; raise {field} or lower residual_tokens "
+            "/ sink_tokens",
         )
     return slots
 
 
-def lower_slots(budget: int, block_bytes: int) -> int:
-    """Slots of a host / disk tier of `budget` bytes."""
+def lower_slots(budget: int, block_bytes: int, field: str = "host_budget / disk_budget") -> int:
+    """Slots of a host / disk tier of `budget` bytes.
+
+    Raises:
+        ConfigError: a budget above 0 smaller than one block (the tier would hold
+            nothing: a silent no-tier).
+    """
+    if 0 < budget < block_bytes:
+        raise ConfigError.field(
+            field,
+            budget,
+            f"smaller than one block of this model ({format_bytes(block_bytes)}): raise it "
+            "to at least that",
+        )
     return budget // block_bytes
 
 
@@ -169,11 +234,12 @@ def placement(
         Keyword fields for :class:`~kvstrata.config.CacheConfig`.
     """
     from kvstrata.codecs.registry import get_codec
+    from kvstrata.units import parse_fraction, parse_tokens
 
-    if isinstance(resident, bool) or not isinstance(resident, int | float):
+    if isinstance(resident, str):
         raise ConfigError.field("resident", resident, "a fraction in (0, 1], e.g. 0.1")
-    if not 0 < resident <= 1:
-        raise ConfigError.field("resident", resident, "a fraction in (0, 1], e.g. 0.1")
+    resident = parse_fraction(resident, "resident")
+    context = parse_tokens(context, "context")
     lower = get_codec(codec, "codec")
     layout = group_layout(model, block_size)
     groups = model_groups(model)

@@ -1,47 +1,75 @@
-"""Frozen configuration, validated at the edge (CLI, dict, keyword arguments)."""
+"""Frozen configuration, validated at construction: the one place a bad field is refused.
+
+Every way in (keyword arguments, `from_dict`, `replace`, `TieredCache(**fields)`, the
+CLI flags) ends in `CacheConfig.__post_init__`, which refuses wrong types, bools where
+numbers are meant, NaN and infinities, fractions where bytes or tokens are meant,
+out-of-range values, unknown codec names, a CUDA device on a machine without one and
+budgets larger than the machine, with one line: `<field>=<value> is invalid: <accepted>`.
+An unknown keyword is a `ConfigError` too, suggesting the closest field name.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import ConfigError
-from kvstrata.units import parse_size, parse_tokens
+from kvstrata.units import (
+    MAX_TOKENS,
+    format_bytes,
+    parse_fraction,
+    parse_size,
+    parse_tokens,
+)
 
 POLICIES = ("window", "lru", "lfu")
 COLD_ATTENTION = ("auto", "local", "stage")
+# Tokens per block the cache accepts (generation through host and disk tiers with the
+# none/int8/fp8 codecs matches DynamicCache at 1, 3, 64 and 4096; int4 further needs a
+# multiple of its group size and says so; 64-256 is the usual choice).
+BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 1, 4096
+BLOCK_SIZE_HELP = f"{BLOCK_SIZE_MIN}-{BLOCK_SIZE_MAX} tokens per block (64-256 typical)"
+DEVICE_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """How a TieredCache lays out and places KV blocks.
 
-    Budgets are bytes of *stored* KV (after the tier's codec). The device tier is
-    sized either by `device_budget` or by `resident_fraction` of `max_tokens`
-    (the seed's "keep 5-20 % resident"); `None` for both means "everything on the
-    device" (sized to `max_tokens`).
+    Budgets are bytes of *stored* KV (after the tier's codec): an int number of bytes
+    or a string such as "512MiB" / "4GB"; a number below 1 is refused, never read as
+    a fraction (the only fraction is `resident_fraction`). The device tier is sized
+    either by `device_budget` or by `resident_fraction` of `max_tokens` (the seed's
+    "keep 5-20 % resident"); `None` for both means "everything on the device" (sized
+    to `max_tokens`).
 
     Fields:
-        block_size: tokens per block (all layers, K and V). 16-512.
+        block_size: tokens per block (all layers, K and V): 1-4096, 64-256 typical.
         max_tokens: total tokens the cache must hold across all sequences; sizes
             the device tier when no budget is given and `resident_fraction`.
-        device_budget / resident_fraction: device-tier size.
-        host_budget: host-tier size (0 = no host tier).
+        device_budget / resident_fraction: device-tier size (bytes / a fraction in
+            (0, 1] of `max_tokens`; below 1 needs a host or disk tier for the rest).
+        host_budget: host-tier size in bytes (0 = no host tier).
         disk_dir / disk_budget: disk tier (no disk tier when disk_dir is None).
         *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...).
         disk_compress: also compress each disk block layer losslessly (byte planes
             + zstd, the `compress` extra): e.g. disk_codec="int4" + disk_compress.
         disk_o_direct: disk I/O with O_DIRECT (bypasses the page cache).
         residual_tokens: newest tokens kept in full precision (lossy codecs only).
-        sink_tokens: first tokens of each sequence kept on the device.
+        sink_tokens: first tokens of each sequence kept on the device (they must fit
+            there: checked with the model's block bytes when the tiers are built).
         policy: device eviction policy: "window" (newest + sinks), "lru", "lfu".
         staging_tokens: size of the device staging buffer for cold blocks.
         cold_attention: "local" attends cold host blocks where they live (CPU),
             "stage" copies them through the staging buffer, "auto" = local on a
             CPU-only machine, stage with CUDA.
-        device: compute device ("auto" = cuda when present, else cpu).
+        device: compute device ("auto" = cuda when present, else cpu); "cuda" and
+            "cuda:N" are refused when that device is not there.
     """
 
     block_size: int = 64
@@ -64,50 +92,55 @@ class CacheConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        given = dict(self.__dict__)  # the values as written, for the messages
+
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
-        put("block_size", parse_tokens(self.block_size, "block_size"))
-        if not 1 <= self.block_size <= 4096:
-            raise ConfigError.field(
-                "block_size", self.block_size, "use 16-512 tokens (64-256 typical)"
-            )
+        put("block_size", parse_tokens(self.block_size, "block_size", maximum=BLOCK_SIZE_MAX))
+        if not BLOCK_SIZE_MIN <= self.block_size <= BLOCK_SIZE_MAX:
+            raise ConfigError.field("block_size", self.block_size, BLOCK_SIZE_HELP)
         put("max_tokens", parse_tokens(self.max_tokens, "max_tokens"))
         if self.device_budget is not None:
-            put("device_budget", parse_size(self.device_budget, "device_budget"))
+            put(
+                "device_budget",
+                parse_size(
+                    self.device_budget,
+                    "device_budget",
+                    fraction_hint="for a share of max_tokens use resident_fraction",
+                ),
+            )
+        put("host_budget", parse_size(self.host_budget, "host_budget", allow_zero=True))
+        put("disk_budget", parse_size(self.disk_budget, "disk_budget", allow_zero=True))
+        lower_tier = self.disk_dir is not None or self.host_budget > 0
         if self.resident_fraction is not None:
-            frac = self.resident_fraction
-            if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 < frac <= 1:
-                raise ConfigError.field(
-                    "resident_fraction", frac, "a fraction in (0, 1], e.g. 0.1 for 10 % resident"
-                )
+            frac = parse_fraction(self.resident_fraction, "resident_fraction")
             if self.device_budget is not None:
                 raise ConfigError.field(
                     "resident_fraction",
-                    frac,
+                    self.resident_fraction,
                     "give either device_budget or resident_fraction, not both",
                 )
-        put("host_budget", parse_size(self.host_budget, "host_budget", allow_zero=True))
-        put("disk_budget", parse_size(self.disk_budget, "disk_budget", allow_zero=True))
+            if frac < 1 and not lower_tier:
+                raise ConfigError.field(
+                    "resident_fraction",
+                    self.resident_fraction,
+                    "below 1 the rest of the KV needs a host or disk tier: set host_budget "
+                    "(e.g. '4GiB') or disk_dir + disk_budget, or use resident_fraction=1",
+                )
+            put("resident_fraction", frac)
         if self.disk_dir is not None:
-            put("disk_dir", str(Path(self.disk_dir).expanduser()))
+            put("disk_dir", _check_disk_dir(self.disk_dir))
             if self.disk_budget == 0:
                 raise ConfigError.field("disk_budget", 0, "a disk tier needs a budget, e.g. '8GiB'")
         elif self.disk_budget:
             raise ConfigError.field("disk_dir", None, "set disk_dir to use disk_budget")
         for name in ("residual_tokens", "sink_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError.field(name, value, "a token count >= 0")
+            put(name, parse_tokens(getattr(self, name), name, allow_zero=True))
         put("staging_tokens", parse_tokens(self.staging_tokens, "staging_tokens"))
-        if self.policy not in POLICIES:
-            raise ConfigError.field("policy", self.policy, f"one of {', '.join(POLICIES)}")
-        if self.cold_attention not in COLD_ATTENTION:
-            raise ConfigError.field(
-                "cold_attention", self.cold_attention, f"one of {', '.join(COLD_ATTENTION)}"
-            )
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ConfigError.field("device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("cold_attention", self.cold_attention, COLD_ATTENTION)
+        put("device", _check_device(self.device))
         for name in ("disk_compress", "disk_o_direct"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError.field(name, getattr(self, name), "True or False")
@@ -115,22 +148,255 @@ class CacheConfig:
             raise ConfigError.field(
                 "disk_o_direct", True, "O_DIRECT cannot be combined with disk_compress; drop one"
             )
-        for name in ("device_codec", "host_codec", "disk_codec"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ConfigError.field(name, value, "a codec name such as 'none', 'int8', 'int4'")
+        for name in ("disk_compress", "disk_o_direct"):
+            if getattr(self, name) and self.disk_dir is None:
+                raise ConfigError.field(name, True, "set disk_dir (and disk_budget) to add a disk")
+        _check_codecs(self)
+        _check_machine(self, given)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CacheConfig:
-        """Build from a plain dict (YAML/JSON); unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError.field(
-                unknown[0], data[unknown[0]], f"unknown field; known: {', '.join(sorted(known))}"
-            )
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
+        """Build from a plain dict (YAML/JSON); an unknown key is an error naming it and
+        suggesting the closest field."""
+        if not isinstance(data, Mapping):
+            raise ConfigError.field("cache_config", data, "a dict of CacheConfig fields")
+        check_field_names(data)
         return cls(**data)
 
     def replace(self, **changes: Any) -> CacheConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CacheConfig))
+
+
+def check_field_names(fields: Mapping[str, Any], extra: Iterable[str] = ()) -> None:
+    """ConfigError for the first name in `fields` that is neither a CacheConfig field
+    nor in `extra` (other keywords the caller accepts), suggesting the closest one."""
+    known = [*FIELD_NAMES, *extra]
+    for name, value in fields.items():
+        if name not in known:
+            raise ConfigError.unknown(str(name), value, known)
+
+
+def check_cache_config(value: Any, field: str = "cache_config") -> CacheConfig | None:
+    """`value` if it is a CacheConfig or None, else a ConfigError saying how to make one."""
+    if value is None or isinstance(value, CacheConfig):
+        return value
+    raise ConfigError.field(
+        field,
+        value,
+        "a kvstrata CacheConfig (CacheConfig.from_dict(d) for a dict), or give its fields "
+        "as keyword arguments",
+    )
+
+
+STORE_KEYWORDS = ("model_key", "prefix_caching")  # KVStore keywords TieredCache passes on
+
+
+def check_tiered_cache_args(
+    model_config: Any,
+    cache_config: Any,
+    fields: Mapping[str, Any],
+    *,
+    store: Any = None,
+    prompt_ids: Any = None,
+    salt: Any = "",
+    dtype: Any = None,
+) -> None:
+    """Check `TieredCache(...)`'s arguments before anything is built (ConfigError, one
+    line): the model config, a CacheConfig (not a str or dict), known field names
+    (closest one suggested), dtype, store, salt, the KVStore keywords, and prompt ids
+    (integers, [batch, tokens], within the vocabulary and the model's positions)."""
+    import torch
+
+    from kvstrata.store import KVStore
+
+    if model_config is None or isinstance(model_config, str | bytes | int | float | dict | list):
+        raise ConfigError.field("config", model_config, "the model's config (model.config)")
+    check_cache_config(cache_config)
+    check_field_names(fields, ("store", "prompt_ids", "salt", "dtype", *STORE_KEYWORDS))
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ConfigError.field("dtype", dtype, "a torch.dtype such as torch.float16, or None")
+    if store is not None and not isinstance(store, KVStore):
+        raise ConfigError.field("store", store, "a kvstrata KVStore to share, or None")
+    if not isinstance(salt, str):
+        raise ConfigError.field("salt", salt, "a string naming the tenant ('' = shared)")
+    if fields.get("model_key") is not None and not isinstance(fields["model_key"], str):
+        raise ConfigError.field("model_key", fields["model_key"], "a string, or None")
+    if not isinstance(fields.get("prefix_caching", True), bool):
+        raise ConfigError.field("prefix_caching", fields["prefix_caching"], "True or False")
+    if prompt_ids is not None:
+        _check_prompt_ids(prompt_ids, model_config)
+
+
+def _check_prompt_ids(prompt_ids: Any, model_config: Any) -> None:
+    import torch
+
+    accepted = "token ids: a tensor or list of ints, [tokens] or [batch, tokens]"
+    try:
+        ids = torch.as_tensor(prompt_ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError.field("prompt_ids", prompt_ids, accepted) from None
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ConfigError.field("prompt_ids", prompt_ids, accepted)
+    if ids.ndim not in (1, 2) or ids.numel() == 0:
+        return  # the shape is refused where the ids are read (names the shape)
+    vocab = getattr(model_config, "vocab_size", None)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (isinstance(vocab, int) and high >= vocab):
+        bad = low if low < 0 else high
+        accepted = "ids >= 0"
+        if isinstance(vocab, int):
+            accepted = f"ids from 0 to {vocab - 1} (vocab_size)"
+        raise ConfigError.field("prompt_ids", f"... {bad} ...", accepted)
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and ids.shape[-1] > limit:
+        raise ConfigError.field(
+            "prompt_ids",
+            f"{ids.shape[-1]} tokens",
+            f"at most the model's max_position_embeddings ({limit})",
+        )
+
+
+_dataclass_init = CacheConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_checking_names(self: CacheConfig, *args: Any, **kwargs: Any) -> None:
+    # The generated __init__ would raise TypeError for a misspelled keyword; make it the
+    # same ConfigError as from_dict, with the closest field name.
+    if len(args) > len(FIELD_NAMES):
+        raise ConfigError.field(
+            "CacheConfig", args, f"at most {len(FIELD_NAMES)} fields; give them by name"
+        )
+    check_field_names(kwargs)
+    _dataclass_init(self, *args, **kwargs)
+
+
+CacheConfig.__init__ = _init_checking_names  # type: ignore[method-assign]
+
+
+def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError.field(field, value, f"one of {', '.join(choices)}")
+
+
+def _check_disk_dir(value: Any) -> str:
+    """A usable directory path as a str: not '', not a file, not bytes."""
+    if isinstance(value, bytes) or not isinstance(value, str | os.PathLike):
+        raise ConfigError.field("disk_dir", value, "a directory path (str or Path)")
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError.field(
+            "disk_dir",
+            value,
+            "a directory path such as '/var/tmp/kvstrata' ('' would write into the current "
+            "directory; use '.' to mean it)",
+        )
+    if "\0" in text:
+        raise ConfigError.field("disk_dir", value, "a directory path without NUL bytes")
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError.field("disk_dir", value, "exists and is not a directory")
+    return str(path)
+
+
+def _check_device(value: Any) -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N' (also a torch.device), present on this machine."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "device":
+        value = str(value)
+    if not isinstance(value, str):
+        raise ConfigError.field("device", value, DEVICE_HELP)
+    if value in ("auto", "cpu"):
+        return value
+    index = 0
+    if value != "cuda":
+        head, _, tail = value.partition(":")
+        if head != "cuda" or not tail.isdigit():
+            raise ConfigError.field("device", value, DEVICE_HELP)
+        index = int(tail)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError.field(
+            "device",
+            value,
+            "CUDA is not available here (torch.cuda.is_available() is False): use 'cpu' or 'auto'",
+        )
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError.field("device", value, f"this machine has cuda:0 to cuda:{count - 1}")
+    return value
+
+
+def _check_codecs(config: CacheConfig) -> None:
+    from kvstrata.codecs.registry import get_codec
+
+    for name in ("device_codec", "host_codec", "disk_codec"):
+        value = getattr(config, name)
+        if not isinstance(value, str) or not value:
+            raise ConfigError.field(name, value, "a codec name such as 'none', 'int8', 'int4'")
+        codec = get_codec(value, name)
+        if name == "device_codec" and not codec.lossless:
+            raise ConfigError.field(
+                name,
+                value,
+                "the device tier keeps full precision (it is the residual window); put "
+                "lossy codecs on host_codec / disk_codec",
+            )
+
+
+def device_memory(device: str) -> tuple[str, int]:
+    """(what, bytes) of memory behind `device` ('auto' resolved): the GPU's total
+    memory for CUDA, physical RAM for the CPU (0 when unknown)."""
+    from kvstrata.hardware import machine_ram
+
+    if device == "cpu":
+        return "this machine's RAM", machine_ram()
+    import torch
+
+    if device == "auto" and not torch.cuda.is_available():
+        return "this machine's RAM", machine_ram()
+    index = 0 if device in ("auto", "cuda") else int(device.split(":")[1])
+    return f"cuda:{index}", int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def _check_machine(config: CacheConfig, given: dict[str, Any]) -> None:
+    """Budgets this machine cannot hold: the tiers allocate them up front."""
+    from kvstrata.hardware import machine_ram
+
+    ram = machine_ram()
+    if ram and config.host_budget > ram:
+        raise ConfigError.field(
+            "host_budget",
+            given["host_budget"],
+            f"larger than {format_bytes(ram)} of RAM here (the host tier is allocated up "
+            "front): lower it or put the rest on disk (disk_dir + disk_budget)",
+        )
+    if config.device_budget is not None:
+        what, memory = device_memory(config.device)
+        if memory and config.device_budget > memory:
+            raise ConfigError.field(
+                "device_budget",
+                given["device_budget"],
+                f"larger than the {format_bytes(memory)} of {what}: lower it and offload "
+                "the rest (host_budget / disk_dir)",
+            )
+
+
+__all__ = [
+    "BLOCK_SIZE_MAX",
+    "BLOCK_SIZE_MIN",
+    "COLD_ATTENTION",
+    "FIELD_NAMES",
+    "MAX_TOKENS",
+    "POLICIES",
+    "CacheConfig",
+    "STORE_KEYWORDS",
+    "check_cache_config",
+    "check_field_names",
+    "check_tiered_cache_args",
+    "device_memory",
+]

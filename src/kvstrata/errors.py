@@ -12,8 +12,29 @@ class ConfigError(KvstrataError, ValueError):
 
     @classmethod
     def field(cls, field: str, value: object, accepted: str) -> ConfigError:
-        """Build the one-line message `<field>=<value!r> is invalid: <accepted>`."""
-        return cls(f"{field}={value!r} is invalid: {accepted}")
+        """Build the one-line message `<field>=<value!r> is invalid: <accepted>` (a long
+        or multi-line repr, e.g. of a tensor, is collapsed and shortened)."""
+        return cls(f"{field}={_short_repr(value)} is invalid: {accepted}")
+
+    @classmethod
+    def unknown(cls, field: str, value: object, known: list[str] | tuple[str, ...]) -> ConfigError:
+        """An unknown field (a misspelled keyword or dict key): names it, suggests the
+        closest known names (difflib) and lists the known ones, on one line."""
+        import difflib
+
+        close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        return cls.field(field, value, f"unknown field; {guess}known: {', '.join(sorted(known))}")
+
+
+def _short_repr(value: object, limit: int = 240) -> str:
+    """repr(value) on one line, at most `limit` characters."""
+    text = repr(value)
+    if "\n" in text or len(text) > limit:
+        text = " ".join(text.split())
+        if len(text) > limit:
+            text = text[: limit - 3] + "..."
+    return text
 
 
 class OutOfBlocksError(KvstrataError, MemoryError):

@@ -26,8 +26,10 @@ from typing import Any
 from kvstrata.errors import ConfigError
 from kvstrata.geometry import DTYPES, KVGeometry, dtype_name
 from kvstrata.hardware import GIB, SLOW_LINK_BANDWIDTH, Hardware
+from kvstrata.units import MAX_TOKENS, format_bytes
 
 PRIORITIES = ("throughput", "latency")
+PLAN_BLOCK_MIN, PLAN_BLOCK_MAX = 16, 512  # block sizes a plan models (the cache takes 1-4096)
 TABLE_CONTEXTS = tuple(1024 * k for k in (1, 2, 4, 8, 16, 32, 64, 128))
 TABLE_CODECS = ("fp16", "fp8", "int8", "int4")  # "fp16" stands for any 16-bit dtype
 HOT_TOKENS = 1024  # the seed: "GPU keeps the most recent ~1k tokens"
@@ -53,7 +55,8 @@ class Workload:
         weights_dtype: dtype of the weights (sizes them); None = the model's dtype.
         kv_dtype: dtype of the KV; None = the model's dtype.
         codec: codec of the stored KV in every tier ("none" = kv_dtype).
-        block_size: tokens per block; None = chosen (64-256).
+        block_size: tokens per block, 16-512 (the sizes whose per-block overhead and
+            transfer granularity the planner's bounds model); None = chosen (64-256).
         params: parameter count; None = from the geometry.
         reserve_fraction / reserve_bytes: GPU memory kept for activations, the CUDA
             context and fragmentation (reserve_bytes wins when given).
@@ -76,19 +79,38 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("context_tokens", "concurrency"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError.field(name, value, "a positive integer")
+            if not _whole(value) or not 0 < value <= MAX_TOKENS:
+                raise ConfigError.field(name, value, f"a whole number from 1 to {MAX_TOKENS:,}")
         if self.priority not in PRIORITIES:
             raise ConfigError.field("priority", self.priority, f"one of {', '.join(PRIORITIES)}")
-        if self.block_size is not None and not 16 <= self.block_size <= 512:
-            raise ConfigError.field("block_size", self.block_size, "16-512 tokens (64-256 typical)")
-        if not 0 <= self.reserve_fraction < 1:
+        if self.block_size is not None and (
+            not _whole(self.block_size) or not PLAN_BLOCK_MIN <= self.block_size <= PLAN_BLOCK_MAX
+        ):
+            raise ConfigError.field(
+                "block_size",
+                self.block_size,
+                f"{PLAN_BLOCK_MIN}-{PLAN_BLOCK_MAX} tokens for a plan (64-256 typical)",
+            )
+        if not _real(self.reserve_fraction) or not 0 <= self.reserve_fraction < 1:
             raise ConfigError.field("reserve", self.reserve_fraction, "a fraction in [0, 1)")
+        reserve = self.reserve_bytes
+        if reserve is not None and (not _whole(reserve) or reserve < 0):
+            raise ConfigError.field("reserve", self.reserve_bytes, "a whole number of bytes >= 0")
         frac = self.resident_fraction
-        if frac is not None and not 0 < frac <= 1:
+        if frac is not None and (not _real(frac) or not 0 < frac <= 1):
             raise ConfigError.field("resident_fraction", frac, "a fraction in (0, 1]")
-        if self.params is not None and self.params <= 0:
-            raise ConfigError.field("params", self.params, "a positive parameter count")
+        if self.params is not None and (not _whole(self.params) or self.params <= 0):
+            raise ConfigError.field("params", self.params, "a positive whole parameter count")
+
+
+def _whole(value: object) -> bool:
+    """An int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -247,6 +269,7 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
     Raises:
         ConfigError: unknown codec/dtype, or no parameter count (pass `params`).
     """
+    _check_hardware(hardware)
     kv_dtype = dtype_name(workload.kv_dtype or geometry.dtype, "kv_dtype")
     weights_dtype = dtype_name(workload.weights_dtype or geometry.dtype, "weights_dtype")
     codec = workload.codec
@@ -265,6 +288,13 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
     weights = params * DTYPES[weights_dtype][1]
     if workload.reserve_bytes is not None:
         reserve = workload.reserve_bytes
+        if reserve >= gpu.memory_bytes:
+            raise ConfigError.field(
+                "reserve",
+                format_bytes(reserve),
+                f"must be less than the GPU's memory ({format_bytes(gpu.memory_bytes)}, "
+                f"{gpu.name}): e.g. '10%' or '2GiB'",
+            )
     else:
         reserve = int(workload.reserve_fraction * gpu.memory_bytes)
     kv_room = gpu.memory_bytes - weights - reserve
@@ -401,6 +431,22 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
         raise_hint=raise_hint,
         notes=notes,
     )
+
+
+def _check_hardware(hardware: Hardware) -> None:
+    """ConfigError for a bandwidth or size that is not a finite positive number (an
+    infinite bandwidth would make every bound 0 and the slowdown 0/0)."""
+    values = {
+        "gpu_memory": hardware.gpu.memory_bytes,
+        "gpu_bandwidth": hardware.gpu.bandwidth,
+        "link_bandwidth": hardware.link.bandwidth,
+        "disk_bandwidth": hardware.disk.bandwidth if hardware.disk is not None else 1.0,
+    }
+    for name, value in values.items():
+        if not _real(value) or value <= 0:
+            raise ConfigError.field(name, value, "a finite number > 0")
+    if not _real(hardware.host_memory) or hardware.host_memory < 0:
+        raise ConfigError.field("host_memory", hardware.host_memory, "a byte count >= 0")
 
 
 def _reasons(

@@ -22,6 +22,7 @@ blocks are keyed in its durable index, so a restarted process finds them;
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
 from kvstrata.blocks.runs import token_writes
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
-from kvstrata.errors import ConfigError
+from kvstrata.errors import ConfigError, KvstrataError
 from kvstrata.geometry import KVGeometry
 from kvstrata.groups import LayerGroup, layer_groups
 from kvstrata.hashing import weights_of
@@ -51,6 +52,8 @@ class _Sequence:
     token_ids: list[int] | None = field(default_factory=list)  # None: unknown, no hashing
     num_hashed: int = 0  # leading full blocks hashed
     in_step: bool = False  # extended, step_done not yet called
+    step_start: int = 0  # tokens before the step in progress
+    failed: str | None = None  # why the sequence is unusable (a step that could not be undone)
     parents: list[bytes | None] = field(default_factory=list)  # last hash per group
 
 
@@ -115,6 +118,7 @@ class KVStore:
         self._seqs: dict[int, _Sequence] = {}
         self._ids = itertools.count()
         self._closed = False
+        self._thread: int | None = None  # the thread that uses the store (bound at first use)
 
     @property
     def model_key(self) -> str:
@@ -198,9 +202,63 @@ class KVStore:
         self.runtime = AttentionRuntime(self, native=native)
 
     def _require(self) -> BlockManager:
+        if self._closed:
+            raise KvstrataError("this KVStore is closed: create a new one")
         if self.manager is None:
             raise RuntimeError("KVStore is empty: build() it or run a forward pass first")
+        self.check_thread()
         return self.manager
+
+    def check_thread(self) -> None:
+        """A store (and every TieredCache over it) is used by one thread: the first
+        one that uses it. A call from another thread is refused — interleaved steps
+        would move blocks under each other's reads. Hand a store over explicitly with
+        `handover()` once the old thread has stopped using it."""
+        me = threading.get_ident()
+        if self._thread is None:
+            self._thread = me
+        elif self._thread != me:
+            raise KvstrataError(
+                f"this KVStore is in use by thread {self._thread}, called from thread {me}: "
+                "stores and TieredCaches are not thread-safe; use one per thread, or call "
+                "store.handover() in the new thread after the old one stopped using it"
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def free_orphans(self, seq_ids: list[int]) -> None:
+        """Free the sequences of a cache that was dropped without close() (called by
+        its finalizer, which may run on any thread; the cache can no longer step)."""
+        if self._closed or self.manager is None:
+            return
+        owner, self._thread = self._thread, threading.get_ident()
+        try:
+            for seq_id in seq_ids:
+                if seq_id in self._seqs:
+                    self.free(seq_id)
+        finally:
+            self._thread = owner
+
+    @property
+    def is_user_thread(self) -> bool:
+        """The calling thread may use the store (it is its user, or it has none yet)."""
+        return self._thread in (None, threading.get_ident())
+
+    def handover(self) -> None:
+        """Make the calling thread the store's user (the previous one must be done)."""
+        self._thread = threading.get_ident()
+
+    def _usable(self, seq_id: int) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ConfigError.field("seq_id", seq_id, "a sequence of this store (add_sequence)")
+        if seq.failed is not None:
+            raise KvstrataError(
+                f"sequence {seq_id} is unusable: {seq.failed}; free it and start again"
+            )
+        return seq
 
     @property
     def prefix(self) -> PrefixStats:
@@ -255,15 +313,16 @@ class KVStore:
             flattened [len(seq_ids) * num_new] order of the step).
         """
         mgr = self._require()
+        seqs = [self._usable(s) for s in seq_ids]
         keys = [k for g in self.groups for k in ((s, g.index) for s in seq_ids)]
         writes = mgr.append(keys, num_new)
         if self.runtime is not None:
             self.runtime.begin_step(num_new)
-        for i, seq_id in enumerate(seq_ids):
-            seq = self._seqs[seq_id]
-            if seq.in_step:  # the previous step never finished: its K/V may be partial,
-                seq.token_ids = None  # so this sequence's blocks are never indexed
+        for i, seq in enumerate(seqs):
+            if seq.in_step:  # the previous step never called step_done (K/V written
+                seq.token_ids = None  # without a forward?): never index this sequence
             seq.in_step = True
+            seq.step_start = mgr.num_tokens((seq_ids[i], 0)) - num_new
             if seq.token_ids is None:
                 continue
             new = token_ids[i] if token_ids is not None else None
@@ -278,10 +337,39 @@ class KVStore:
         complete in every layer and can be hashed (found by later lookups)."""
         mgr = self._require()
         for seq_id in seq_ids:
-            self._seqs[seq_id].in_step = False
+            seq = self._usable(seq_id)
+            if not seq.in_step:
+                continue
+            seq.in_step = False
             if self.prefix_caching:  # before end_step: the step's skipped blocks get cached
                 self.prefix_index.hash_full_blocks(seq_id)
         mgr.end_step([k for s in seq_ids for k in self.tables(s)])
+
+    def abort_step(self, seq_ids: list[int] | None = None) -> list[int]:
+        """Undo the unfinished step of these sequences (default: all): back to the
+        tokens they had before it, the step's blocks released, as if it never ran. A
+        sequence whose step cannot be undone is marked unusable (any further use
+        raises). Returns the sequences that were rolled back."""
+        mgr = self._require()
+        ids = self.sequence_ids if seq_ids is None else seq_ids
+        undone = []
+        for seq_id in ids:
+            seq = self._seqs.get(seq_id)
+            if seq is None or not seq.in_step:
+                continue
+            seq.in_step = False
+            try:
+                for key in self.tables(seq_id):
+                    mgr.abort_step(key, seq.step_start)
+            except KvstrataError as err:
+                seq.failed = f"a failed step could not be undone ({err})"
+                continue
+            if seq.token_ids is not None:
+                del seq.token_ids[seq.step_start :]
+            undone.append(seq_id)
+        if self.runtime is not None:
+            self.runtime.begin_step(0)
+        return undone
 
     def num_tokens(self, seq_id: int) -> int:
         return self._require().num_tokens((seq_id, 0))
@@ -296,14 +384,15 @@ class KVStore:
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block of `seq_id` (copy on write)."""
         mgr = self._require()
+        src = self._usable(seq_id)
         new_id = next(self._ids)
-        src = self._seqs[seq_id]
         self._seqs[new_id] = _Sequence(
             salt=src.salt,
             token_ids=None if src.token_ids is None else list(src.token_ids),
             num_hashed=src.num_hashed,
             parents=list(src.parents),
             in_step=src.in_step,
+            step_start=src.step_start,
         )
         for src_key, dst_key in zip(self.tables(seq_id), self.tables(new_id), strict=True):
             mgr.fork(src_key, dst_key)
@@ -312,6 +401,7 @@ class KVStore:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep the first `num_tokens` tokens of a sequence."""
         mgr = self._require()
+        self._usable(seq_id)
         if num_tokens >= self.num_tokens(seq_id):
             return
         for key in self.tables(seq_id):
@@ -325,8 +415,14 @@ class KVStore:
             seq.parents = [None] * len(self.groups)
 
     def free(self, seq_id: int) -> None:
-        """Release a sequence; its hashed blocks stay cached."""
+        """Release a sequence; its hashed blocks stay cached (an unfinished step's
+        blocks are never indexed: they are released)."""
         mgr = self._require()
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ConfigError.field("seq_id", seq_id, "a sequence of this store (add_sequence)")
+        if seq.in_step:
+            self.abort_step([seq_id])
         self._seqs.pop(seq_id)
         for key in self.tables(seq_id):
             mgr.free_sequence(key)

@@ -210,6 +210,32 @@ class BlockManager(CachedBlocks):
                 self._move([last], device)
         self._runs.pop(seq_id, None)
 
+    def abort_step(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Undo a step that failed before `end_step`: the table goes back to its
+        `num_tokens` tokens and the step's new blocks are released. Blocks the step
+        moved stay where they are (their contents are whole).
+
+        Raises:
+            KvstrataError / OutOfBlocksError: the table cannot be restored (then the
+                caller must not use it again).
+        """
+        table = self.tables[seq_id]
+        if table.step_history:  # the step skipped past its window: put the history back
+            new = table.block_ids
+            self._unhold(seq_id, new)
+            extra = [b for _, b in table.step_extra]
+            table.block_ids = [b for _, b in table.step_history]
+            table.first_block = table.step_history[0][0]
+            table.step_history, table.step_extra = [], []
+            table.num_tokens = num_tokens
+            for block_id in new + extra:
+                self._decref(block_id)
+            self._hold(seq_id)
+            self._runs.pop(seq_id, None)
+            return
+        self.end_step([seq_id])
+        self.truncate(seq_id, num_tokens)
+
     # -- budgets ------------------------------------------------------------------------------
     def set_budget(self, tier: str, num_slots: int) -> None:
         """Change a tier's budget at run time (dynamic offload ratio); enforced now."""

@@ -14,17 +14,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from kvstrata.cli.generate import (
     DEFAULT_PROMPT,
     apply_threads,
+    check_positions,
     generate_ids,
     parse_threads,
     prompt_then_stream,
     quiet_transformers,
     render_stats,
 )
+from kvstrata.errors import ConfigError
 from kvstrata.units import format_bytes, parse_tokens
 
 PLAN_GPU = "l4"
@@ -82,6 +83,7 @@ def run_demo(args: argparse.Namespace, model_dir: Path) -> int:
     """Generate across tiers, print stats, compare with DynamicCache. Exit 1 on mismatch."""
     from transformers import DynamicCache
 
+    from kvstrata.budgets import lower_tier_bytes
     from kvstrata.integrations.hf import TieredCache, enable
     from kvstrata.modelzoo import load_model
 
@@ -89,14 +91,16 @@ def run_demo(args: argparse.Namespace, model_dir: Path) -> int:
     model, tokenizer = load_model(model_dir)
     apply_threads(model, args.threads)
     max_new = parse_tokens(args.max_new_tokens, "max_new_tokens")
-    max_tokens = len(tokenizer(args.prompt).input_ids) + max_new
+    prompt_tokens = len(tokenizer(args.prompt).input_ids)
+    check_positions(model, prompt_tokens, max_new, "max_new_tokens")
+    max_tokens = prompt_tokens + max_new
     # Device keeps a quarter of the blocks (newest + sinks); the rest is demoted to the host.
     cache = TieredCache(
         model.config,
         block_size=DEMO_BLOCK_SIZE,
         max_tokens=max_tokens,
         resident_fraction=0.25,
-        host_budget=2 * max_tokens * _bytes_per_token(model),
+        host_budget=lower_tier_bytes(model, "none", max_tokens, DEMO_BLOCK_SIZE),
         staging_tokens=4 * DEMO_BLOCK_SIZE,
     )
     print(
@@ -136,14 +140,6 @@ def run_demo(args: argparse.Namespace, model_dir: Path) -> int:
     return 1
 
 
-def _bytes_per_token(model: Any) -> int:
-    """KV bytes per token in the model's dtype (all layers, K and V)."""
-    from kvstrata.geometry import KVGeometry, dtype_name
-
-    dtype = dtype_name(next(model.parameters()).dtype)
-    return int(KVGeometry.from_hf_config(model.config).bytes_per_token(dtype))
-
-
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata demo`."""
     from kvstrata.modelzoo import DEFAULT_MODEL_NAME, default_model_dir
@@ -151,7 +147,12 @@ def run(args: argparse.Namespace) -> int:
     parse_threads(args.threads)
     parse_tokens(args.max_new_tokens, "max_new_tokens")
     model_dir = Path(args.model) if args.model else default_model_dir()
-    if not (model_dir / "model.safetensors").is_file():
+    has_weights = (model_dir / "model.safetensors").is_file()
+    if args.model and not has_weights:
+        raise ConfigError.field(
+            "model", args.model, "a model directory with config.json and model.safetensors"
+        )
+    if not has_weights:
         print(
             f"kvstrata demo: the embedded model {DEFAULT_MODEL_NAME} is not installed at "
             f"{model_dir}; showing its memory plan only"

@@ -18,6 +18,7 @@ import tempfile
 from typing import Any
 
 from kvstrata.cli.generate import apply_threads, parse_threads, quiet_transformers
+from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.errors import ConfigError
 from kvstrata.evaluate import (
     LOSSLESS_TOLERANCE_PCT,
@@ -26,19 +27,21 @@ from kvstrata.evaluate import (
     heldout_windows,
     placement,
 )
-from kvstrata.units import parse_fraction, parse_tokens
+from kvstrata.units import parse_fraction, parse_int, parse_tokens
 
 DEFAULT_CODECS = "none,int8,fp8,int4"
 
 
 def _positive_int(value: str, field: str, minimum: int = 1) -> int:
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = minimum - 1
-    if number < minimum:
-        raise ConfigError.field(field, value, f"an integer >= {minimum}")
-    return number
+    return parse_int(value, field, minimum=minimum)
+
+
+def _block_size(args: argparse.Namespace) -> int:
+    return parse_tokens(args.block_size, "block_size", maximum=BLOCK_SIZE_MAX)
+
+
+def _residual(args: argparse.Namespace) -> int:
+    return parse_tokens(args.residual, "residual", allow_zero=True)
 
 
 def _fraction(value: str) -> float:
@@ -61,9 +64,16 @@ def parse_grid(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     from kvstrata.codecs.registry import get_codec
 
     codecs = _split(args.codec, DEFAULT_CODECS)
+    residents = _split(args.resident, "0.1")
+    for name, values, given in (
+        ("codec", codecs, args.codec),
+        ("resident", residents, args.resident),
+    ):
+        if not values:
+            raise ConfigError.field(name, ",".join(given or []), "one or more, comma-separated")
     for codec in codecs:
         get_codec(codec, "codec")
-    return codecs, [_fraction(r) for r in _split(args.resident, "0.1")]
+    return codecs, [_fraction(r) for r in residents]
 
 
 def build_configs(
@@ -73,8 +83,8 @@ def build_configs(
     from kvstrata.codecs.registry import get_codec
 
     codecs, residents = parse_grid(args)
-    block_size = parse_tokens(args.block_size, "block_size")
-    residual = _positive_int(args.residual, "residual", 0)
+    block_size = _block_size(args)
+    residual = _residual(args)
     configs: dict[str, dict[str, Any]] = {}
     lossless: dict[str, bool] = {}
     for codec in codecs:
@@ -173,10 +183,17 @@ def run_ppl(args: argparse.Namespace) -> int:
     num_windows = _positive_int(args.windows, "windows", 1)
     parse_grid(args)
     parse_threads(args.threads)
-    parse_tokens(args.block_size, "block_size")
-    _positive_int(args.residual, "residual", 0)
+    _block_size(args)
+    _residual(args)
     quiet_transformers()
     model, tokenizer = load_model(args.model)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and context > limit:
+        raise ConfigError.field(
+            "context",
+            args.context,
+            f"at most the model's max_position_embeddings ({limit}) tokens per window",
+        )
     apply_threads(model, args.threads)
     byte_level = len(tokenizer) == BYTE_VOCAB_SIZE and tokenizer.eos_token_id == EOS_ID
     windows = heldout_windows(
@@ -212,7 +229,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         from kvstrata.codecs.registry import get_codec
         from kvstrata.evaluate import block_layout
 
-        block_size = parse_tokens(args.block_size, "block_size")
+        block_size = _block_size(args)
         none_bytes = get_codec("none").block_nbytes(block_layout(model, block_size))
         render(report, lossless, failures, none_bytes)
     if failures:

@@ -14,23 +14,56 @@ import argparse
 import sys
 from typing import Any
 
+from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.errors import ConfigError
-from kvstrata.units import format_bytes, parse_fraction, parse_size, parse_tokens
+from kvstrata.units import (
+    format_bytes,
+    parse_float,
+    parse_fraction,
+    parse_int,
+    parse_size,
+    parse_tokens,
+)
 
 DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+MAX_THREADS = 1024
+MAX_SEED = 2**64 - 1  # what torch.manual_seed takes
 
 
 def parse_threads(value: str) -> int | None:
     """'auto' -> None; '2' -> 2 (ConfigError otherwise)."""
     if str(value).strip().lower() == "auto":
         return None
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise ConfigError.field("threads", value, "'auto' or a thread count >= 1")
-    return number
+    return parse_int(value, "threads", maximum=MAX_THREADS, what="'auto' or a whole thread count")
+
+
+def check_positions(model: Any, prompt_tokens: int, max_new: int, new_field: str) -> None:
+    """ConfigError unless the prompt plus `max_new` new tokens fit the model's positions
+    (`max_position_embeddings`): beyond them RoPE / position embeddings run out.
+
+    Args:
+        model: The model (its config's max_position_embeddings; no limit when absent).
+        prompt_tokens: Tokens of the prompt.
+        max_new: Tokens to generate.
+        new_field: The flag of `max_new`, named in the message.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or prompt_tokens + max_new <= limit:
+        return
+    if prompt_tokens >= limit:
+        raise ConfigError.field(
+            "prompt",
+            f"{prompt_tokens} tokens",
+            f"the model's max_position_embeddings is {limit}: leave room for the new tokens",
+        )
+    raise ConfigError.field(
+        new_field,
+        max_new,
+        f"the prompt ({prompt_tokens} tokens) + {new_field} must be <= the model's "
+        f"max_position_embeddings ({limit}): at most {limit - prompt_tokens}",
+    )
 
 
 def quiet_transformers() -> None:
@@ -53,16 +86,6 @@ def apply_threads(model: Any, value: str) -> None:
         torch.set_num_threads(threads)
 
 
-def _float(value: str, field: str, minimum: float = 0.0) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = minimum - 1
-    if not number >= minimum:
-        raise ConfigError.field(field, value, f"a number >= {minimum:g}")
-    return number
-
-
 def _fraction(value: str | None) -> float | None:
     return None if value is None else parse_fraction(value, "resident_fraction")
 
@@ -70,20 +93,43 @@ def _fraction(value: str | None) -> float | None:
 def check_sampling(args: argparse.Namespace) -> None:
     """Validate the generation flags (before any model loads)."""
     parse_tokens(args.max_new_tokens, "max_new_tokens")
-    _float(args.temperature, "temperature")
-    if args.top_k is not None and int(_float(args.top_k, "top_k", 1)) != float(args.top_k):
-        raise ConfigError.field("top_k", args.top_k, "a whole number >= 1")
+    _temperature(args)
+    _top_k(args)
     if not args.prompt:
         raise ConfigError.field("prompt", args.prompt, "a non-empty prompt")
     parse_threads(args.threads)
-    _float(args.no_repeat_ngram, "no_repeat_ngram")
+    _no_repeat_ngram(args)
+    _seed(args)
     from kvstrata.codecs.registry import get_codec
 
     get_codec(args.host_codec, "host_codec")
     if args.disk_codec is not None:
         get_codec(args.disk_codec, "disk_codec")
-    parse_tokens(args.block_size, "block_size")
+    parse_tokens(args.block_size, "block_size", maximum=BLOCK_SIZE_MAX)
     _fraction(args.resident_fraction)
+    if args.max_tokens is not None:
+        parse_tokens(args.max_tokens, "max_tokens")
+    parse_tokens(args.residual, "residual_tokens", allow_zero=True)
+    parse_tokens(args.sinks, "sink_tokens", allow_zero=True)
+    for name in ("device_budget", "host_budget", "disk_budget"):
+        if getattr(args, name) is not None:
+            parse_size(getattr(args, name), name, allow_zero=name == "host_budget")
+
+
+def _temperature(args: argparse.Namespace) -> float:
+    return parse_float(args.temperature, "temperature", minimum=0.0)
+
+
+def _top_k(args: argparse.Namespace) -> int | None:
+    return None if args.top_k is None else parse_int(args.top_k, "top_k")
+
+
+def _no_repeat_ngram(args: argparse.Namespace) -> int:
+    return parse_int(args.no_repeat_ngram, "no_repeat_ngram", minimum=0, what="an n-gram size")
+
+
+def _seed(args: argparse.Namespace) -> int:
+    return parse_int(args.seed, "seed", minimum=0, maximum=MAX_SEED, what="a seed")
 
 
 def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[str, Any]:
@@ -99,7 +145,13 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
     """
     from kvstrata.budgets import lower_tier_bytes
 
-    block_size = parse_tokens(args.block_size, "block_size")
+    block_size = parse_tokens(args.block_size, "block_size", maximum=BLOCK_SIZE_MAX)
+    if args.max_tokens is not None and parse_tokens(args.max_tokens, "max_tokens") < max_tokens:
+        raise ConfigError.field(
+            "max_tokens",
+            args.max_tokens,
+            f"at least the prompt + max_new_tokens ({max_tokens} tokens), which the cache holds",
+        )
     kw: dict[str, Any] = {
         "block_size": block_size,
         "max_tokens": parse_tokens(args.max_tokens, "max_tokens")
@@ -107,8 +159,8 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
         else max_tokens,
         "host_codec": args.host_codec,
         "disk_codec": args.disk_codec or args.host_codec,
-        "residual_tokens": int(_float(args.residual, "residual_tokens")),
-        "sink_tokens": int(_float(args.sinks, "sink_tokens")),
+        "residual_tokens": parse_tokens(args.residual, "residual_tokens", allow_zero=True),
+        "sink_tokens": parse_tokens(args.sinks, "sink_tokens", allow_zero=True),
         "cold_attention": args.cold_attention,
     }
     if args.staging_tokens is not None:
@@ -274,15 +326,16 @@ def prompt_then_stream(tokenizer: Any, prompt: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata generate`; exit code 0."""
+    check_sampling(args)  # before the slow imports: bad flags answer at once
     from kvstrata.integrations.hf import TieredCache, enable
     from kvstrata.modelzoo import load_model
 
-    check_sampling(args)
     max_new = parse_tokens(args.max_new_tokens, "max_new_tokens")
     quiet_transformers()
     model, tokenizer = load_model(args.model)
     apply_threads(model, args.threads)
     prompt_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    check_positions(model, prompt_ids.shape[1], max_new, "max_new_tokens")
     kwargs = cache_kwargs(args, model, prompt_ids.shape[1] + max_new)
     # With a disk tier, the prompt's longest prefix an earlier run left there is reused
     # (only the rest is prefilled), and this run's blocks are kept for the next one.
@@ -296,10 +349,10 @@ def run(args: argparse.Namespace) -> int:
         args.prompt,
         cache,
         max_new,
-        temperature=_float(args.temperature, "temperature"),
-        top_k=int(args.top_k) if args.top_k is not None else None,
-        seed=args.seed,
-        no_repeat_ngram_size=int(_float(args.no_repeat_ngram, "no_repeat_ngram")),
+        temperature=_temperature(args),
+        top_k=_top_k(args),
+        seed=_seed(args),
+        no_repeat_ngram_size=_no_repeat_ngram(args),
         streamer=streamer,
     )
     if streamer is None:
@@ -351,7 +404,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-repeat-ngram", default="0", help="forbid repeating n-grams of this size (0 = off)"
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", default="0", help="sampling seed (default 0)")
     p.add_argument("--stats", action="store_true", help="print the cache statistics")
     p.add_argument("--no-stream", action="store_true", help="print the text at the end")
     p.add_argument(

@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from kvstrata.errors import ConfigError
 from kvstrata.geometry import DTYPES, load_geometry
 from kvstrata.hardware import DISKS, GPUS, LINKS, make_hardware
 from kvstrata.planner import PRIORITIES, Plan, Workload, plan
-from kvstrata.units import format_bytes, parse_fraction, parse_size, parse_tokens
+from kvstrata.units import (
+    MAX_BYTES,
+    format_bytes,
+    parse_float,
+    parse_fraction,
+    parse_int,
+    parse_size,
+    parse_tokens,
+)
+
+BANDWIDTH_HELP = "a bandwidth > 0 such as '25GB/s', '1TB/s' or 25e9 (bytes/s)"
 
 
 def _bandwidth(value: str | None, field: str) -> float | None:
@@ -25,9 +36,15 @@ def _bandwidth(value: str | None, field: str) -> float | None:
     if text.lower().endswith("/s"):
         text = text[:-2]
     try:
-        return float(text)
+        number = float(text)
     except ValueError:
-        return float(parse_size(text, field))
+        try:
+            number = float(parse_size(text, field))
+        except ConfigError:
+            raise ConfigError.field(field, value, BANDWIDTH_HELP) from None
+    if not 0 < number <= MAX_BYTES:  # also NaN and infinity
+        raise ConfigError.field(field, value, BANDWIDTH_HELP)
+    return number
 
 
 def _params(value: str | None) -> int | None:
@@ -37,11 +54,11 @@ def _params(value: str | None) -> int | None:
     text = value.strip().lower()
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}.get(text[-1:], 1.0)
     try:
-        number = float(text[:-1] if scale != 1.0 else text) * scale
-    except ValueError:
-        raise ConfigError.field("params", value, "a parameter count such as 7e9 or '7B'") from None
-    if not number > 0:
-        raise ConfigError.field("params", value, "a positive parameter count")
+        number = parse_float(text[:-1] if scale != 1.0 else text, "params") * scale
+    except ConfigError:
+        number = math.nan
+    if not 0 < number <= 1e18 or number != int(number):  # a whole, finite count
+        raise ConfigError.field("params", value, "a positive parameter count such as 7e9 or '7B'")
     return int(number)
 
 
@@ -50,21 +67,21 @@ def _reserve(value: str) -> tuple[float, int | None]:
     text = value.strip()
     if text.endswith("%"):
         try:
-            return float(text[:-1]) / 100, None
-        except ValueError:
-            raise ConfigError.field("reserve", value, "a percentage like '10%' or a size") from None
-    return 0.0, parse_size(text, "reserve", allow_zero=True)
+            percent = parse_float(text[:-1], "reserve")
+        except ConfigError:
+            percent = math.nan
+        if not 0 <= percent < 100:
+            raise ConfigError.field(
+                "reserve", value, "a percentage in [0%, 100%) such as '10%', or a size"
+            )
+        return percent / 100, None
+    hint = "for a share of the GPU write a percentage such as '10%'"
+    return 0.0, parse_size(text, "reserve", allow_zero=True, fraction_hint=hint)
 
 
 def _count(value: str) -> int:
     """A positive request count ('4')."""
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = 0
-    if number <= 0:
-        raise ConfigError.field("concurrency", value, "a positive number of requests such as 4")
-    return number
+    return parse_int(value, "concurrency", what="a number of requests")
 
 
 def _fraction(value: str | None) -> float | None:
@@ -74,11 +91,17 @@ def _fraction(value: str | None) -> float | None:
 def build_plan(args: argparse.Namespace) -> Plan:
     """Turn parsed flags into a `Plan` (all validation errors are ConfigError)."""
     geometry = load_geometry(args.model)
+    no_disk = args.disk_link is None or args.disk_link.strip().lower() == "none"
+    for name in ("disk_bandwidth", "disk_capacity"):
+        if no_disk and getattr(args, name) is not None:
+            raise ConfigError.field(name, getattr(args, name), "set --disk-link to add a disk")
     hardware = make_hardware(
         args.gpu,
         args.link,
         args.disk_link,
-        gpu_memory=parse_size(args.gpu_memory, "gpu_memory") if args.gpu_memory else None,
+        gpu_memory=parse_size(args.gpu_memory, "gpu_memory")
+        if args.gpu_memory is not None
+        else None,
         gpu_bandwidth=_bandwidth(args.gpu_bandwidth, "gpu_bandwidth"),
         link_bandwidth=_bandwidth(args.link_bandwidth, "link_bandwidth"),
         disk_bandwidth=_bandwidth(args.disk_bandwidth, "disk_bandwidth"),
@@ -88,10 +111,18 @@ def build_plan(args: argparse.Namespace) -> Plan:
             else None
         ),
         disk_capacity=parse_size(args.disk_capacity, "disk_capacity")
-        if args.disk_capacity
+        if args.disk_capacity is not None
         else None,
     )
     reserve_fraction, reserve_bytes = _reserve(args.reserve)
+    gpu_bytes = hardware.gpu.memory_bytes
+    if reserve_bytes is not None and reserve_bytes >= gpu_bytes:
+        raise ConfigError.field(
+            "reserve",
+            args.reserve,
+            f"must be less than the GPU's memory ({format_bytes(gpu_bytes)}, "
+            f"{hardware.gpu.name}): e.g. '10%' or '2GiB'",
+        )
     workload = Workload(
         context_tokens=parse_tokens(args.context, "context"),
         concurrency=_count(args.concurrency),
@@ -161,7 +192,9 @@ def render(result: Plan) -> None:
     budget.add_column("bytes", justify="right")
     budget.add_row("weights", format_bytes(result.weights_bytes))
     budget.add_row("reserve (activations, context)", format_bytes(result.reserve_bytes))
-    budget.add_row("free for KV", format_bytes(result.kv_room_bytes))
+    room = result.kv_room_bytes
+    free = format_bytes(room) if room > 0 else f"none ({format_bytes(-room)} short)"
+    budget.add_row("free for KV", free)
     budget.add_row(
         f"KV needed ({n} x {wl.context_tokens} tokens)", format_bytes(result.stored_total_bytes)
     )

@@ -22,6 +22,7 @@ a dense 4-D mask.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +33,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvstrata.blocks.manager import BlockManager
-from kvstrata.config import CacheConfig
-from kvstrata.errors import ConfigError, UnsupportedModelError
+from kvstrata.config import CacheConfig, check_tiered_cache_args
+from kvstrata.errors import ConfigError, KvstrataError, UnsupportedModelError
 from kvstrata.geometry import KVGeometry, check_cacheable
 from kvstrata.hashing import remember_weights
 from kvstrata.layout import BlockLayout
@@ -140,6 +141,10 @@ class TieredCache(Cache):
         dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
+        # Arguments checked before anything is built (one-line ConfigErrors).
+        check_tiered_cache_args(
+            config, cache_config, kwargs, store=store, prompt_ids=prompt_ids, salt=salt, dtype=dtype
+        )
         if not isinstance(config, KVGeometry):
             check_cacheable(config)
         if store is None:
@@ -159,8 +164,9 @@ class TieredCache(Cache):
         sliding = [store.groups[g].is_sliding for g, _ in store.layer_map]
         super().__init__(layers=[_TieredLayer(self, i, s) for i, s in enumerate(sliding)])
         self.seq_ids: list[int] = []  # mutated in place: the finalizer below holds it
-        if not self._owns_store:
-            # a cache dropped without close() gives its sequences back to the shared store
+        if self._owns_store:  # a cache dropped without close() closes its store
+            weakref.finalize(self, _close_dropped, store)
+        else:  # ... or gives its sequences back to the shared store
             weakref.finalize(self, _free_sequences, store, self.seq_ids)
         self._writes: list[list[tuple]] = []
         self._mask_key: tuple | None = None
@@ -213,7 +219,17 @@ class TieredCache(Cache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[TieredKV, TieredKV]:
-        """Store this step's K/V of one layer; return handles for the attention."""
+        """Store this step's K/V of one layer; return handles for the attention. If
+        anything fails, the step is undone (the cache is as before the forward)."""
+        try:
+            return self._update(key_states, value_states, layer_idx)
+        except BaseException:
+            self.abort_step()
+            raise
+
+    def _update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[TieredKV, TieredKV]:
         store = self.store
         batch, heads, num_new, _ = key_states.shape
         if layer_idx == 0:
@@ -251,6 +267,12 @@ class TieredCache(Cache):
         """The token ids of the next forward (set by the hook `enable` installs):
         they name the cache's full blocks for prefix reuse."""
         self._next_ids = input_ids
+
+    def abort_step(self) -> None:
+        """Undo a step of this cache that did not finish (see `KVStore.abort_step`)."""
+        store = self.store
+        if store.is_built and not store.closed and self.seq_ids and store.is_user_thread:
+            store.abort_step([s for s in self.seq_ids if store.has_sequence(s)])
 
     def step_done(self) -> None:
         """Called after the last layer's attention of a forward."""
@@ -339,9 +361,12 @@ class TieredCache(Cache):
 
     def close(self) -> None:
         """Free this cache's sequences (their hashed blocks stay cached); an owned
-        store is closed too (hashed blocks persisted to its disk tier)."""
-        if self.store.is_built:
-            self.reset()
+        store is closed too (hashed blocks persisted to its disk tier). Idempotent."""
+        if self.store.closed:
+            return
+        # close() may come from another thread once the cache's user is done with it
+        self.store.free_orphans(self.seq_ids)
+        self.seq_ids.clear()
         if self._owns_store:
             self.store.close()
 
@@ -352,10 +377,18 @@ class TieredCache(Cache):
         self.close()
 
 
+def _close_dropped(store: KVStore) -> None:
+    """Close the private store of a cache that was collected without close()."""
+    try:
+        store.close()
+    except (KvstrataError, OSError) as err:  # e.g. its disk_dir was removed meanwhile
+        warnings.warn(
+            f"kvstrata: closing a dropped cache's store: {err}", RuntimeWarning, stacklevel=2
+        )
+
+
 def _free_sequences(store: KVStore, seq_ids: list[int]) -> None:
-    for seq_id in seq_ids:
-        if store.has_sequence(seq_id):
-            store.free(seq_id)
+    store.free_orphans(seq_ids)
 
 
 def _config_dtype(config: Any) -> torch.dtype:
@@ -391,6 +424,25 @@ def kvstrata_attention(
             "cache=TieredCache(model.config, ...) to generate()/forward()"
         )
     cache = key.cache
+    try:
+        return _attention(
+            cache, key, query, attention_mask, scaling, sliding_window, softcap, s_aux
+        )
+    except BaseException:  # e.g. a corrupt block: the step is undone, nothing half-applied
+        cache.abort_step()
+        raise
+
+
+def _attention(
+    cache: TieredCache,
+    key: TieredKV,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> tuple[torch.Tensor, None]:
     runtime = cache.store.runtime
     batch, hq, num_q, dim = query.shape
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
@@ -458,8 +510,21 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     model.set_attn_implementation(ATTENTION_NAME)
     remember_weights(model)  # names these weights in the block hashes of its stores
     if not getattr(model, "_kvstrata_hook", None):
-        model._kvstrata_hook = model.register_forward_pre_hook(_observe_ids, with_kwargs=True)
+        model._kvstrata_hook = (
+            model.register_forward_pre_hook(_observe_ids, with_kwargs=True),
+            # runs even when the forward raises: a step that did not finish is undone
+            # at once, wherever the error came from (kvstrata or the model's own code)
+            model.register_forward_hook(_forward_over, with_kwargs=True, always_call=True),
+        )
     return model
+
+
+def _forward_over(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """Forward hook, also called when the forward raised (then `output` is None): the
+    step of a failed forward is undone, wherever the error came from."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if output is None and isinstance(cache, TieredCache):
+        cache.abort_step()
 
 
 def _observe_ids(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
