@@ -492,7 +492,7 @@ def test_enospc_on_arena_write_keeps_committed_blocks(tmp_path, variant):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    lib = _native.load() if VARIANTS[variant][0] else None
+    lib = _native.load_pio() if VARIANTS[variant][0] else None
     if lib is not None:  # the native path: a descriptor whose writes fail with ENOSPC
         arena, full = tier._fd, os.open("/dev/full", os.O_WRONLY)
         tier._fd = full

@@ -58,8 +58,8 @@ def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     (kvstrata/native/pio.cpp) and the staged fallback (pread/pwrite, xxhash package)."""
     if request.param == "numpy":
         monkeypatch.setattr(disk_mod, "load_native", lambda: None)
-    elif not _native.available():
-        pytest.skip("native kernels unavailable (no C++ compiler)")
+    elif _native.load_pio() is None:
+        pytest.skip("native disk I/O unavailable (no C++ compiler or no usable xxhash)")
     return request.param
 
 
@@ -503,7 +503,7 @@ def test_native_short_transfers_are_resumed(tmp_path, io_path):
     so each batch resumes inside an iovec many times: data and checksums stay exact."""
     if io_path != "native":
         pytest.skip("native I/O only")
-    lib = _native.load()
+    lib = _native.load_pio()
     tier = DiskTier(LAYOUT16, 4, tmp_path)
     k, v = _blocks(LAYOUT16, 3)
     lib.kv_pio_limit_call_bytes(1000)
@@ -622,3 +622,120 @@ def test_native_threads_and_batches_hash_each_layer_in_file_order(tmp_path, io_p
     tier.read_layer(0, [1], kl, torch.empty_like(kl))  # layer 0 of that slot is intact
     assert torch.equal(kl, k[0, :, 512:768])
     tier.close()
+
+
+# -- XXH3-64 from the xxhash package ---------------------------------------------------
+def _pio(lib, fd: int, write: bool, bufs: list[np.ndarray], regions: list[int], nth: int = 1):
+    """One raw kv_pio call: bufs[i] at consecutive file offsets, bufs[i] in region
+    regions[i] (-1: not checksummed). Returns (rc, sums)."""
+    lens = np.array([b.nbytes for b in bufs], dtype=np.int64)
+    addr = np.array([b.ctypes.data for b in bufs], dtype=np.int64)
+    foff = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    out = np.array(regions, dtype=np.int64)
+    sums = np.zeros(max(regions) + 1, dtype=np.uint64)
+    status = np.zeros(len(bufs), dtype=np.uint8)
+    ptr = lambda a: a.ctypes.data  # noqa: E731
+    rc = lib.kv_pio(
+        fd, int(write), len(bufs), ptr(addr), ptr(lens), ptr(foff), ptr(out),
+        ptr(sums), ptr(status), disk_format.NATIVE_BATCH, nth,
+    )  # fmt: skip
+    assert not status.any()
+    return rc, sums
+
+
+def test_native_xxh3_equals_the_package_at_every_size(tmp_path, io_path):
+    """Regions of every XXH3 size class (1 byte .. several MiB), each written and read
+    as many uneven pieces over 4 threads: every streamed sum equals
+    xxhash.xxh3_64 of the region's bytes, on the way out and on the way back."""
+    import xxhash
+
+    if io_path != "native":
+        pytest.skip("native I/O only")
+    lib = _native.load_pio()
+    rng = np.random.default_rng(7)
+    sizes = [1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1023, 1024, 1025, 4096, 70001]
+    sizes += [3 << 20, (5 << 20) + 77]  # spans batches and gives the threads work
+    bufs, regions, want = [], [], []
+    for r, size in enumerate(sizes):
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        want.append(xxhash.xxh3_64_intdigest(data.tobytes()))
+        cuts = np.unique(rng.integers(1, size, min(size - 1, 40))) if size > 1 else []
+        for piece in np.split(data, cuts):
+            bufs.append(piece.copy())
+            regions.append(r)
+        bufs.append(np.full(13, 0xEE, dtype=np.uint8))  # an unsummed gap between regions
+        regions.append(-1)
+    fd = os.open(tmp_path / "pio.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        rc, wrote = _pio(lib, fd, True, bufs, regions, nth=4)
+        assert rc == 0 and wrote.tolist() == want
+        back = [np.zeros_like(b) for b in bufs]
+        rc, read = _pio(lib, fd, False, back, regions, nth=4)
+        assert rc == 0 and read.tolist() == want
+    finally:
+        os.close(fd)
+    assert all(np.array_equal(a, b) for a, b in zip(back, bufs, strict=True))
+
+
+def test_kv_pio_runs_only_with_verified_xxh3_functions(tmp_path, io_path):
+    """A fresh copy of the library (its own, unset function pointers) refuses I/O with
+    ENOSYS until the xxhash package's functions are installed; functions missing from
+    the given object, or values that disagree with the package, leave it refusing."""
+    import ctypes
+    import ctypes.util
+    import shutil
+
+    import xxhash
+
+    if io_path != "native":
+        pytest.skip("native I/O only")
+    copy = tmp_path / "copy.so"
+    shutil.copyfile(_native._library_path(), copy)
+    lib = ctypes.CDLL(str(copy))
+    for name, (argtypes, restype) in _native._SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    data = np.arange(300, dtype=np.uint8)
+    fd = os.open(tmp_path / "pio.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert _pio(lib, fd, True, [data], [0])[0] == -errno.ENOSYS
+        libc = ctypes.util.find_library("c") or "libc.so.6"
+        assert "cannot take the XXH3 functions" in _native._bind_xxh3(lib, libc)
+        xxh = ctypes.CDLL(_native._xxh3_library())
+        addrs = [
+            ctypes.cast(getattr(xxh, n), ctypes.c_void_p).value for n in _native._XXH3_FUNCTIONS
+        ]
+        right = xxhash.xxh3_64_intdigest(data.tobytes())
+        empty = xxhash.xxh3_64_intdigest(b"")
+        assert lib.kv_pio_set_xxh3(*addrs, data.ctypes.data, 300, right ^ 1, empty) == -1
+        assert lib.kv_pio_set_xxh3(*addrs, data.ctypes.data, 300, right, empty ^ 1) == -1
+        assert lib.kv_pio_set_xxh3(*addrs[:5], None, data.ctypes.data, 300, right, empty) == -1
+        assert _pio(lib, fd, True, [data], [0])[0] == -errno.ENOSYS
+        assert _native._bind_xxh3(lib, _native._xxh3_library()) is None
+        rc, sums = _pio(lib, fd, True, [data[:100], data[100:]], [0, 0])
+        assert rc == 0 and sums.tolist() == [right]
+    finally:
+        os.close(fd)
+
+
+_NO_XXH3_CHILD = textwrap.dedent(
+    """
+    import ctypes.util, sys, warnings
+    from kvstrata import _native
+    _native._xxh3_library = lambda: ctypes.util.find_library("c") or "libc.so.6"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lib = _native.load()
+    assert lib is not None and _native.available()  # codecs and attention stay native
+    assert _native.load_pio() is None  # the disk tier stages its I/O instead
+    assert [str(w.message) for w in caught if "disk I/O" in str(w.message)], caught
+    """
+)
+
+
+def test_library_without_usable_xxhash_disables_only_the_disk_io(io_path):
+    """An xxhash extension without the XXH3 exports: a warning, the codec and
+    attention kernels still load, the disk I/O is off (never a wrong checksum)."""
+    if io_path != "native":
+        pytest.skip("native library only")
+    subprocess.run([sys.executable, "-c", _NO_XXH3_CHILD], check=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstrata._native import load as load_native
+from kvstrata._native import load_pio as load_native
 from kvstrata.codecs.base import Codec, NoneCodec
 from kvstrata.errors import (
     BlockCorruptError,
