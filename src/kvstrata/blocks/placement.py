@@ -190,7 +190,12 @@ def plan_placement(
         raise OutOfBlocksError(
             f"all tiers are full: {len(stuck)} more blocks "
             f"({format_bytes(len(stuck) * view.raw_block_bytes)} raw) needed, budgets {avail}; "
-            f"raise host_budget or disk_budget (or use a smaller codec on the lower tiers)"
+            + (
+                "raise device_budget (or resident_fraction / max_tokens), or add a host "
+                "tier (host_budget) or a disk tier (disk_dir, disk_budget)"
+                if len(tier_order) == 1
+                else "raise host_budget or disk_budget (or use a smaller codec on the lower tiers)"
+            )
         )
     plan = Placement(drops=dropped)
     # Moves run deepest tier first so every move finds a free slot; a block that
