@@ -242,16 +242,15 @@ def perplexity(
     for start in starts:
         window = ids[start : start + context]
         num_bytes = bytes_of(window[1:].tolist()) if bytes_of is not None else None
-        total = total.merged(
-            window_perplexity(
-                model,
-                window,
-                cache_factory(window.numel()),
-                prefill=prefill,
-                num_bytes=num_bytes,
-                progress=progress,
+        cache = cache_factory(window.numel())
+        try:
+            result = window_perplexity(
+                model, window, cache, prefill=prefill, num_bytes=num_bytes, progress=progress
             )
-        )
+        finally:
+            if hasattr(cache, "close"):  # a TieredCache releases its tiers (disk files)
+                cache.close()
+        total = total.merged(result)
     return total
 
 
