@@ -10,6 +10,7 @@ zero-copy view per run of a memory tier, `read_layer` of the run's slots otherwi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -200,3 +201,18 @@ def check_contents(mgr: BlockManager, model: SeqModel) -> None:
             k, v = read_sequence(mgr, seq_id, layer)
             assert torch.equal(k, model.k[seq_id][layer]), f"seq {seq_id} layer {layer} K"
             assert torch.equal(v, model.v[seq_id][layer]), f"seq {seq_id} layer {layer} V"
+
+
+def held_deleted_files(root: os.PathLike | str) -> list[str]:
+    """Files under `root` this process still holds open or mapped after deletion."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root)):
+            held.append(target)
+    with open("/proc/self/maps") as maps:
+        held += [line.split()[-2] for line in maps if str(root) in line]
+    return held

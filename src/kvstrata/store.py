@@ -119,6 +119,7 @@ class KVStore:
         self._ids = itertools.count()
         self._closed = False
         self._thread: int | None = None  # the thread that uses the store (bound at first use)
+        self._orphans: list[int] = []  # sequences of dropped caches, freed at the next step
 
     @property
     def model_key(self) -> str:
@@ -228,18 +229,37 @@ class KVStore:
     def closed(self) -> bool:
         return self._closed
 
-    def free_orphans(self, seq_ids: list[int]) -> None:
-        """Free the sequences of a cache that was dropped without close() (called by
-        its finalizer, which may run on any thread; the cache can no longer step)."""
+    def release(self, seq_ids: list[int], defer: bool = False) -> None:
+        """Free sequences a cache no longer uses: now when called from the store's
+        thread, else (or with `defer`, e.g. from a finalizer, which the garbage
+        collector may run in the middle of another operation or on another thread)
+        at the store's next `add_sequence` / `extend`."""
         if self._closed or self.manager is None:
             return
-        owner, self._thread = self._thread, threading.get_ident()
-        try:
-            for seq_id in seq_ids:
-                if seq_id in self._seqs:
-                    self.free(seq_id)
-        finally:
-            self._thread = owner
+        if defer or not self.is_user_thread:
+            self._orphans.extend(seq_ids)  # one atomic list operation
+            return
+        for seq_id in seq_ids:
+            if seq_id in self._seqs:
+                self.free(seq_id)
+
+    def _free_orphans(self) -> None:
+        while self._orphans:
+            seq_id = self._orphans.pop()
+            if seq_id in self._seqs:
+                self.free(seq_id)
+
+    def rewind(self, lengths: dict[int, int]) -> None:
+        """Cut sequences back to these lengths (a forward that failed after its last
+        layer); one that cannot be cut back is marked unusable."""
+        for seq_id, num_tokens in lengths.items():
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.failed is not None or self.num_tokens(seq_id) <= num_tokens:
+                continue
+            try:
+                self.truncate(seq_id, num_tokens)
+            except KvstrataError as err:
+                seq.failed = f"a failed forward could not be undone ({err})"
 
     @property
     def is_user_thread(self) -> bool:
@@ -289,6 +309,7 @@ class KVStore:
             always left to compute, so the model produces logits for the next one.
         """
         mgr = self._require()
+        self._free_orphans()
         if not isinstance(salt, str):
             raise ConfigError.field("salt", salt, "a string naming the tenant")
         seq_id = next(self._ids)
@@ -313,6 +334,7 @@ class KVStore:
             flattened [len(seq_ids) * num_new] order of the step).
         """
         mgr = self._require()
+        self._free_orphans()
         seqs = [self._usable(s) for s in seq_ids]
         keys = [k for g in self.groups for k in ((s, g.index) for s in seq_ids)]
         writes = mgr.append(keys, num_new)

@@ -41,11 +41,22 @@ class ApplyPlacement:
     _runs: dict
 
     def _apply(self, plan: Placement, pending: list[PendingBlock]) -> None:
+        self._apply_moves(plan)
+        self._install(plan, pending)
+
+    def _apply_moves(self, plan: Placement) -> None:
+        """Evict the plan's cached blocks and move blocks between tiers. The only part
+        of a step that does I/O (a move to disk): a storage error raises with every
+        table as it was (blocks already moved are whole where they now are)."""
         for block in plan.drops:
             self.num_evicted_cached += 1
             self._release(block)
         for blocks, dst in plan.moves:
             self._move(blocks, dst)
+
+    def _install(self, plan: Placement, pending: list[PendingBlock]) -> None:
+        """Give the step's pending blocks their planned tier and slot (no I/O but the
+        copies on write, which stay within memory tiers: an open block is on the device)."""
         # slots and ids in rank order (as planned), then entered per table in index order
         groups: dict[tuple[Hashable, str], list[PendingBlock]] = {}
         for i in plan.install_order:
@@ -111,7 +122,11 @@ class ApplyPlacement:
         if slots is None:
             raise AssertionError(f"{dst_name}: no free slots for a planned move")
         src_slots = [b.slot for b in blocks]
-        self.copy_blocks(src, src_slots, dst, slots)
+        try:
+            self.copy_blocks(src, src_slots, dst, slots)
+        except BaseException:  # e.g. a full disk: the blocks stay where they were
+            dst.free(slots)
+            raise
         src.free(src_slots)
         link = f"{src_name}->{dst_name}"
         self.bytes_moved[link] = self.bytes_moved.get(link, 0) + len(blocks) * dst.block_bytes

@@ -219,13 +219,13 @@ class BlockManager(ApplyPlacement, CachedBlocks):
                 caller must not use it again).
         """
         table = self.tables[seq_id]
-        if table.step_history:  # the step skipped past its window: put the history back
-            new = table.block_ids
+        if table.step_first is not None:  # the step skipped past its window: put the
+            new = table.block_ids  # history back (there may be none: a first prefill)
             self._unhold(seq_id, new)
             extra = [b for _, b in table.step_extra]
             table.block_ids = [b for _, b in table.step_history]
-            table.first_block = table.step_history[0][0]
-            table.step_history, table.step_extra = [], []
+            table.first_block = table.step_first
+            table.step_history, table.step_extra, table.step_first = [], [], None
             table.num_tokens = num_tokens
             for block_id in new + extra:
                 self._decref(block_id)
@@ -295,14 +295,16 @@ class BlockManager(ApplyPlacement, CachedBlocks):
                     PendingBlock(seq_id, idx, min(bs, total - idx * bs), idx < self.num_sink_blocks)
                 )
         plan = self._plan(pending, fixed, self.budget_slots, seq_ids) if pending else Placement()
-        # -- act: nothing below can fail --------------------------------------------------
+        # -- act: moves first (a storage error there leaves every table as it was), then
+        # the table changes, which cannot fail
+        self._apply_moves(plan)
         self.clock += 1
         for seq_id in seq_ids:
             self.seq_last_access[seq_id] = self.clock
             self.seq_access_count[seq_id] += 1
         for seq_id, live, first_new in drops:
             self._drop_history(seq_id, live, first_new if seq_id in skip else None)
-        self._apply(plan, pending)
+        self._install(plan, pending)
         for seq_id, indices in extra.items():
             kept = self._keep_extra(seq_id, indices)
             if kept is not None:
@@ -367,6 +369,8 @@ class BlockManager(ApplyPlacement, CachedBlocks):
         """The step's forward is over: release history held only for it."""
         for seq_id in seq_ids:
             table = self.tables.get(seq_id)
+            if table is not None:
+                table.step_first = None
             if table is not None and (table.step_history or table.step_extra):
                 held = table.step_history + table.step_extra
                 table.step_history, table.step_extra = [], []
@@ -385,7 +389,7 @@ class BlockManager(ApplyPlacement, CachedBlocks):
         count = min(len(table.block_ids), live - table.first_block)
         if first_new is not None:  # the step's queries still read it: drop at end_step
             self._unhold(seq_id, table.block_ids)
-            first = table.first_block
+            first = table.step_first = table.first_block
             table.step_history = [(first + i, b) for i, b in enumerate(table.block_ids)]
             table.first_block, table.block_ids = first_new, []
         elif count > 0:

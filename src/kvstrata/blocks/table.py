@@ -28,6 +28,7 @@ class BlockTable:
     # full blocks this step writes only as prefix-cache copies (outside the window at
     # its end): (logical index, block id), released (cached once hashed) at end_step
     step_extra: list[tuple[int, int]] = field(default_factory=list)
+    step_first: int | None = None  # first_block before a step that skipped its window
 
     @property
     def num_blocks(self) -> int:
@@ -42,4 +43,5 @@ class BlockTable:
             self.window,
             list(self.step_history),
             list(self.step_extra),
+            self.step_first,
         )

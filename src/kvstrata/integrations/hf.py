@@ -71,7 +71,7 @@ class _TieredLayer(CacheLayerMixin):
 
     def __init__(self, cache: TieredCache, layer_idx: int, sliding: bool) -> None:
         super().__init__()
-        self._cache = cache
+        self._cache = weakref.proxy(cache)  # no cycle: a dropped cache goes at once
         self.layer_idx = layer_idx
         self.is_sliding = sliding
 
@@ -172,6 +172,8 @@ class TieredCache(Cache):
         self._mask_key: tuple | None = None
         self._row_masks: list[RowMask] | None = None
         self._next_ids: torch.Tensor | None = None
+        self._in_forward = False  # between the forward hooks `enable` installs
+        self._forward_start: dict[int, int] | None = None  # lengths when it started
         self.matched_tokens = 0
         self._built_for: tuple | None = None
         self._rest_of_prompt: torch.Tensor | None = None
@@ -204,7 +206,7 @@ class TieredCache(Cache):
     def manager(self) -> BlockManager:
         if not self.store.is_built:
             raise RuntimeError("TieredCache is empty: run a forward pass first")
-        return self.store.manager
+        return self.store._require()
 
     @property
     def layout(self) -> BlockLayout:
@@ -232,6 +234,8 @@ class TieredCache(Cache):
     ) -> tuple[TieredKV, TieredKV]:
         store = self.store
         batch, heads, num_new, _ = key_states.shape
+        if layer_idx == 0 and self._in_forward and self._forward_start is None:
+            self._forward_start = {s: store.num_tokens(s) for s in self.seq_ids}
         if layer_idx == 0:
             shape = (key_states.dtype, heads, key_states.shape[-1], value_states.shape[-1])
             if shape != self._built_for:  # builds the store, or checks its layout
@@ -268,11 +272,32 @@ class TieredCache(Cache):
         they name the cache's full blocks for prefix reuse."""
         self._next_ids = input_ids
 
+    def forward_begins(self) -> None:
+        """A forward over this cache starts (pre-hook). If the previous one never ended
+        (an exception the forward hook does not see, e.g. KeyboardInterrupt), its
+        tokens are undone first."""
+        if self._in_forward:
+            self.abort_step()
+        self._in_forward, self._forward_start = True, None
+
+    def forward_ends(self, failed: bool) -> None:
+        """The forward returned (or raised: `failed`): a failed one is undone, also
+        after its last layer (e.g. an error in the output head)."""
+        if failed:
+            self.abort_step()
+        self._in_forward, self._forward_start = False, None
+
     def abort_step(self) -> None:
-        """Undo a step of this cache that did not finish (see `KVStore.abort_step`)."""
+        """Undo this cache's step in progress (see `KVStore.abort_step`), or, when its
+        forward failed after the last layer, cut the sequences back to the lengths
+        they had when the forward started."""
         store = self.store
-        if store.is_built and not store.closed and self.seq_ids and store.is_user_thread:
-            store.abort_step([s for s in self.seq_ids if store.has_sequence(s)])
+        start, self._forward_start = self._forward_start, None
+        if not (store.is_built and not store.closed and self.seq_ids and store.is_user_thread):
+            return
+        store.abort_step([s for s in self.seq_ids if store.has_sequence(s)])
+        if start:
+            store.rewind({s: n for s, n in start.items() if store.has_sequence(s)})
 
     def step_done(self) -> None:
         """Called after the last layer's attention of a forward."""
@@ -364,8 +389,9 @@ class TieredCache(Cache):
         store is closed too (hashed blocks persisted to its disk tier). Idempotent."""
         if self.store.closed:
             return
-        # close() may come from another thread once the cache's user is done with it
-        self.store.free_orphans(self.seq_ids)
+        # close() may come from another thread once the cache's user is done with it:
+        # then a shared store frees the sequences in its own thread, at its next step
+        self.store.release(list(self.seq_ids))
         self.seq_ids.clear()
         if self._owns_store:
             self.store.close()
@@ -388,7 +414,7 @@ def _close_dropped(store: KVStore) -> None:
 
 
 def _free_sequences(store: KVStore, seq_ids: list[int]) -> None:
-    store.free_orphans(seq_ids)
+    store.release(list(seq_ids), defer=True)
 
 
 def _config_dtype(config: Any) -> torch.dtype:
@@ -520,11 +546,11 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def _forward_over(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """Forward hook, also called when the forward raised (then `output` is None): the
-    step of a failed forward is undone, wherever the error came from."""
+    """Forward hook, also called when the forward raised an Exception (then `output`
+    is None): the step of a failed forward is undone, wherever the error came from."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if output is None and isinstance(cache, TieredCache):
-        cache.abort_step()
+    if isinstance(cache, TieredCache):
+        cache.forward_ends(failed=output is None)
 
 
 def _observe_ids(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -532,5 +558,6 @@ def _observe_ids(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     its full blocks with them (prefix reuse); without ids it stops hashing."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, TieredCache):
+        cache.forward_begins()
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache.observe_input_ids(ids if isinstance(ids, torch.Tensor) else None)

@@ -248,8 +248,13 @@ class DiskTier(Tier):
         return self._index.keyed_slots()
 
     def free(self, slots: list[int]) -> None:
-        """Release slots; their index rows and keys are dropped."""
+        """Release slots; their index rows and keys are dropped, and layers collected
+        for them by an unfinished step (`write_layer`) are discarded."""
         self._owned()
+        if self._pending:
+            freed = set(slots)
+            for key in [k for k in self._pending if freed.intersection(k)]:
+                del self._pending[key]
         self._drop_rows(slots)
         super().free(slots)
 
