@@ -394,3 +394,19 @@ def test_a_dropped_cache_closes_its_store(llama, tmp_path):
         del cache
         gc.collect()
     assert _open_fds() <= fds
+
+
+def test_handover_passes_a_store_to_another_thread(llama):
+    store = KVStore(llama.config, CacheConfig(block_size=16, max_tokens=256))
+    store.build(torch.float32)
+    made: list[int] = []
+    worker = threading.Thread(target=lambda: made.append(store.add_sequence(None)[0]))
+    worker.start()
+    worker.join()
+    with pytest.raises(KvstrataError, match="not thread-safe"):
+        store.extend(made, 1, None)
+    store.handover()  # the worker is done: this thread takes the store over
+    _step(store, made[0], 3, 0)
+    store.step_done(made)
+    assert store.num_tokens(made[0]) == 3
+    store.close()

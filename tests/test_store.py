@@ -377,6 +377,32 @@ class StoreMachine(RuleBasedStateMachine):
             return
         self._write(seq_id, [data.draw(st.integers(3, 60)) for _ in range(n)])
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(1, 9), layers=st.integers(0, 2))
+    def failed_step(self, data, n: int, layers: int) -> None:
+        """A step that fails after writing `layers` layers is undone: the sequence
+        reads as before it (the invariant), and later steps overwrite its slots."""
+        store = self.store
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        if len(self.tokens[seq_id]) + n > 60:
+            return
+        new = [data.draw(st.integers(3, 60)) for _ in range(n)]
+        start = store.num_tokens(seq_id)
+        try:
+            writes = store.extend([seq_id], n, [new])
+        except OutOfBlocksError:
+            return
+        plans = [write_plan(store.runtime, w, 1) for w in writes]
+        lay = store.layout
+        for group in store.groups:
+            for local, _layer in enumerate(group.layers[:layers]):
+                k, v = _token_kv(
+                    torch.tensor(new), start, local, group.index, lay.num_kv_heads, lay.head_dim
+                )
+                write_layer(plans[group.index], local, k[None] + 1.0, v[None] - 1.0)
+        assert store.abort_step([seq_id]) == [seq_id]
+        assert store.num_tokens(seq_id) == start
+
     @precondition(lambda self: 0 < len(self.tokens) < 4)
     @rule(data=st.data())
     def fork(self, data) -> None:
