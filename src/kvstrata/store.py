@@ -22,7 +22,6 @@ blocks are keyed in its durable index, so a restarted process finds them;
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +40,7 @@ from kvstrata.hashing import weights_of
 from kvstrata.layout import BlockLayout
 from kvstrata.policies.eviction import EvictionPolicy
 from kvstrata.prefix import _CODEC_FIELDS, PrefixIndex, PrefixStats
+from kvstrata.store_threads import OneThread
 from kvstrata.tiers.memory import DeviceTier, HostTier, resolve_device
 
 
@@ -57,7 +57,7 @@ class _Sequence:
     parents: list[bytes | None] = field(default_factory=list)  # last hash per group
 
 
-class KVStore:
+class KVStore(OneThread):
     """Tiers, placement and prefix index for many sequences of one model.
 
     Args:
@@ -210,44 +210,9 @@ class KVStore:
         self.check_thread()
         return self.manager
 
-    def check_thread(self) -> None:
-        """A store (and every TieredCache over it) is used by one thread: the first
-        one that uses it. A call from another thread is refused — interleaved steps
-        would move blocks under each other's reads. Hand a store over explicitly with
-        `handover()` once the old thread has stopped using it."""
-        me = threading.get_ident()
-        if self._thread is None:
-            self._thread = me
-        elif self._thread != me:
-            raise KvstrataError(
-                f"this KVStore is in use by thread {self._thread}, called from thread {me}: "
-                "stores and TieredCaches are not thread-safe; use one per thread, or call "
-                "store.handover() in the new thread after the old one stopped using it"
-            )
-
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def release(self, seq_ids: list[int], defer: bool = False) -> None:
-        """Free sequences a cache no longer uses: now when called from the store's
-        thread, else (or with `defer`, e.g. from a finalizer, which the garbage
-        collector may run in the middle of another operation or on another thread)
-        at the store's next `add_sequence` / `extend`."""
-        if self._closed or self.manager is None:
-            return
-        if defer or not self.is_user_thread:
-            self._orphans.extend(seq_ids)  # one atomic list operation
-            return
-        for seq_id in seq_ids:
-            if seq_id in self._seqs:
-                self.free(seq_id)
-
-    def _free_orphans(self) -> None:
-        while self._orphans:
-            seq_id = self._orphans.pop()
-            if seq_id in self._seqs:
-                self.free(seq_id)
 
     def rewind(self, lengths: dict[int, int]) -> None:
         """Cut sequences back to these lengths (a forward that failed after its last
@@ -260,15 +225,6 @@ class KVStore:
                 self.truncate(seq_id, num_tokens)
             except KvstrataError as err:
                 seq.failed = f"a failed forward could not be undone ({err})"
-
-    @property
-    def is_user_thread(self) -> bool:
-        """The calling thread may use the store (it is its user, or it has none yet)."""
-        return self._thread in (None, threading.get_ident())
-
-    def handover(self) -> None:
-        """Make the calling thread the store's user (the previous one must be done)."""
-        self._thread = threading.get_ident()
 
     def _usable(self, seq_id: int) -> _Sequence:
         seq = self._seqs.get(seq_id)

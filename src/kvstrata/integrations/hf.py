@@ -24,12 +24,11 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvstrata.blocks.manager import BlockManager
@@ -37,6 +36,7 @@ from kvstrata.config import CacheConfig, check_tiered_cache_args
 from kvstrata.errors import ConfigError, KvstrataError, UnsupportedModelError
 from kvstrata.geometry import KVGeometry, check_cacheable
 from kvstrata.hashing import remember_weights
+from kvstrata.integrations.hf_layers import TieredKV, _TieredLayer
 from kvstrata.layout import BlockLayout
 from kvstrata.runtime import RowMask, write_layer, write_plan
 from kvstrata.store import KVStore
@@ -44,66 +44,6 @@ from kvstrata.units import parse_size
 
 ATTENTION_NAME = "kvstrata"
 # Chunked attention (Llama 4) has its own mask semantics, not implemented: refused.
-
-
-@dataclass
-class TieredKV:
-    """What `update()` returns for one layer: the cache, the layer, and this step's
-    new K/V ([B, Hkv, T, D]) — the history stays in the tiers."""
-
-    cache: TieredCache
-    layer_idx: int
-    new_k: torch.Tensor
-    new_v: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:  # some callers look at key_states.shape[-2]
-        b, h, _, d = self.new_k.shape
-        return torch.Size((b, h, self.cache.get_seq_length(), d))
-
-
-class _TieredLayer(CacheLayerMixin):
-    """Per-layer view transformers' generic Cache code iterates over."""
-
-    is_compileable = False
-    is_sliding = False
-    is_croppable = True
-
-    def __init__(self, cache: TieredCache, layer_idx: int, sliding: bool) -> None:
-        super().__init__()
-        self._cache = weakref.proxy(cache)  # no cycle: a dropped cache goes at once
-        self.layer_idx = layer_idx
-        self.is_sliding = sliding
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover - via cache
-        return self._cache.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-    # The cache-level reset/crop act on all layers at once (blocks span layers).
-    def reset(self) -> None:
-        pass
-
-    def crop(self, tokens_to_remove: int) -> None:
-        pass
-
-    @property
-    def is_initialized(self) -> bool:  # type: ignore[override]
-        return self._cache.is_initialized
-
-    @is_initialized.setter
-    def is_initialized(self, value: bool) -> None:
-        pass
 
 
 class TieredCache(Cache):

@@ -1,0 +1,75 @@
+"""The per-layer objects a `TieredCache` hands to transformers: `TieredKV`, what
+`update()` returns (this step's new K/V; the history stays in the tiers), and
+`_TieredLayer`, the layer view transformers' generic `Cache` code iterates over."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+if TYPE_CHECKING:
+    from kvstrata.integrations.hf import TieredCache
+
+
+@dataclass
+class TieredKV:
+    """What `update()` returns for one layer: the cache, the layer, and this step's
+    new K/V ([B, Hkv, T, D]) — the history stays in the tiers."""
+
+    cache: TieredCache
+    layer_idx: int
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:  # some callers look at key_states.shape[-2]
+        b, h, _, d = self.new_k.shape
+        return torch.Size((b, h, self.cache.get_seq_length(), d))
+
+
+class _TieredLayer(CacheLayerMixin):
+    """Per-layer view transformers' generic Cache code iterates over."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: TieredCache, layer_idx: int, sliding: bool) -> None:
+        super().__init__()
+        self._cache = weakref.proxy(cache)  # no cycle: a dropped cache goes at once
+        self.layer_idx = layer_idx
+        self.is_sliding = sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover - via cache
+        return self._cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # The cache-level reset/crop act on all layers at once (blocks span layers).
+    def reset(self) -> None:
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        pass
+
+    @property
+    def is_initialized(self) -> bool:  # type: ignore[override]
+        return self._cache.is_initialized
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:
+        pass
