@@ -173,7 +173,7 @@ def device_slots(
     return slots
 
 
-def lower_slots(budget: int, block_bytes: int, field: str = "host_budget / disk_budget") -> int:
+def lower_slots(budget: int, block_bytes: int, field: str) -> int:
     """Slots of a host / disk tier of `budget` bytes.
 
     Raises:

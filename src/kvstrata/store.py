@@ -172,7 +172,7 @@ class KVStore(OneThread):
         tiers: list = [DeviceTier(layout, dev_slots, dev_codec, device=str(self.device))]
         if cc.host_budget:
             codec = self.codecs["host_codec"]
-            slots = budgets.lower_slots(cc.host_budget, codec.block_nbytes(layout))
+            slots = budgets.lower_slots(cc.host_budget, codec.block_nbytes(layout), "host_budget")
             tiers.append(HostTier(layout, slots, codec))
         if cc.disk_dir:
             from kvstrata.tiers.disk import DiskTier
@@ -181,7 +181,7 @@ class KVStore(OneThread):
             tiers.append(
                 DiskTier(
                     layout,
-                    budgets.lower_slots(cc.disk_budget, codec.block_nbytes(layout)),
+                    budgets.lower_slots(cc.disk_budget, codec.block_nbytes(layout), "disk_budget"),
                     cc.disk_dir,
                     codec,
                     compress=cc.disk_compress,

@@ -54,10 +54,6 @@ class Placement:
     new_tiers: list[str] = field(default_factory=list)  # tier of each pending block
     install_order: list[int] = field(default_factory=list)  # pending indices, rank order
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.drops or self.moves) and not self.new_tiers
-
 
 class PlacementView:
     """The manager as one placement sees it: counts, pinned blocks, keys, and each
@@ -91,15 +87,11 @@ class PlacementView:
         self._pinned_on = dict.fromkeys(self.tier_order, 0)
         for block_id in self.pinned:
             self._pinned_on[blocks[block_id].tier] += 1
+        assert {p.table for p in pending} <= stepping, "new blocks belong to this step"
         self._pending_key = {
-            id(p): mgr.order.live_key(self._pending_state(p.table), p.index, -(i + 1))
+            id(p): mgr.order.live_key(self.state(p.table), p.index, -(i + 1))
             for i, p in enumerate(pending)
         }
-
-    def _pending_state(self, table: Hashable) -> TableState:
-        mgr = self.mgr
-        n = mgr.tables[table].num_blocks + self._new_count.get(table, 0)
-        return TableState(n, mgr.clock + 1, mgr.seq_access_count[table] + 1)
 
     def state(self, table: Hashable) -> TableState:
         state = self._states.get(table)
