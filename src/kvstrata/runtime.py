@@ -92,7 +92,7 @@ class AttentionRuntime:
         tiers = [mgr.tiers[n] for n in mgr.tier_order]
         self.tiers = mgr.tiers
         self.device_name = tiers[0].name
-        self.step_tokens = 0
+        self.step_tokens: dict[int, int] = {}  # new tokens per sequence this step
         self._plans: dict[tuple, Any] = {}  # this step's read plans and cold runs
         self._lone: bool | None = None  # one sequence in the store (this step)
         # tiers whose raw arenas take token writes and zero-copy views directly
@@ -158,9 +158,9 @@ class AttentionRuntime:
             self.stager.engine.close()
 
     # -- the step's read plans ------------------------------------------------------------
-    def begin_step(self, num_new: int) -> None:
-        """A forward step of `num_new` tokens per sequence starts (the store has placed
-        them): read plans are built afresh, once, at each sequence's first layer."""
+    def begin_step(self, num_new: dict[int, int]) -> None:
+        """A forward step of `num_new[seq_id]` tokens per sequence starts (the store has
+        placed them): read plans are built afresh, once, at each sequence's first layer."""
         self.step_tokens = num_new
         self._plans.clear()
         self._lone = None
@@ -270,7 +270,7 @@ class AttentionRuntime:
         key = ("cold", group, seq_id)
         cold = self._plans.get(key)
         if cold is None:
-            past = self.store.num_tokens(seq_id) - self.step_tokens
+            past = self.store.num_tokens(seq_id) - self.step_tokens.get(seq_id, 0)
             cold = self._plans[key] = [
                 (r, min(past, r.token_start + r.num_tokens))
                 for r in self.manager.runs((seq_id, group))

@@ -278,37 +278,46 @@ class KVStore(OneThread):
         return seq_id, matched
 
     def extend(
-        self, seq_ids: list[int], num_new: int, token_ids: list[list[int]] | None = None
+        self,
+        seq_ids: list[int],
+        num_new: int | Sequence[int],
+        token_ids: list[list[int]] | None = None,
     ) -> list[list[TokenWrites]]:
-        """Make room for `num_new` tokens at the end of each sequence.
+        """Make room for `num_new` tokens at the end of each sequence: one count for
+        all, or one per sequence (a ragged step: decodes and prompt chunks together).
 
         Args:
             token_ids: the new tokens per sequence (None: unknown; hashing stops).
 
         Returns:
             Per layer group, where the tokens go (TokenWrites; `src` indexes the
-            flattened [len(seq_ids) * num_new] order of the step).
+            flattened order of the step: each sequence's new tokens in turn).
         """
         mgr = self._require()
         self._free_orphans()
         seqs = [self._usable(s) for s in seq_ids]
+        counts = [num_new] * len(seq_ids) if isinstance(num_new, int) else list(num_new)
+        if len(counts) != len(seq_ids) or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts
+        ):
+            raise ConfigError.field("num_new", num_new, "one count >= 1 per sequence")
         keys = [k for g in self.groups for k in ((s, g.index) for s in seq_ids)]
-        writes = mgr.append(keys, num_new)
+        writes = mgr.append(keys, counts * len(self.groups))
         if self.runtime is not None:
-            self.runtime.begin_step(num_new)
+            self.runtime.begin_step(dict(zip(seq_ids, counts, strict=True)))
         for i, seq in enumerate(seqs):
             if seq.in_step:  # the previous step never called step_done (K/V written
                 seq.token_ids = None  # without a forward?): never index this sequence
             seq.in_step = True
-            seq.step_start = mgr.num_tokens((seq_ids[i], 0)) - num_new
+            seq.step_start = mgr.num_tokens((seq_ids[i], 0)) - counts[i]
             if seq.token_ids is None:
                 continue
             new = token_ids[i] if token_ids is not None else None
-            if new is None or len(new) != num_new:
+            if new is None or len(new) != counts[i]:
                 seq.token_ids = None
             else:
                 seq.token_ids.extend(int(t) for t in new)
-        return _split_by_group(writes, len(self.groups), len(seq_ids) * num_new)
+        return _split_by_group(writes, len(self.groups), sum(counts))
 
     def step_done(self, seq_ids: list[int]) -> None:
         """The forward that extended these sequences finished: their full blocks are
@@ -346,7 +355,7 @@ class KVStore(OneThread):
                 del seq.token_ids[seq.step_start :]
             undone.append(seq_id)
         if self.runtime is not None:
-            self.runtime.begin_step(0)
+            self.runtime.begin_step({})
         return undone
 
     def num_tokens(self, seq_id: int) -> int:
@@ -412,6 +421,17 @@ class KVStore(OneThread):
         for seq_id in seq_ids:
             self.free(seq_id)
         return new_ids
+
+    def demote(self, seq_id: int) -> int:
+        """Move a sequence's full blocks off the device to host / disk as far as their
+        budgets allow (preemption without recompute); it keeps the open block, its
+        sinks, shared blocks and, above a lossy tier, its residual window. Returns the
+        blocks moved; the sequence stays usable (its blocks are read where they are)."""
+        mgr = self._require()
+        self._usable(seq_id)
+        lossy = not all(self.codecs[f].lossless for f in ("host_codec", "disk_codec"))
+        keep = self.config.residual_tokens if lossy else 0
+        return sum(mgr.demote(key, keep) for key in self.tables(seq_id))
 
     def runs(self, seq_id: int, group: int) -> list[Run]:
         return self._require().runs((seq_id, group))

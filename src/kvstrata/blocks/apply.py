@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class ApplyPlacement:
-    """`_apply(plan, pending)` and the tier moves and copies it is made of."""
+    """`_apply(plan, pending)` and the tier moves and copies it is made of; `demote`."""
 
     pool: BlockPool
     tiers: dict[str, Tier]
@@ -39,6 +39,8 @@ class ApplyPlacement:
     bytes_moved: dict[str, int]
     on_move: Any
     _runs: dict
+    tier_order: list[str]
+    budget_slots: dict[str, int]
 
     def _apply(self, plan: Placement, pending: list[PendingBlock]) -> None:
         self._apply_moves(plan)
@@ -113,6 +115,40 @@ class ApplyPlacement:
                 table.block_ids.append(block.block_id)
             self.order.hold(seq_id, index, block.block_id, block.tier)
         self._runs.pop(seq_id, None)
+
+    def demote(self, seq_id: Hashable, keep_tokens: int = 0) -> int:
+        """Move a table's full blocks off the device to the tiers below, as far as their
+        budgets have free slots (a preempted sequence: nothing is dropped or recomputed).
+        Stay: the open last block, sinks, blocks other tables share, and — where the
+        tier below is lossy — blocks holding any of the newest `keep_tokens` tokens.
+        Returns the number of blocks moved."""
+        device = self.tier_order[0]
+        table = self.tables[seq_id]
+        bs = self.layout.block_size
+        newest = table.num_tokens - keep_tokens
+        todo = [
+            (index, block)
+            for index, block in (
+                (i, self.pool.blocks[b]) for i, b in enumerate(table.block_ids, table.first_block)
+            )
+            if block.tier == device
+            and block.num_tokens == bs
+            and block.ref_count == 1
+            and not block.is_sink
+        ]
+        moved = 0
+        for name in self.tier_order[1:]:
+            tier = self.tiers[name]
+            lossy = not tier.codec.lossless
+            room = min(self.budget_slots[name] - tier.num_used, tier.num_free)
+            fits = [
+                b for i, b in todo if b.tier == device and not (lossy and (i + 1) * bs > newest)
+            ]
+            take = fits[: max(room, 0)]
+            if take:
+                self._move(take, name)
+                moved += len(take)
+        return moved
 
     def _move(self, blocks: list[Block], dst_name: str) -> None:
         """Move full blocks of one tier to another, freeing their old slots."""

@@ -17,7 +17,7 @@ not moved until the step ends; a shared or cached block is never written.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvstrata.blocks.apply import ApplyPlacement
 from kvstrata.blocks.cached import CachedBlocks
@@ -252,13 +252,18 @@ class BlockManager(ApplyPlacement, CachedBlocks):
         self._apply(plan, [])
 
     # -- the step -----------------------------------------------------------------------------
-    def append(self, seq_ids: list, num_new: int) -> list[TokenWrites]:
-        """Make room for `num_new` tokens at the end of each table.
+    def append(self, seq_ids: list, num_new: int | Sequence[int]) -> list[TokenWrites]:
+        """Make room for `num_new` tokens at the end of each table (one count for all,
+        or one per table: a ragged step).
 
         Returns where each new token goes: per tier, arena rows and the index of the
-        token in the flattened [len(seq_ids) * num_new] order of this step. Tokens of
-        a sliding table that its window no longer sees after the step are not stored.
+        token in the flattened order of this step (each table's tokens in turn).
+        Tokens of a sliding table that its window no longer sees after the step are
+        not stored.
         """
+        counts = [num_new] * len(seq_ids) if isinstance(num_new, int) else list(num_new)
+        if len(counts) != len(seq_ids) or min(counts, default=1) < 0:
+            raise ValueError(f"append: {len(counts)} token counts for {len(seq_ids)} tables")
         bs = self.layout.block_size
         device = self.tier_order[0]
         pending: list[PendingBlock] = []
@@ -267,7 +272,7 @@ class BlockManager(ApplyPlacement, CachedBlocks):
         skip: dict[Hashable, int] = {}  # new tokens of a table not stored
         extra: dict[Hashable, range] = {}  # full skipped blocks worth keeping as cache
         self.end_step(seq_ids)  # blocks a failed step left held
-        for seq_id in seq_ids:
+        for seq_id, num_new in zip(seq_ids, counts, strict=True):
             table = self.tables[seq_id]
             total = table.num_tokens + num_new
             first_new = table.num_blocks
@@ -309,7 +314,7 @@ class BlockManager(ApplyPlacement, CachedBlocks):
             kept = self._keep_extra(seq_id, indices)
             if kept is not None:
                 skip[seq_id] = kept * bs - self.tables[seq_id].num_tokens
-        writes = self._token_writes(seq_ids, num_new, skip, grew=bool(pending))
+        writes = self._token_writes(seq_ids, counts, skip, grew=bool(pending))
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
         return writes
 
@@ -403,13 +408,15 @@ class BlockManager(ApplyPlacement, CachedBlocks):
         self._runs.pop(seq_id, None)
 
     def _token_writes(
-        self, seq_ids: list, num_new: int, skip: dict[Hashable, int], grew: bool
+        self, seq_ids: list, counts: list[int], skip: dict[Hashable, int], grew: bool
     ) -> list[TokenWrites]:
         bs = self.layout.block_size
         device = self.tier_order[0]
         rows_by_tier: dict[str, list[int]] = {}
         src_by_tier: dict[str, list[int]] = {}
-        for b_idx, seq_id in enumerate(seq_ids):
+        offset = 0
+        for seq_id, num_new in zip(seq_ids, counts, strict=True):
+            first_src, offset = offset, offset + num_new
             table = self.tables[seq_id]
             start = table.num_tokens
             pos = start + skip.get(seq_id, 0)
@@ -424,7 +431,7 @@ class BlockManager(ApplyPlacement, CachedBlocks):
                 take = min(bs - off, start + num_new - pos)
                 base = block.slot * bs + off
                 rows_by_tier.setdefault(block.tier, []).extend(range(base, base + take))
-                src0 = b_idx * num_new + (pos - start)
+                src0 = first_src + (pos - start)
                 src_by_tier.setdefault(block.tier, []).extend(range(src0, src0 + take))
                 block.num_tokens = off + take
                 pos += take

@@ -383,7 +383,11 @@ def kvstrata_attention(
     s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The attention function registered as "kvstrata" (transformers AttentionInterface)."""
+    """The attention function registered as "kvstrata" (transformers AttentionInterface).
+    Also serves the engine's packed steps (a handle with `kvstrata_attend`)."""
+    packed = getattr(key, "kvstrata_attend", None)
+    if packed is not None:
+        return packed(query, scaling, sliding_window, softcap, s_aux)
     if not isinstance(key, TieredKV):
         raise UnsupportedModelError(
             "attn_implementation='kvstrata' needs a kvstrata.TieredCache: pass "

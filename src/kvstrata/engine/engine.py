@@ -1,0 +1,440 @@
+"""`Engine`: continuous batching of many requests over one `KVStore`.
+
+One engine thread owns the store and the model's forwards. Each step it picks the
+requests to run (`scheduler.plan_step`), packs their new tokens — one per decode,
+a chunk per prefill — into one row (`batch.StepCache`), runs one forward, samples
+the next token of every request whose known tokens are all in, and hands the new
+text to each request's callback. Requests arrive (`submit`) and leave (`abort`)
+from any thread through a command queue; `generate` and the async `stream` are
+built on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+
+from kvstrata.config import CacheConfig
+from kvstrata.engine.batch import StepCache
+from kvstrata.engine.metrics import EngineMetrics
+from kvstrata.engine.params import EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from kvstrata.engine.sampling import sample
+from kvstrata.engine.scheduler import Request, Scheduler
+from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
+from kvstrata.store import KVStore
+from kvstrata.units import format_bytes
+
+log = logging.getLogger("kvstrata.engine")
+OnOutput = Callable[[RequestOutput], None]
+
+
+class Engine:
+    """Serve many requests at once from one model over one tiered KV store.
+
+    Args:
+        model: a transformers causal LM (switched to the "kvstrata" attention).
+        tokenizer: its tokenizer (needed for text prompts, stop strings and text).
+        cache_config: the store's CacheConfig (or give its fields as keywords).
+        config: EngineConfig (batching, preemption).
+        model_name: the name requests use (default: the config's path or type).
+        prefix_caching: share cached prompt prefixes between requests.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        cache_config: CacheConfig | None = None,
+        config: EngineConfig | None = None,
+        *,
+        model_name: str | None = None,
+        prefix_caching: bool = True,
+        **cache_fields: Any,
+    ) -> None:
+        from kvstrata.integrations.hf import enable
+
+        if cache_config is None:
+            cache_config = CacheConfig(**cache_fields)
+        elif cache_fields:
+            cache_config = cache_config.replace(**cache_fields)
+        self.config = config or EngineConfig()
+        self.model = enable(model).eval()
+        self.tokenizer = tokenizer
+        mc = model.config
+        self.model_name = model_name or getattr(mc, "_name_or_path", "") or mc.model_type
+        limit = getattr(mc, "max_position_embeddings", None)
+        self.max_model_len: int | None = limit if isinstance(limit, int) else None
+        self.vocab_size = int(getattr(mc, "vocab_size", 0) or 0)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.store = KVStore(mc, cache_config, prefix_caching=prefix_caching)
+        self.metrics = EngineMetrics(self._snapshot_copy)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "preempted": 0}
+        self._lock = threading.Lock()
+        self._stop = False
+        self._outbox: list[tuple[Request, RequestOutput]] = []
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.sched: Scheduler | None = None
+        self._thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    # -- requests (any thread) ----------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError.field("prompt", prompt, "token ids (the engine has no tokenizer)")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ConfigError.field("prompt", prompt, "a string or a list of token ids")
+        return list(prompt)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """RequestRejected when the request can never run (with the numbers)."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestRejected("prompt is empty: give at least one token")
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+            raise RequestRejected(
+                f"prompt token id {bad} is outside the model's vocabulary "
+                f"(0..{self.vocab_size - 1})"
+            )
+        total = n + params.max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request needs {total} ({n} in the prompt + max_tokens {params.max_tokens}): "
+                "shorten the prompt or lower max_tokens"
+            )
+        sched = self.sched
+        assert sched is not None
+        need = sched.blocks_for(total)
+        if need > sched.capacity_blocks:
+            bs, block = sched.block_size, sched.block_bytes
+            raise RequestRejected(
+                f"the request needs {need} blocks of {bs} tokens ({format_bytes(need * block)}) "
+                f"for {total} tokens ({n} in the prompt + max_tokens {params.max_tokens}); all "
+                f"tiers together hold {sched.capacity_blocks} "
+                f"({format_bytes(sched.capacity_blocks * block)}): raise host_budget / "
+                "disk_budget, or shorten the request"
+            )
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        on_output: OnOutput | None = None,
+        salt: str | None = None,
+    ) -> str:
+        """Queue a request (thread-safe). Raises RequestRejected / ConfigError at once
+        for a request that can never run. `on_output` is called from the engine
+        thread with each new piece of output and last with `finish_reason` set."""
+        if self._stop or self._error is not None:
+            raise KvstrataError("the engine is shut down")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError.field("params", params, "a kvstrata.engine.SamplingParams")
+        ids = self.encode(prompt)
+        self.check(ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        salt = self.config.salt if salt is None else salt
+        req = Request(rid, ids, params, on_output, salt, self.tokenizer)
+        self._commands.put(("add", req))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe): its blocks are freed at the engine's next
+        step and a last output with finish_reason "abort" follows."""
+        self._commands.put(("abort", request_id))
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run requests to the end (blocking); whole outputs in prompt order."""
+        if threading.current_thread() is self._thread:
+            raise KvstrataError("Engine.generate cannot be called from the engine thread")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ConfigError.field("params", len(plist), f"one per prompt ({len(prompts)})")
+        results: list[RequestOutput] = []
+        done = [threading.Event() for _ in prompts]
+
+        def collector(i: int) -> OnOutput:
+            def on_output(out: RequestOutput) -> None:
+                res = results[i]
+                res.token_ids += out.token_ids
+                res.text += out.text
+                res.finish_reason, res.error = out.finish_reason, out.error
+                res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens
+                res.completion_tokens = out.completion_tokens
+                if out.finished:
+                    done[i].set()
+
+            return on_output
+
+        submitted = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+                results.append(RequestOutput(request_id=""))
+                rid = self.submit(prompt, p, on_output=collector(i))
+                results[i].request_id = rid
+                submitted.append(rid)
+            for event in done:
+                while not event.wait(0.5):
+                    if not self._thread.is_alive():
+                        raise KvstrataError("the engine stopped before the requests finished")
+        except BaseException:
+            for rid in submitted:
+                self.abort(rid)
+            raise
+        return results
+
+    async def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come (new tokens and text each); leaving the
+        loop early (break, cancellation, a client gone) aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                self.abort(out.request_id)
+
+        rid = self.submit(prompt, params, request_id=request_id, on_output=on_output, salt=salt)
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot (thread-safe) taken by the engine after its latest step."""
+        return self._snapshot_copy()
+
+    def _snapshot_copy(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._snapshot)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread (running requests end with "abort") and close the
+        store (its disk tier keeps the prefix cache). Idempotent."""
+        self._stop = True
+        self._commands.put(("stop", None))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            dtype = next(self.model.parameters()).dtype
+            self.store.build(dtype, num_sequences=self.config.max_num_seqs)
+            self.sched = Scheduler(self.store, self.config, self.metrics)
+            self._step_cache = StepCache(self.store)
+            self._take_snapshot()
+        except BaseException as err:  # reported by the constructor
+            self._error = err
+            self.store.close()
+            return
+        finally:
+            self._ready.set()
+        try:
+            self._loop()
+        except BaseException as err:
+            self._error = err
+            log.exception("kvstrata engine stopped")
+        finally:
+            self._finish_all("abort", self._error and f"engine stopped: {self._error}")
+            self._take_snapshot()
+            self._deliver()
+            self.store.close()
+
+    def _loop(self) -> None:
+        sched = self.sched
+        assert sched is not None
+        while not self._stop:
+            if not sched.has_work():  # idle: sleep until a command comes
+                self._command(*self._commands.get())
+            while True:
+                try:
+                    self._command(*self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if self._stop:
+                return
+            if sched.has_work():
+                self._step()
+            self._take_snapshot()  # before the outputs go: a finished request's blocks
+            self._deliver()  # are already free in the stats its caller may read
+
+    def _command(self, kind: str, arg: Any) -> None:
+        sched = self.sched
+        assert sched is not None
+        if kind == "add":
+            sched.add(arg)
+        elif kind == "abort":
+            req = sched.requests.get(arg)
+            if req is not None:
+                self._finish(req, "abort")
+        elif kind == "stop":
+            self._stop = True
+
+    def _step(self) -> None:
+        sched = self.sched
+        assert sched is not None
+        batch = sched.plan_step()
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        seq_ids = [r.seq_id for r, _ in batch]
+        counts = [n for _, n in batch]
+        tokens = [r.tokens(r.computed, n) for r, n in batch]
+        positions = [torch.arange(r.computed, r.computed + n) for r, n in batch]
+        last = list(itertools.accumulate(counts))
+        ready = [i for i, (r, n) in enumerate(batch) if r.computed + n == r.num_tokens]
+        self._step_cache.begin(seq_ids, counts, tokens)
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=torch.tensor([t for ts in tokens for t in ts])[None],
+                    position_ids=torch.cat(positions)[None],
+                    cache=self._step_cache,
+                    use_cache=True,
+                    logits_to_keep=torch.tensor([last[i] - 1 for i in ready], dtype=torch.long),
+                )
+        except OutOfBlocksError as err:
+            self.store.abort_step(seq_ids)
+            if not sched.relieve(batch):  # nothing left to preempt: the oldest fails
+                self._finish(batch[0][0], "abort", f"out of KV blocks: {err}")
+            return
+        except Exception as err:
+            self.store.abort_step(seq_ids)
+            log.exception("kvstrata engine: a step failed")
+            for req, _ in batch:
+                self._finish(req, "abort", f"the model step failed: {err}")
+            return
+        for req, n in batch:
+            req.computed += n
+            (self.metrics.decode_tokens if req.out_ids else self.metrics.prefill_tokens).inc(n)
+        logits = out.logits[0].float()
+        reqs = [batch[i][0] for i in ready]
+        next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        now = time.perf_counter()
+        for req, token in zip(reqs, next_ids, strict=True):
+            self._accept(req, token, now)
+        self.metrics.step.observe(time.perf_counter() - t0)
+
+    def _accept(self, req: Request, token: int, now: float) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.tpot.observe(now - req.last_token_at)
+        req.last_token_at = now
+        req.out_ids.append(token)
+        self.metrics.generation_tokens.inc()
+        p = req.params
+        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+        text, stopped = ("", False) if stop_token else req.text.push([token])
+        if stop_token or stopped:
+            return self._finish(req, "stop", delta=text)
+        if len(req.out_ids) >= p.max_tokens:
+            return self._finish(req, "length", delta=text)
+        if req.on_output is not None and (text or req.emit_tokens):
+            self._emit(req, RequestOutput(req.id, req.take_new_ids(), text))
+
+    def _finish(self, req: Request, reason: str, error: str | None = None, delta: str = "") -> None:
+        sched = self.sched
+        assert sched is not None
+        sched.remove(req)
+        text = delta + req.text.flush() if reason != "abort" else delta
+        now = time.perf_counter()
+        self.metrics.finished.labels(reason).inc()
+        self.metrics.e2e.observe(now - req.arrival)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self.metrics.cached_tokens.inc(req.cached)
+        out = RequestOutput(req.id, req.take_new_ids(), text, reason, error=error)
+        self._emit(req, out)
+
+    def _emit(self, req: Request, out: RequestOutput) -> None:
+        out.prompt_tokens, out.cached_tokens = len(req.prompt_ids), req.cached
+        out.completion_tokens = len(req.out_ids)
+        if req.on_output is not None:
+            self._outbox.append((req, out))
+
+    def _deliver(self) -> None:
+        """Hand the step's outputs to their callbacks."""
+        outbox, self._outbox = self._outbox, []
+        for req, out in outbox:
+            try:
+                req.on_output(out)
+            except Exception:  # a broken consumer must not stop the engine
+                log.exception("kvstrata engine: on_output of %s failed; aborting it", req.id)
+                if not out.finished:
+                    self.abort(req.id)
+
+    def _finish_all(self, reason: str, error: str | None) -> None:
+        sched = self.sched
+        if sched is None:
+            return
+        for req in list(sched.requests.values()):
+            with contextlib.suppress(KvstrataError):
+                self._finish(req, reason, error)
+
+    def _take_snapshot(self) -> None:
+        sched = self.sched
+        assert sched is not None
+        snap = sched.snapshot()
+        with self._lock:
+            self._snapshot = snap
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,142 @@
+"""Prometheus metrics of one engine (its own `CollectorRegistry`).
+
+Latencies are histograms observed as requests progress; the store's counters (tier
+occupancy, bytes moved per link, prefix lookups and hits per tier, evictions,
+demotions, transfer stalls) are read from the engine's latest snapshot when scraped,
+so a scrape never touches the store from another thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily: no metric names known before the first scrape
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        for name, doc in (
+            ("running", "requests running (in the step batch)"),
+            ("waiting", "requests waiting to start (queue length)"),
+            ("preempted", "requests preempted (their blocks demoted), waiting to resume"),
+        ):
+            g = GaugeMetricFamily(f"kvstrata_requests_{name}", doc)
+            g.add_metric([], snap.get(name, 0))
+            yield g
+        store = snap.get("store") or {}
+        if not store.get("initialized"):
+            return
+        used = GaugeMetricFamily("kvstrata_tier_used_bytes", "bytes of blocks held", ["tier"])
+        cached = GaugeMetricFamily(
+            "kvstrata_tier_cached_blocks", "prefix-cache blocks (evictable)", ["tier"]
+        )
+        cap = GaugeMetricFamily("kvstrata_tier_budget_bytes", "tier budget", ["tier"])
+        for tier, occ in store["tiers"].items():
+            used.add_metric([tier], occ["used_bytes"])
+            cached.add_metric([tier], occ["cached_blocks"])
+            cap.add_metric([tier], occ["budget_blocks"] * occ["block_bytes"])
+        yield from (used, cached, cap)
+        moved = CounterMetricFamily(
+            "kvstrata_bytes_moved", "bytes moved between tiers", labels=["link"]
+        )
+        for link, n in store["bytes_moved"].items():
+            moved.add_metric([link], n)
+        yield moved
+        prefix = store["prefix"]
+        lookup = CounterMetricFamily(
+            "kvstrata_prefix_lookup_tokens", "prompt tokens looked up in the prefix cache"
+        )
+        lookup.add_metric([], prefix["lookup_tokens"])
+        hits = CounterMetricFamily(
+            "kvstrata_prefix_hit_tokens", "prompt tokens found, per tier", labels=["tier"]
+        )
+        for tier, n in prefix["hit_tokens_by_tier"].items():
+            hits.add_metric([tier], n)
+        corrupt = CounterMetricFamily(
+            "kvstrata_prefix_corrupt_blocks", "cached blocks that failed their check (recomputed)"
+        )
+        corrupt.add_metric([], prefix["corrupt_blocks"])
+        yield from (lookup, hits, corrupt)
+        evicted = CounterMetricFamily(
+            "kvstrata_evicted_cached_blocks", "prefix-cache blocks evicted for room"
+        )
+        evicted.add_metric([], snap.get("evicted_cached_blocks", 0))
+        yield evicted
+        xfer = store.get("transfers")
+        if xfer:
+            stall = CounterMetricFamily(
+                "kvstrata_transfer_stall_seconds", "time attention waited for staged blocks"
+            )
+            stall.add_metric([], xfer["stall_s"])
+            hidden = GaugeMetricFamily(
+                "kvstrata_transfer_hidden_fraction", "share of transfer time hidden behind compute"
+            )
+            hidden.add_metric([], xfer["overlap_ratio"])
+            yield from (stall, hidden)
+
+
+class EngineMetrics:
+    """The engine's metrics; `registry` is what `/metrics` serves."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "kvstrata_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY,
+            registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "kvstrata_time_per_output_token_seconds", "time between a request's tokens",
+            buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "kvstrata_request_seconds", "arrival to finish", buckets=_LATENCY, registry=r
+        )
+        self.step = Histogram(
+            "kvstrata_step_seconds", "one engine step (forward + sampling)", buckets=_LATENCY,
+            registry=r,
+        )  # fmt: skip
+        self.finished = Counter(
+            "kvstrata_requests_finished", "finished requests", ["reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvstrata_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvstrata_cached_prompt_tokens", "prompt tokens served from the prefix cache",
+            registry=r,
+        )  # fmt: skip
+        self.generation_tokens = Counter(
+            "kvstrata_generation_tokens", "tokens generated", registry=r
+        )
+        self.prefill_tokens = Counter(
+            "kvstrata_prefill_tokens", "prompt tokens fed to the model (computed)", registry=r
+        )
+        self.decode_tokens = Counter(
+            "kvstrata_decode_tokens", "generated tokens fed back to the model", registry=r
+        )
+        self.preemptions = Counter(
+            "kvstrata_preemptions", "requests preempted (blocks demoted, not dropped)", registry=r
+        )
+        self.demoted_blocks = Counter(
+            "kvstrata_demoted_blocks", "blocks demoted off the device by preemption", registry=r
+        )
+        self.resumed = Counter(
+            "kvstrata_resumed", "preempted requests resumed (no recompute)", registry=r
+        )
+        r.register(_SnapshotCollector(snapshot))
+
+    def value(self, name: str, **labels: str) -> float:
+        """A metric's current value (for tests and reports); 0 when absent."""
+        v = self.registry.get_sample_value(name, labels or None)
+        return 0.0 if v is None else v

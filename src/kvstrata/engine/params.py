@@ -1,0 +1,150 @@
+"""What a request asks for (`SamplingParams`), how the engine schedules
+(`EngineConfig`), what it hands back (`RequestOutput`), and how it refuses
+(`RequestRejected`). Every field is checked at construction with a one-line error
+naming the field, the value and what is accepted."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.errors import ConfigError, KvstrataError
+
+MAX_SEED = 2**63 - 1
+PREEMPTION_MODES = ("demote", "off")
+
+
+class RequestRejected(KvstrataError, ValueError):
+    """A request the engine can never run (longer than the model's positions, larger
+    than every tier together, ...): one line with the numbers and the fix. The server
+    answers it with HTTP 400."""
+
+
+def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError.field(name, value, "a whole number")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ConfigError.field(name, value, f"a whole number >= {minimum}{upper}")
+    return value
+
+
+def _float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError.field(name, value, "a number")
+    v = float(value)
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        lower = f"> {lo}" if lo_open else f">= {lo}"
+        raise ConfigError.field(name, value, f"a number {lower} and <= {hi}")
+    return v
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    Args:
+        max_tokens: new tokens at most (the request also stops at the model's
+            positions limit, finish reason "length").
+        temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / T).
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set of tokens whose probability reaches top_p.
+        seed: seed of this request's own generator (None: drawn at random), so a
+            sampled request gives the same tokens alone or in any batch.
+        stop: strings that end the output (not included in it).
+        stop_token_ids: token ids that end the output (not included in it).
+        ignore_eos: keep going past the tokenizer's end-of-sequence token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _int("max_tokens", self.max_tokens, 1)
+        _float("temperature", self.temperature, 0.0, 100.0)
+        _int("top_k", self.top_k, 0)
+        _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, MAX_SEED)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError.field("stop", self.stop, "a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)):
+            raise ConfigError.field("stop_token_ids", ids, "a list of token ids")
+        for t in ids:
+            _int("stop_token_ids", t, 0)
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError.field("ignore_eos", self.ignore_eos, "true or false")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and schedules.
+
+    Args:
+        max_num_seqs: requests running at once (the rest wait in arrival order).
+        max_batched_tokens: tokens one step feeds the model at most: every running
+            decode (one token each) plus chunks of prompts being prefilled.
+        preemption: "demote" (default): the running requests' KV is kept within the
+            device budget; when it would not fit, the newest running request is
+            preempted — its blocks are demoted to host / disk (nothing recomputed,
+            nothing dropped) and it resumes when there is room. "off": every admitted
+            request runs every step and placement spreads their blocks over the tiers.
+        salt: tenant salt of the prefix cache (requests with different salts never
+            share blocks; a request may bring its own).
+    """
+
+    max_num_seqs: int = 8
+    max_batched_tokens: int = 512
+    preemption: str = "demote"
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        _int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _int("max_batched_tokens", self.max_batched_tokens, 1)
+        if self.preemption not in PREEMPTION_MODES:
+            raise ConfigError.field(
+                "preemption", self.preemption, f"one of {', '.join(PREEMPTION_MODES)}"
+            )
+        if not isinstance(self.salt, str):
+            raise ConfigError.field("salt", self.salt, "a string naming the tenant")
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress: what is new since the last output (streaming), or the
+    whole result when it finished (`Engine.generate`).
+
+    token_ids / text: the new tokens and text of this output (all of them in the
+    final output of `generate`). finish_reason: None while running, else "stop"
+    (end-of-sequence, a stop string or a stop token), "length" (max_tokens or the
+    model's positions) or "abort" (cancelled). cached_tokens: prompt tokens found in
+    the prefix cache (not computed). error: set when the engine gave up on the request
+    (a failed step, shutdown)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None  # why an aborted request stopped, when not cancelled
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,238 @@
+"""Which requests run in the next step, and how many tokens each brings.
+
+Runs in the engine thread (it owns the store). Policy, per step:
+
+1. Running requests, oldest first, keep their place while their KV fits the device
+   budget (`preemption="demote"`); a newer one that no longer fits is preempted:
+   its full blocks are demoted to host / disk by `KVStore.demote` — nothing is
+   recomputed or dropped — and it waits, first in line, to resume where it stopped.
+   The oldest always runs (if it alone outgrows the device, placement spills its
+   oldest blocks down, as for any sequence).
+2. Every running decode brings its one token; prompts being prefilled take chunks
+   of what is left of `max_batched_tokens`, oldest first.
+3. Preempted requests resume, then waiting ones start (their cached prefix is
+   attached from the store), while there is room: `max_num_seqs`, the step's token
+   budget, the device budget, and — for a new request — all tiers together, where
+   each admitted request reserves the blocks of its prompt + max_tokens, so a
+   running request never runs out of blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kvstrata import budgets
+from kvstrata.engine.params import SamplingParams
+from kvstrata.engine.sampling import TextOutput, make_generator
+
+if TYPE_CHECKING:
+    from kvstrata.engine.metrics import EngineMetrics
+    from kvstrata.engine.params import EngineConfig
+    from kvstrata.store import KVStore
+
+
+class Request:
+    """One request's state in the engine."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_output: Any,
+        salt: str,
+        tokenizer: Any = None,
+    ) -> None:
+        self.id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.on_output = on_output
+        self.salt = salt
+        self.arrival = time.perf_counter()
+        self.seq_id: int | None = None
+        self.cached = 0  # prompt tokens found in the prefix cache
+        self.computed = 0  # tokens in the store
+        self.out_ids: list[int] = []
+        self.sent_ids = 0
+        self.text = TextOutput(tokenizer, params.stop)
+        self.emit_tokens = tokenizer is None  # no text: every token is news
+        self.generator = make_generator(params)
+        self.reserve = 0  # blocks reserved in all tiers together
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.out_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Known tokens not in the store yet (1 for a decode)."""
+        return self.num_tokens - self.computed
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if start + count <= n:
+            return self.prompt_ids[start : start + count]
+        return (self.prompt_ids + self.out_ids)[start : start + count]
+
+    def take_new_ids(self) -> list[int]:
+        new = self.out_ids[self.sent_ids :]
+        self.sent_ids = len(self.out_ids)
+        return new
+
+
+class Scheduler:
+    """The engine's queues and the step plan (see the module docstring)."""
+
+    def __init__(self, store: KVStore, config: EngineConfig, metrics: EngineMetrics) -> None:
+        mgr = store.manager
+        assert mgr is not None
+        self.store = store
+        self.manager = mgr
+        self.config = config
+        self.metrics = metrics
+        self.block_size = store.config.block_size
+        self.device = mgr.tier_order[0]
+        self.block_bytes = mgr.tiers[self.device].block_bytes
+        self.capacity_blocks = sum(mgr.budget_slots.values())
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preempted: list[Request] = []
+        self.reserved = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks (all layer groups) one sequence of `num_tokens` tokens holds."""
+        return budgets.blocks_held(self.store.groups, num_tokens, self.block_size)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.preempted)
+
+    def add(self, req: Request) -> None:
+        if req.id in self.requests:
+            req.on_output and req.on_output(_duplicate(req))
+            return
+        self.requests[req.id] = req
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Forget a finished or aborted request; its blocks are freed now (hashed
+        ones stay in the prefix cache)."""
+        if self.requests.pop(req.id, None) is None:
+            return
+        for queue in (self.running, self.preempted):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.seq_id is not None and self.store.has_sequence(req.seq_id):
+            self.store.free(req.seq_id)
+        req.seq_id = None
+        self.reserved -= req.reserve
+        req.reserve = 0
+
+    # -- the step plan ------------------------------------------------------------------------
+    def plan_step(self) -> list[tuple[Request, int]]:
+        cfg = self.config
+        demote = cfg.preemption == "demote"
+        room = self.manager.budget_slots[self.device] if demote else None
+        chunk = cfg.max_batched_tokens
+        used = 0
+        keep: list[Request] = []
+        for req in self.running:
+            need = self.blocks_for(req.computed + min(req.remaining, chunk))
+            if room is not None and keep and used + need > room:
+                self._preempt(req)
+                continue
+            used += need
+            keep.append(req)
+        self.running = keep
+        batch: list[tuple[Request, int]] = [(r, 1) for r in keep if r.remaining == 1]
+        left = chunk - len(batch)
+        for req in keep:
+            if req.remaining > 1 and left > 0:
+                n = min(req.remaining, left)
+                batch.append((req, n))
+                left -= n
+        while len(self.running) < cfg.max_num_seqs and left > 0:
+            req = self._admit(used, room, left)
+            if req is None:
+                break
+            n = min(req.remaining, left)
+            used += self.blocks_for(req.computed + n)
+            batch.append((req, n))
+            left -= n
+        return batch
+
+    def _admit(self, used: int, room: int | None, left: int) -> Request | None:
+        """Resume the oldest preempted request, else start the oldest waiting one, if
+        it fits; None when nothing can start this step."""
+        if self.preempted:
+            req = self.preempted[0]
+            need = self.blocks_for(req.computed + min(req.remaining, left))
+            if room is not None and self.running and used + need > room:
+                return None
+            self.preempted.pop(0)
+            self.metrics.resumed.inc()
+        elif self.waiting:
+            req = self.waiting[0]
+            reserve = self.blocks_for(len(req.prompt_ids) + req.params.max_tokens)
+            if self.reserved + reserve > self.capacity_blocks and self.requests_admitted():
+                return None  # all tiers are promised to the requests running now
+            need = self.blocks_for(min(len(req.prompt_ids), left))
+            if room is not None and self.running and used + need > room:
+                return None
+            self.waiting.popleft()
+            req.seq_id, req.cached = self.store.add_sequence(req.prompt_ids, salt=req.salt)
+            req.computed = req.cached
+            req.reserve = reserve
+            self.reserved += reserve
+        else:
+            return None
+        self.running.append(req)
+        return req
+
+    def requests_admitted(self) -> bool:
+        return bool(self.running or self.preempted)
+
+    def _preempt(self, req: Request) -> None:
+        moved = self.store.demote(req.seq_id)
+        self.metrics.preemptions.inc()
+        self.metrics.demoted_blocks.inc(moved)
+        self.preempted.append(req)
+        self.preempted.sort(key=lambda r: r.arrival)
+
+    def relieve(self, batch: list[tuple[Request, int]]) -> bool:
+        """A step ran out of blocks: preempt the newest running request (False when
+        only one runs: nothing to make room with)."""
+        if len(self.running) < 2:
+            return False
+        req = max(self.running, key=lambda r: r.arrival)
+        self.running.remove(req)
+        self._preempt(req)
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        occupancy = self.manager.occupancy()
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preempted": len(self.preempted),
+            "live_blocks": sum(o["used_blocks"] - o["cached_blocks"] for o in occupancy.values()),
+            "sequences": len(self.store.sequence_ids),
+            "reserved_blocks": self.reserved,
+            "capacity_blocks": self.capacity_blocks,
+            "evicted_cached_blocks": self.manager.num_evicted_cached,
+            "store": self.store.stats(),
+        }
+
+
+def _duplicate(req: Request) -> Any:
+    from kvstrata.engine.params import RequestOutput
+
+    return RequestOutput(
+        req.id, finish_reason="abort", error=f"request_id {req.id!r} is already running"
+    )
