@@ -86,6 +86,7 @@ class Engine:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.sched: Scheduler | None = None
+        self._threads = self.config.threads or torch.get_num_threads()
         self._thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -267,6 +268,7 @@ class Engine:
     # -- the engine thread ------------------------------------------------------------------
     def _main(self) -> None:
         try:
+            torch.set_num_threads(self._threads)  # OpenMP thread counts are per thread
             dtype = next(self.model.parameters()).dtype
             self.store.build(dtype, num_sequences=self.config.max_num_seqs)
             self.sched = Scheduler(self.store, self.config, self.metrics)

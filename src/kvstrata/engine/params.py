@@ -106,12 +106,16 @@ class EngineConfig:
             request runs every step and placement spreads their blocks over the tiers.
         salt: tenant salt of the prefix cache (requests with different salts never
             share blocks; a request may bring its own).
+        threads: torch (OpenMP) threads of the engine thread, which runs every
+            forward and kernel (None: as many as the thread that built the engine
+            has). OpenMP thread counts are per thread, so the engine sets its own.
     """
 
     max_num_seqs: int = 8
     max_batched_tokens: int = 512
     preemption: str = "demote"
     salt: str = ""
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -120,6 +124,8 @@ class EngineConfig:
             raise ConfigError.field(
                 "preemption", self.preemption, f"one of {', '.join(PREEMPTION_MODES)}"
             )
+        if self.threads is not None:
+            _int("threads", self.threads, 1, 1024)
         if not isinstance(self.salt, str):
             raise ConfigError.field("salt", self.salt, "a string naming the tenant")
 

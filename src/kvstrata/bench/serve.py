@@ -1,0 +1,281 @@
+"""`kvstrata bench serve`: the engine's output tokens/s under concurrency, against
+one-at-a-time transformers `generate` with a `DynamicCache` on the same model.
+
+Workload: `--requests` prompts of real text (the embedded model's held-out stdlib
+files) of different lengths (`--prompt-tokens` spread 0.5x-1.5x), `--max-tokens`
+new tokens each (end-of-sequence ignored, so every variant generates the same
+number). Prefix caching is off: every round computes every prompt.
+
+Variants, interleaved (one warm-up round, `--repeats` rounds, medians):
+  baseline       transformers generate + DynamicCache, one request after another
+  c1 / c4 / c8   kvstrata's engine with at most 1 / 4 / 8 requests running at once
+                 (all requests submitted together)
+  c8_dev25       c8 with a device budget that holds 25 % of the running requests'
+                 KV (the rest on host, read in place) vs c8 (device unlimited)
+Under load (c): the baseline and c4 again while a competing CPU-bound process
+spins on one core.
+Reported: output tokens/s and ratios, TTFT and TPOT p50 / p99 per engine variant;
+every engine output is checked against the baseline's greedy tokens.
+Targets: c8 / baseline >= 3x; c8_dev25 / c8 >= 0.8x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from kvstrata.bench import _timing
+
+NAME = "serve"
+HELP = "engine throughput at concurrency 1/4/8 vs one-at-a-time DynamicCache generate"
+
+TARGET_C8 = 3.0
+TARGET_DEV25 = 0.8
+SPIN = "import time\nend = time.time() + 3600\nwhile time.time() < end:\n    pass\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=8, help="requests per round")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="mean prompt tokens")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--no-load", action="store_true", help="skip the competing-load part")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _prompts(tokenizer: Any, count: int, mean: int) -> list[list[int]]:
+    from kvstrata.modelzoo import heldout_files
+
+    text = "".join(p.read_text(errors="replace") for p in heldout_files("default")[:4])
+    ids = tokenizer(text, verbose=False)["input_ids"]
+    out, at = [], 0
+    for i in range(count):
+        n = max(1, int(mean * (0.5 + i / max(1, count - 1))))  # 0.5x .. 1.5x
+        out.append(ids[at : at + n])
+        at += n
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+class _Run:
+    """What one engine variant saw: latencies of every round, the last outputs."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.outputs: list[list[int]] = []
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    from kvstrata.engine import Engine, EngineConfig, SamplingParams
+    from kvstrata.modelzoo import load_model
+
+    torch.set_num_threads(args.threads)
+    base_model, tok = load_model("default")
+    base_model.generation_config.eos_token_id = None
+    prompts = _prompts(tok, args.requests, args.prompt_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    new_tokens = args.requests * args.max_tokens
+    expected: list[list[int]] = []
+
+    def baseline() -> float:
+        outs = []
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for p in prompts:
+                cache = DynamicCache(config=base_model.config)
+                ids = torch.tensor([p])
+                out = base_model.generate(
+                    ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
+                    do_sample=False, cache=cache,
+                )  # fmt: skip
+                outs.append(out[0, len(p) :].tolist())
+        seconds = time.perf_counter() - t0
+        expected[:] = outs
+        return seconds
+
+    block_bytes = None
+    engines: dict[str, Engine] = {}
+
+    def engine(name: str, seqs: int, device_fraction: float | None = None) -> Engine:
+        nonlocal block_bytes
+        model, _ = load_model("default")
+        kwargs: dict[str, Any] = {"block_size": args.block_size}
+        if device_fraction is not None:
+            assert block_bytes is not None
+            running = sum(
+                -(-(len(p) + args.max_tokens) // args.block_size) for p in prompts[-seqs:]
+            )
+            slots = max(int(device_fraction * running), seqs)
+            kwargs.update(device_budget=slots * block_bytes, host_budget="1GiB")
+        eng = Engine(
+            model, tok, prefix_caching=False, **kwargs,
+            config=EngineConfig(
+                max_num_seqs=seqs, max_batched_tokens=max(512, args.prompt_tokens * 2),
+                preemption="off", threads=args.threads,
+            ),
+        )  # fmt: skip
+        if block_bytes is None:
+            stats = eng.stats()["store"]["tiers"]
+            block_bytes = next(iter(stats.values()))["block_bytes"]
+        engines[name] = eng
+        return eng
+
+    runs: dict[str, _Run] = {}
+
+    def engine_variant(name: str, eng: Engine):
+        run = runs[name] = _Run()
+
+        def once() -> float:
+            done = threading.Event()
+            left = [len(prompts)]
+            outs: dict[int, list[int]] = {}
+            lock = threading.Lock()
+
+            def watcher(i: int, submitted: float):
+                last = [None]
+
+                def on_output(out: Any) -> None:
+                    now = time.perf_counter()
+                    if out.token_ids:
+                        if last[0] is None:
+                            run.ttft.append(now - submitted)
+                        else:
+                            run.tpot.append((now - last[0]) / len(out.token_ids))
+                        last[0] = now
+                    outs.setdefault(i, []).extend(out.token_ids)
+                    if out.finished:
+                        with lock:
+                            left[0] -= 1
+                            if left[0] == 0:
+                                done.set()
+
+                return on_output
+
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                eng.submit(p, params, on_output=watcher(i, time.perf_counter()))
+            done.wait()
+            seconds = time.perf_counter() - t0
+            run.outputs = [outs.get(i, []) for i in range(len(prompts))]
+            return seconds
+
+        return once
+
+    variants: dict[str, Any] = {"baseline": baseline}
+    for c in (1, 4, 8):
+        variants[f"c{c}"] = engine_variant(f"c{c}", engine(f"c{c}", c))
+    variants["c8_dev25"] = engine_variant("c8_dev25", engine("c8_dev25", 8, 0.25))
+    try:
+        times, warning = _timing.timed_with_load_check(variants, args.repeats, args.threads)
+        latency = {name: _latency(run) for name, run in runs.items()}
+        exact = {name: run.outputs == expected for name, run in runs.items()}
+        loaded: dict[str, Any] | None = None
+        if not args.no_load:
+            loaded = _under_load({"baseline": baseline, "c4": variants["c4"]}, args)
+        dev25 = engines["c8_dev25"].stats()["store"]
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    med = {name: _timing.median(t) for name, t in times.items()}
+    tps = {name: new_tokens / s for name, s in med.items()}
+    return {
+        "scenario": NAME,
+        "requests": args.requests,
+        "prompt_tokens": [len(p) for p in prompts],
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "warning": warning,
+        "variants": {
+            name: {
+                "median_s": med[name],
+                "tokens_per_s": tps[name],
+                "spread": _timing.spread(times[name]),
+                **({"exact_vs_baseline": exact[name], **latency[name]} if name in runs else {}),
+            }
+            for name in med
+        },
+        "ratios": {
+            "c1/baseline": tps["c1"] / tps["baseline"],
+            "c4/baseline": tps["c4"] / tps["baseline"],
+            "c8/baseline": tps["c8"] / tps["baseline"],
+            "c8_dev25/c8": tps["c8_dev25"] / tps["c8"],
+        },
+        "targets": {"c8/baseline": TARGET_C8, "c8_dev25/c8": TARGET_DEV25},
+        "dev25_tiers": {t: o["peak_used_blocks"] for t, o in dev25["tiers"].items()},
+        "under_load": loaded,
+    }
+
+
+def _latency(run: _Run) -> dict[str, float]:
+    """TTFT / TPOT p50 and p99 over every request of every round (seconds)."""
+    return {
+        f"{key}_p{int(q * 100)}_s": _percentile(values, q)
+        for key, values in (("ttft", run.ttft), ("tpot", run.tpot))
+        for q in (0.5, 0.99)
+    }
+
+
+def _under_load(fns: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        time.sleep(0.5)
+        times = _timing.interleaved(fns, args.repeats, warmup=0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "median_s": med,
+        "c4/baseline": med["baseline"] / med["c4"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.requests, args.prompt_tokens, args.max_tokens, args.repeats = 8, 48, 8, 1
+    _timing.check_positive(args, "requests", "prompt_tokens", "max_tokens", "repeats", "threads")
+    report = measure(args)
+    if args.json:
+        _timing.print_json(report)
+        return 0
+    rows = [
+        [name, f"{v['tokens_per_s']:.1f}", f"{v['median_s']:.2f}", v.get("exact_vs_baseline", "-")]
+        + [f"{v.get(k, float('nan')) * 1e3:.0f}" for k in ("ttft_p50_s", "tpot_p50_s")]
+        for name, v in report["variants"].items()
+    ]
+    notes = [f"{k}: {v:.2f}x (target {report['targets'].get(k, '-')})" for k, v in
+             report["ratios"].items()]  # fmt: skip
+    if report["under_load"]:
+        notes.append(
+            f"under a competing CPU-bound process: c4/baseline "
+            f"{report['under_load']['c4/baseline']:.2f}x"
+        )
+    if report["warning"]:
+        notes.append(f"[yellow]{report['warning']}[/yellow]")
+    _timing.print_table(
+        f"engine output tokens/s ({report['requests']} requests x {report['max_tokens']} tokens)",
+        ["variant", "tok/s", "median s", "exact", "TTFT p50 ms", "TPOT p50 ms"],
+        rows,
+        notes,
+    )
+    return 0

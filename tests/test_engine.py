@@ -1,0 +1,282 @@
+"""The serving engine: ragged continuous batching over one store, exact against
+transformers' DynamicCache, preemption by demotion, cancellation, sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_models import tiny_model
+from kvstrata.engine import Engine, EngineConfig, RequestRejected, SamplingParams
+from kvstrata.errors import ConfigError
+
+BS = 16
+
+
+def reference(family: str, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy tokens of transformers' own generate with a DynamicCache (fp32)."""
+    model = tiny_model(family)
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, max_new_tokens=max_new, do_sample=False, cache=DynamicCache(config=model.config)
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 40, 64, 9, 81, 33, 120][:n]
+    return [torch.randint(3, 97, (m,), generator=g).tolist() for m in lengths]
+
+
+def wait_until(cond, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen2"])
+def test_concurrent_requests_equal_solo_and_dynamic_cache(family):
+    ps = prompts(8)
+    lengths = [12, 20, 7, 25, 30, 5, 18, 10]
+    params = [SamplingParams(max_tokens=m) for m in lengths]
+    with Engine(
+        tiny_model(family),
+        block_size=BS,
+        host_budget="8MiB",
+        device_budget="64KiB",
+        config=EngineConfig(max_batched_tokens=48, preemption="off"),
+    ) as engine:
+        together = engine.generate(ps, params)
+        solo = [engine.generate([p], [sp])[0] for p, sp in zip(ps, params, strict=True)]
+        stats = engine.stats()
+    for i, (a, b) in enumerate(zip(together, solo, strict=True)):
+        assert a.token_ids == b.token_ids, f"request {i}: batched != solo"
+        assert a.finish_reason in ("length", "stop")
+        assert a.prompt_tokens == len(ps[i])
+    for i in (0, 5, 7):  # against transformers itself (each call builds a model)
+        assert together[i].token_ids == reference(family, ps[i], lengths[i])[: lengths[i]]
+    # nothing leaked: every block is free or an evictable prefix-cache block
+    assert stats["live_blocks"] == 0 and stats["sequences"] == 0 and stats["running"] == 0
+    moved = stats["store"]["bytes_moved"]
+    assert sum(moved.values()) > 0, "the small device budget should have spilled blocks"
+
+
+def test_preemption_demotes_and_resumes_without_recompute():
+    ps = prompts(6, seed=1)
+    ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in ps]  # 40 tokens each
+    params = SamplingParams(max_tokens=40)
+    model = tiny_model("llama")
+    block = 2 * 2 * 16 * 2 * 4 * BS  # layers * kv heads * head dim * (K,V) * fp32 * tokens
+    per_seq = 80 // BS  # blocks of one finished request
+    with Engine(
+        model,
+        block_size=BS,
+        device_budget=2 * per_seq * block,  # the device holds two requests
+        host_budget="8MiB",
+        prefix_caching=False,
+        config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
+    ) as engine:
+        outs = engine.generate(ps, params)
+        stats = engine.stats()
+        m = engine.metrics
+        preemptions = m.value("kvstrata_preemptions_total")
+        demoted = m.value("kvstrata_demoted_blocks_total")
+        resumed = m.value("kvstrata_resumed_total")
+        prefill = m.value("kvstrata_prefill_tokens_total")
+        decode = m.value("kvstrata_decode_tokens_total")
+        solo = [engine.generate([p], params)[0] for p in ps]
+    assert [o.token_ids for o in outs] == [s.token_ids for s in solo]
+    assert outs[0].token_ids == reference("llama", ps[0], 40)
+    assert preemptions >= 1 and resumed >= 1
+    assert demoted >= 1
+    assert stats["store"]["bytes_moved"].get("cpu->host", 0) >= demoted * block
+    # demotion, not recomputation: every prompt token was fed once, every generated
+    # token (but each request's last) once
+    assert prefill == sum(len(p) for p in ps)
+    assert decode == sum(len(o.token_ids) - 1 for o in outs)
+    assert stats["live_blocks"] == 0 and stats["sequences"] == 0
+
+
+def test_cancel_frees_blocks_at_once():
+    model = tiny_model("llama")
+    first = threading.Event()
+    finals = []
+
+    def on_output(out):
+        first.set()
+        if out.finished:
+            finals.append(out)
+
+    with Engine(model, block_size=BS, config=EngineConfig(preemption="off")) as engine:
+        rid = engine.submit(
+            prompts(1)[0], SamplingParams(max_tokens=3000, ignore_eos=True), on_output=on_output
+        )
+        assert first.wait(30)
+        assert wait_until(lambda: engine.stats()["live_blocks"] > 0)
+        engine.abort(rid)
+        assert wait_until(lambda: bool(finals))
+        assert finals[0].finish_reason == "abort" and finals[0].error is None
+        assert finals[0].completion_tokens < 3000
+        assert wait_until(lambda: engine.stats()["sequences"] == 0)
+        assert engine.stats()["live_blocks"] == 0
+
+
+def test_stream_left_early_aborts_the_request():
+    model = tiny_model("llama")
+    with Engine(model, block_size=BS) as engine:
+
+        async def consume() -> int:
+            got = 0
+            async for out in engine.stream(prompts(1)[0], SamplingParams(max_tokens=3000)):
+                got += len(out.token_ids)
+                if got >= 3:
+                    break
+            return got
+
+        assert asyncio.run(consume()) >= 3
+        assert wait_until(lambda: engine.stats()["sequences"] == 0)
+        assert engine.stats()["live_blocks"] == 0
+        assert engine.metrics.value("kvstrata_requests_finished_total", reason="abort") == 1
+
+
+def test_stream_deltas_add_up_to_the_whole_output():
+    from kvstrata.modelzoo import load_model
+
+    model, tok = load_model("default")
+    with Engine(model, tok, block_size=BS) as engine:
+        whole = engine.generate(["def add(a, b):"], SamplingParams(max_tokens=30))[0]
+
+        async def consume():
+            return [o async for o in engine.stream("def add(a, b):", SamplingParams(max_tokens=30))]
+
+        parts = asyncio.run(consume())
+    assert "".join(p.text for p in parts) == whole.text
+    assert [t for p in parts for t in p.token_ids] == whole.token_ids
+    assert parts[-1].finished and not any(p.finished for p in parts[:-1])
+    assert parts[-1].cached_tokens > 0  # the same prompt again: its full blocks are reused
+
+
+def test_stop_strings_cut_the_text():
+    from kvstrata.modelzoo import load_model
+
+    model, tok = load_model("default")
+    with Engine(model, tok, block_size=BS) as engine:
+        free = engine.generate(["class Stack:"], SamplingParams(max_tokens=60))[0]
+        stop = free.text[20:23]
+        assert stop.strip(), free.text
+        cut = engine.generate(["class Stack:"], SamplingParams(max_tokens=60, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.find(stop)]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model = tiny_model("llama")
+    ps = prompts(4, seed=3)
+    sp = SamplingParams(max_tokens=15, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    with Engine(model, block_size=BS) as engine:
+        alone = engine.generate([ps[0]], sp)[0]
+        batched = engine.generate(ps, [sp] + [SamplingParams(max_tokens=9)] * 3)[0]
+        other_seed = engine.generate(
+            [ps[0]], SamplingParams(max_tokens=15, temperature=0.8, seed=8)
+        )
+    assert alone.token_ids == batched.token_ids
+    assert other_seed[0].token_ids != alone.token_ids
+
+
+def test_prefix_cache_survives_a_restart(tmp_path):
+    ps = prompts(8)[7:]  # 120 tokens
+    sp = SamplingParams(max_tokens=10)
+    kwargs = dict(block_size=BS, host_budget="1MiB", disk_dir=str(tmp_path), disk_budget="8MiB")
+    with Engine(tiny_model("llama"), **kwargs) as engine:
+        first = engine.generate(ps, sp)[0]
+    with Engine(tiny_model("llama"), **kwargs) as engine:
+        again = engine.generate(ps, sp)[0]
+        hits = engine.stats()["store"]["prefix"]["hit_tokens_by_tier"]
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == 112 and hits.get("disk", 0) > 0
+    assert again.token_ids == first.token_ids
+
+
+def test_lossy_host_codec_runs_and_reports():
+    model = tiny_model("llama")
+    with Engine(
+        model,
+        block_size=BS,
+        device_budget="64KiB",
+        host_budget="8MiB",
+        host_codec="int8",
+        residual_tokens=16,
+        sink_tokens=0,
+        config=EngineConfig(max_num_seqs=4, preemption="off"),
+    ) as engine:
+        outs = engine.generate(prompts(4), SamplingParams(max_tokens=20))
+    exact = [reference("llama", p, 20) for p in prompts(4)[:2]]
+    agree = [
+        sum(a == b for a, b in zip(o.token_ids, e, strict=False)) / len(e)
+        for o, e in zip(outs, exact, strict=False)
+    ]
+    assert all(len(o.token_ids) >= 1 for o in outs)
+    assert all(0.0 <= a <= 1.0 for a in agree)
+
+
+def test_bad_requests_are_refused_at_once():
+    model = tiny_model("llama", max_position_embeddings=256)
+    with Engine(model, block_size=BS, host_budget="1MiB") as engine:
+        with pytest.raises(RequestRejected, match="maximum context length is 256"):
+            engine.submit([5] * 200, SamplingParams(max_tokens=100))
+        with pytest.raises(RequestRejected, match="prompt is empty"):
+            engine.submit([], SamplingParams())
+        with pytest.raises(RequestRejected, match="vocabulary"):
+            engine.submit([5, 1000], SamplingParams())
+        with pytest.raises(ConfigError, match="no tokenizer"):
+            engine.submit("text", SamplingParams())
+        # the engine still serves
+        assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].completion_tokens
+    with (
+        Engine(tiny_model("llama"), block_size=BS, device_budget="64KiB") as engine,
+        pytest.raises(RequestRejected, match="all tiers together hold 16"),
+    ):
+        engine.submit([5] * 300, SamplingParams(max_tokens=10))
+    for field, kwargs in [
+        ("max_tokens", {"max_tokens": 0}),
+        ("temperature", {"temperature": -1}),
+        ("top_p", {"top_p": 0}),
+        ("top_k", {"top_k": -2}),
+        ("stop", {"stop": [""]}),
+        ("seed", {"seed": -1}),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            SamplingParams(**kwargs)
+    with pytest.raises(ConfigError, match="preemption"):
+        EngineConfig(preemption="swap")
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_goes_on():
+    model = tiny_model("llama")
+    mlp = model.model.layers[1].mlp
+    calls = {"n": 0}
+    original = mlp.forward
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return original(*args, **kwargs)
+
+    mlp.forward = flaky
+    with Engine(model, block_size=BS) as engine:
+        failed = engine.generate([prompts(1)[0]], SamplingParams(max_tokens=10))[0]
+        assert failed.finish_reason == "abort" and "injected fault" in failed.error
+        assert engine.stats()["live_blocks"] == 0
+        ok = engine.generate([prompts(1)[0]], SamplingParams(max_tokens=10))[0]
+    mlp.forward = original
+    assert ok.token_ids == reference("llama", prompts(1)[0], 10)
