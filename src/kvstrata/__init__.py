@@ -23,6 +23,9 @@ _LAZY = {
     "plan": "kvstrata.planner",
     "load_geometry": "kvstrata.geometry",
     "get_codec": "kvstrata.codecs.registry",
+    "Engine": "kvstrata.engine",
+    "EngineConfig": "kvstrata.engine",
+    "SamplingParams": "kvstrata.engine",
 }
 
 
@@ -48,6 +51,9 @@ __all__ = [
     "UnsupportedModelError",
     "TieredCache",
     "KVStore",
+    "Engine",
+    "EngineConfig",
+    "SamplingParams",
     "enable",
     "get_codec",
     "load_geometry",
