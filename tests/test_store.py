@@ -377,6 +377,56 @@ class StoreMachine(RuleBasedStateMachine):
             return
         self._write(seq_id, [data.draw(st.integers(3, 60)) for _ in range(n)])
 
+    @precondition(lambda self: len(self.tokens) >= 2)
+    @rule(data=st.data())
+    def ragged_step(self, data) -> None:
+        """One step over several sequences with a different token count each (the
+        engine's packed batch): K/V arrive as one row, sequence after sequence."""
+        store = self.store
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=2, unique=True))
+        counts = [data.draw(st.integers(1, 9)) for _ in ids]
+        if any(len(self.tokens[s]) + n > 60 for s, n in zip(ids, counts, strict=True)):
+            return
+        new = [[data.draw(st.integers(3, 60)) for _ in range(n)] for n in counts]
+        starts = [store.num_tokens(s) for s in ids]
+        try:
+            writes = store.extend(ids, counts, new)
+        except OutOfBlocksError:
+            assert [store.num_tokens(s) for s in ids] == starts
+            return
+        plans = [write_plan(store.runtime, w, 1) for w in writes]
+        lay = store.layout
+        for group in store.groups:
+            for local, _layer in enumerate(group.layers):
+                parts = [
+                    _token_kv(
+                        torch.tensor(t), start, local, group.index, lay.num_kv_heads, lay.head_dim
+                    )[0]
+                    for t, start in zip(new, starts, strict=True)
+                ]
+                k = torch.cat(parts, dim=1)
+                write_layer(plans[group.index], local, k[None], -k[None])
+        store.step_done(ids)
+        for s, t in zip(ids, new, strict=True):
+            self.tokens[s] += t
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def demote(self, data) -> None:
+        """Preemption: a sequence's full blocks leave the device, contents unchanged."""
+        store = self.store
+        mgr = store.manager
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = {t: o["used_blocks"] for t, o in mgr.occupancy().items()}
+        moved = store.demote(seq_id)
+        after = {t: o["used_blocks"] for t, o in mgr.occupancy().items()}
+        assert before["device"] - after["device"] == moved
+        for key in store.tables(seq_id):
+            for block in mgr.blocks_of(key):
+                full_private = block.num_tokens == 4 and block.ref_count == 1
+                room = any(after[t] < mgr.budget_slots[t] for t in ("host", "disk"))
+                assert block.tier != "device" or not full_private or not room
+
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), n=st.integers(1, 9), layers=st.integers(0, 2))
     def failed_step(self, data, n: int, layers: int) -> None:
