@@ -18,9 +18,13 @@ from kvstrata.errors import ConfigError
 BS = 16
 
 
+def _attn(family: str) -> str:
+    return "eager" if family == "gemma2" else "sdpa"  # gemma2 has no sdpa path
+
+
 def reference(family: str, prompt: list[int], max_new: int) -> list[int]:
     """Greedy tokens of transformers' own generate with a DynamicCache (fp32)."""
-    model = tiny_model(family)
+    model = tiny_model(family, attn=_attn(family))
     ids = torch.tensor([prompt])
     out = model.generate(
         ids, max_new_tokens=max_new, do_sample=False, cache=DynamicCache(config=model.config)
@@ -49,7 +53,7 @@ def test_concurrent_requests_equal_solo_and_dynamic_cache(family):
     lengths = [12, 20, 7, 25, 30, 5, 18, 10]
     params = [SamplingParams(max_tokens=m) for m in lengths]
     with Engine(
-        tiny_model(family),
+        tiny_model(family, attn=_attn(family)),
         block_size=BS,
         host_budget="8MiB",
         device_budget="64KiB",
@@ -98,12 +102,34 @@ def test_preemption_demotes_and_resumes_without_recompute():
     assert outs[0].token_ids == reference("llama", ps[0], 40)
     assert preemptions >= 1 and resumed >= 1
     assert demoted >= 1
-    assert stats["store"]["bytes_moved"].get("cpu->host", 0) >= demoted * block
+    assert stats["store"]["bytes_moved"].get("device->host", 0) >= demoted * block
     # demotion, not recomputation: every prompt token was fed once, every generated
     # token (but each request's last) once
     assert prefill == sum(len(p) for p in ps)
     assert decode == sum(len(o.token_ids) - 1 for o in outs)
     assert stats["live_blocks"] == 0 and stats["sequences"] == 0
+
+
+@pytest.mark.parametrize("preemption", ["off", "demote"])
+@pytest.mark.parametrize("device_blocks", [8, 12, 20])
+def test_tight_device_budgets_finish_every_request(preemption, device_blocks):
+    """However tight the device (down to one open block per sequence), every request
+    finishes with its solo output: no livelock when a step cannot be placed."""
+    ps = prompts(8, seed=5)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    block = 2 * 2 * 16 * 2 * 4 * BS
+    with Engine(
+        tiny_model("llama"),
+        block_size=BS,
+        device_budget=device_blocks * block,
+        host_budget="8MiB",
+        config=EngineConfig(max_num_seqs=8, max_batched_tokens=40, preemption=preemption),
+    ) as engine:
+        together = engine.generate(ps, sp, timeout=300)
+        solo = [engine.generate([p], sp, timeout=120)[0] for p in ps[:3]]
+        assert engine.stats()["live_blocks"] == 0
+    assert [o.token_ids for o in together[:3]] == [o.token_ids for o in solo]
+    assert [(o.finish_reason, o.error) for o in together] == [("length", None)] * 8
 
 
 def test_cancel_frees_blocks_at_once():
@@ -153,10 +179,11 @@ def test_stream_deltas_add_up_to_the_whole_output():
 
     model, tok = load_model("default")
     with Engine(model, tok, block_size=BS) as engine:
-        whole = engine.generate(["def add(a, b):"], SamplingParams(max_tokens=30))[0]
+        prompt = 'def add(a, b):\n    """Add two numbers and return the sum."""\n'
+        whole = engine.generate([prompt], SamplingParams(max_tokens=30))[0]
 
         async def consume():
-            return [o async for o in engine.stream("def add(a, b):", SamplingParams(max_tokens=30))]
+            return [o async for o in engine.stream(prompt, SamplingParams(max_tokens=30))]
 
         parts = asyncio.run(consume())
     assert "".join(p.text for p in parts) == whole.text
@@ -171,8 +198,8 @@ def test_stop_strings_cut_the_text():
     model, tok = load_model("default")
     with Engine(model, tok, block_size=BS) as engine:
         free = engine.generate(["class Stack:"], SamplingParams(max_tokens=60))[0]
-        stop = free.text[20:23]
-        assert stop.strip(), free.text
+        at = next(i for i in range(10, len(free.text) - 3) if not free.text[i : i + 3].isspace())
+        stop = free.text[at : at + 3]
         cut = engine.generate(["class Stack:"], SamplingParams(max_tokens=60, stop=[stop]))[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.find(stop)]
@@ -242,8 +269,8 @@ def test_bad_requests_are_refused_at_once():
         # the engine still serves
         assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].completion_tokens
     with (
-        Engine(tiny_model("llama"), block_size=BS, device_budget="64KiB") as engine,
-        pytest.raises(RequestRejected, match="all tiers together hold 16"),
+        Engine(tiny_model("llama"), block_size=BS, device_budget="64KiB", max_tokens=128) as engine,
+        pytest.raises(RequestRejected, match="needs 20 blocks .* all tiers together hold 8 "),
     ):
         engine.submit([5] * 300, SamplingParams(max_tokens=10))
     for field, kwargs in [

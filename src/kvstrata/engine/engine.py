@@ -171,8 +171,10 @@ class Engine:
         self,
         prompts: list[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        timeout: float | None = None,
     ) -> list[RequestOutput]:
-        """Run requests to the end (blocking); whole outputs in prompt order."""
+        """Run requests to the end (blocking); whole outputs in prompt order. After
+        `timeout` seconds the unfinished ones are aborted and TimeoutError raised."""
         if threading.current_thread() is self._thread:
             raise KvstrataError("Engine.generate cannot be called from the engine thread")
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -201,10 +203,13 @@ class Engine:
                 rid = self.submit(prompt, p, on_output=collector(i))
                 results[i].request_id = rid
                 submitted.append(rid)
+            deadline = None if timeout is None else time.monotonic() + timeout
             for event in done:
                 while not event.wait(0.5):
                     if not self._thread.is_alive():
                         raise KvstrataError("the engine stopped before the requests finished")
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(f"requests still running after {timeout} s")
         except BaseException:
             for rid in submitted:
                 self.abort(rid)
@@ -269,7 +274,8 @@ class Engine:
     def _main(self) -> None:
         try:
             torch.set_num_threads(self._threads)  # OpenMP thread counts are per thread
-            dtype = next(self.model.parameters()).dtype
+            weights = next(self.model.parameters())
+            dtype, self._device = weights.dtype, weights.device
             self.store.build(dtype, num_sequences=self.config.max_num_seqs)
             self.sched = Scheduler(self.store, self.config, self.metrics)
             self._step_cache = StepCache(self.store)
@@ -304,8 +310,10 @@ class Engine:
                     break
             if self._stop:
                 return
-            if sched.has_work():
-                self._step()
+            if sched.has_work() and not self._step():
+                # nothing could run (cannot happen by the admission rules; never spin)
+                with contextlib.suppress(queue.Empty):
+                    self._command(*self._commands.get(timeout=0.05))
             self._take_snapshot()  # before the outputs go: a finished request's blocks
             self._deliver()  # are already free in the stats its caller may read
 
@@ -321,12 +329,15 @@ class Engine:
         elif kind == "stop":
             self._stop = True
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One forward over the planned batch; False when nothing could run."""
         sched = self.sched
         assert sched is not None
         batch = sched.plan_step()
+        for req, error in sched.take_failed():  # e.g. a storage error attaching a prefix
+            self._finish(req, "abort", error)
         if not batch:
-            return
+            return False
         t0 = time.perf_counter()
         seq_ids = [r.seq_id for r, _ in batch]
         counts = [n for _, n in batch]
@@ -337,34 +348,38 @@ class Engine:
         self._step_cache.begin(seq_ids, counts, tokens)
         try:
             with torch.inference_mode():
+                dev = self._device
                 out = self.model(
-                    input_ids=torch.tensor([t for ts in tokens for t in ts])[None],
-                    position_ids=torch.cat(positions)[None],
+                    input_ids=torch.tensor([t for ts in tokens for t in ts], device=dev)[None],
+                    position_ids=torch.cat(positions).to(dev)[None],
                     cache=self._step_cache,
                     use_cache=True,
-                    logits_to_keep=torch.tensor([last[i] - 1 for i in ready], dtype=torch.long),
+                    logits_to_keep=torch.tensor(
+                        [last[i] - 1 for i in ready], dtype=torch.long, device=dev
+                    ),
                 )
         except OutOfBlocksError as err:
             self.store.abort_step(seq_ids)
-            if not sched.relieve(batch):  # nothing left to preempt: the oldest fails
+            if not sched.relieve(batch):  # nothing left to preempt: the request fails
                 self._finish(batch[0][0], "abort", f"out of KV blocks: {err}")
-            return
+            return True
         except Exception as err:
             self.store.abort_step(seq_ids)
             log.exception("kvstrata engine: a step failed")
             for req, _ in batch:
                 self._finish(req, "abort", f"the model step failed: {err}")
-            return
+            return True
         for req, n in batch:
             req.computed += n
             (self.metrics.decode_tokens if req.out_ids else self.metrics.prefill_tokens).inc(n)
-        logits = out.logits[0].float()
+        logits = out.logits[0].float().cpu()  # sampled with per-request CPU generators
         reqs = [batch[i][0] for i in ready]
         next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         now = time.perf_counter()
         for req, token in zip(reqs, next_ids, strict=True):
             self._accept(req, token, now)
         self.metrics.step.observe(time.perf_counter() - t0)
+        return True
 
     def _accept(self, req: Request, token: int, now: float) -> None:
         if req.first_token_at is None:

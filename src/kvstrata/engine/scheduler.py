@@ -12,9 +12,13 @@ Runs in the engine thread (it owns the store). Policy, per step:
    of what is left of `max_batched_tokens`, oldest first.
 3. Preempted requests resume, then waiting ones start (their cached prefix is
    attached from the store), while there is room: `max_num_seqs`, the step's token
-   budget, the device budget, and — for a new request — all tiers together, where
-   each admitted request reserves the blocks of its prompt + max_tokens, so a
-   running request never runs out of blocks.
+   budget, the device budget (with `preemption="off"`, the floor each running
+   sequence pins there: sinks, open block, residual window above a lossy tier), and
+   — for a new request — all tiers together, where each admitted request reserves
+   the blocks of its prompt + max_tokens, so a running request never runs out of
+   blocks.
+4. A step the store still cannot place (OutOfBlocksError) is undone, the newest
+   running request is preempted and fewer run at once until one finishes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvstrata import budgets
 from kvstrata.engine.params import SamplingParams
 from kvstrata.engine.sampling import TextOutput, make_generator
+from kvstrata.errors import KvstrataError
 
 if TYPE_CHECKING:
     from kvstrata.engine.metrics import EngineMetrics
@@ -103,6 +108,19 @@ class Scheduler:
         self.running: list[Request] = []
         self.preempted: list[Request] = []
         self.reserved = 0
+        self.failed: list[tuple[Request, str]] = []  # requests that could not start
+        self.cap = config.max_num_seqs  # lowered after a step ran out of blocks
+        # what every running sequence pins on the device: sinks, the residual window
+        # above a lossy tier, the open block and one more while a step crosses a block
+        cc = store.config
+        lossy = not all(store.codecs[f].lossless for f in ("host_codec", "disk_codec"))
+        per_group = -(-cc.sink_tokens // cc.block_size) + 2
+        per_group += -(-cc.residual_tokens // cc.block_size) if lossy else 0
+        self.floor_blocks = len(store.groups) * per_group
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks (all layer groups) one sequence of `num_tokens` tokens holds."""
@@ -131,20 +149,28 @@ class Scheduler:
         if req.seq_id is not None and self.store.has_sequence(req.seq_id):
             self.store.free(req.seq_id)
         req.seq_id = None
+        self.cap = min(self.cap + 1, self.config.max_num_seqs)
         self.reserved -= req.reserve
         req.reserve = 0
 
     # -- the step plan ------------------------------------------------------------------------
+    def device_need(self, req: Request, num_tokens: int) -> int:
+        """Device slots a running request takes: all its blocks (`demote`: its KV is
+        kept resident), at least the floor every running sequence pins there."""
+        if self.config.preemption == "demote":
+            return max(self.blocks_for(num_tokens), self.floor_blocks)
+        return self.floor_blocks
+
     def plan_step(self) -> list[tuple[Request, int]]:
         cfg = self.config
         demote = cfg.preemption == "demote"
-        room = self.manager.budget_slots[self.device] if demote else None
+        room = self.manager.budget_slots[self.device]
         chunk = cfg.max_batched_tokens
         used = 0
         keep: list[Request] = []
         for req in self.running:
-            need = self.blocks_for(req.computed + min(req.remaining, chunk))
-            if room is not None and keep and used + need > room:
+            need = self.device_need(req, req.computed + min(req.remaining, chunk))
+            if demote and keep and used + need > room:
                 self._preempt(req)
                 continue
             used += need
@@ -157,23 +183,23 @@ class Scheduler:
                 n = min(req.remaining, left)
                 batch.append((req, n))
                 left -= n
-        while len(self.running) < cfg.max_num_seqs and left > 0:
+        while len(self.running) < min(cfg.max_num_seqs, self.cap) and left > 0:
             req = self._admit(used, room, left)
             if req is None:
                 break
             n = min(req.remaining, left)
-            used += self.blocks_for(req.computed + n)
+            used += self.device_need(req, req.computed + n)
             batch.append((req, n))
             left -= n
         return batch
 
-    def _admit(self, used: int, room: int | None, left: int) -> Request | None:
+    def _admit(self, used: int, room: int, left: int) -> Request | None:
         """Resume the oldest preempted request, else start the oldest waiting one, if
         it fits; None when nothing can start this step."""
         if self.preempted:
             req = self.preempted[0]
-            need = self.blocks_for(req.computed + min(req.remaining, left))
-            if room is not None and self.running and used + need > room:
+            need = self.device_need(req, req.computed + min(req.remaining, left))
+            if self.running and used + need > room:
                 return None
             self.preempted.pop(0)
             self.metrics.resumed.inc()
@@ -182,11 +208,15 @@ class Scheduler:
             reserve = self.blocks_for(len(req.prompt_ids) + req.params.max_tokens)
             if self.reserved + reserve > self.capacity_blocks and self.requests_admitted():
                 return None  # all tiers are promised to the requests running now
-            need = self.blocks_for(min(len(req.prompt_ids), left))
-            if room is not None and self.running and used + need > room:
+            need = self.device_need(req, min(len(req.prompt_ids), left))
+            if self.running and used + need > room:
                 return None
             self.waiting.popleft()
-            req.seq_id, req.cached = self.store.add_sequence(req.prompt_ids, salt=req.salt)
+            try:
+                req.seq_id, req.cached = self.store.add_sequence(req.prompt_ids, salt=req.salt)
+            except KvstrataError as err:
+                self.failed.append((req, f"could not start: {err}"))
+                return None
             req.computed = req.cached
             req.reserve = reserve
             self.reserved += reserve
@@ -210,6 +240,8 @@ class Scheduler:
         only one runs: nothing to make room with)."""
         if len(self.running) < 2:
             return False
+        # fewer at once until a request finishes (else it would resume, and fail, at once)
+        self.cap = len(self.running) - 1
         req = max(self.running, key=lambda r: r.arrival)
         self.running.remove(req)
         self._preempt(req)
