@@ -9,6 +9,19 @@ every forward; requests arrive and leave from any thread.
 """
 
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.params import EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from kvstrata.engine.params import (
+    EngineConfig,
+    EngineStopped,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+)
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestRejected", "SamplingParams"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineStopped",
+    "RequestOutput",
+    "RequestRejected",
+    "SamplingParams",
+]

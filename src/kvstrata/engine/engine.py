@@ -26,7 +26,13 @@ import torch
 from kvstrata.config import CacheConfig
 from kvstrata.engine.batch import StepCache
 from kvstrata.engine.metrics import EngineMetrics
-from kvstrata.engine.params import EngineConfig, RequestOutput, RequestRejected, SamplingParams
+from kvstrata.engine.params import (
+    EngineConfig,
+    EngineStopped,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+)
 from kvstrata.engine.sampling import sample
 from kvstrata.engine.scheduler import Request, Scheduler
 from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
@@ -70,7 +76,9 @@ class Engine:
         self.model = enable(model).eval()
         self.tokenizer = tokenizer
         mc = model.config
-        self.model_name = model_name or getattr(mc, "_name_or_path", "") or mc.model_type
+        # default: the model directory's name (never a whole path), else its type
+        path = str(getattr(mc, "_name_or_path", "") or "").rstrip("/\\")
+        self.model_name = model_name or path.replace("\\", "/").rsplit("/", 1)[-1] or mc.model_type
         limit = getattr(mc, "max_position_embeddings", None)
         self.max_model_len: int | None = limit if isinstance(limit, int) else None
         self.vocab_size = int(getattr(mc, "vocab_size", 0) or 0)
@@ -82,6 +90,7 @@ class Engine:
         self._snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "preempted": 0}
         self._lock = threading.Lock()
         self._stop = False
+        self._submit_lock = threading.Lock()
         self._outbox: list[tuple[Request, RequestOutput]] = []
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -149,8 +158,6 @@ class Engine:
         """Queue a request (thread-safe). Raises RequestRejected / ConfigError at once
         for a request that can never run. `on_output` is called from the engine
         thread with each new piece of output and last with `finish_reason` set."""
-        if self._stop or self._error is not None:
-            raise KvstrataError("the engine is shut down")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError.field("params", params, "a kvstrata.engine.SamplingParams")
@@ -159,8 +166,16 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         salt = self.config.salt if salt is None else salt
         req = Request(rid, ids, params, on_output, salt, self.tokenizer)
-        self._commands.put(("add", req))
+        with self._submit_lock:  # nothing is queued behind the engine's "stop"
+            if not self.is_running:
+                raise EngineStopped(f"the engine is shut down{_why(self._error)}")
+            self._commands.put(("add", req))
         return rid
+
+    @property
+    def is_running(self) -> bool:
+        """The engine takes requests (not shut down, its thread alive)."""
+        return not self._stop and self._error is None and self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe): its blocks are freed at the engine's next
@@ -259,8 +274,9 @@ class Engine:
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread (running requests end with "abort") and close the
         store (its disk tier keeps the prefix cache). Idempotent."""
-        self._stop = True
-        self._commands.put(("stop", None))
+        with self._submit_lock:
+            self._stop = True
+            self._commands.put(("stop", None))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -292,7 +308,10 @@ class Engine:
             self._error = err
             log.exception("kvstrata engine stopped")
         finally:
-            self._finish_all("abort", self._error and f"engine stopped: {self._error}")
+            self._stop = True
+            with self._submit_lock:  # requests queued before the stop end too
+                self._drain_adds()
+            self._finish_all("abort", f"the engine stopped{_why(self._error)}")
             self._take_snapshot()
             self._deliver()
             self.store.close()
@@ -430,6 +449,16 @@ class Engine:
                 if not out.finished:
                     self.abort(req.id)
 
+    def _drain_adds(self) -> None:
+        sched = self.sched
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" and sched is not None:
+                sched.add(arg)
+
     def _finish_all(self, reason: str, error: str | None) -> None:
         sched = self.sched
         if sched is None:
@@ -444,6 +473,10 @@ class Engine:
         snap = sched.snapshot()
         with self._lock:
             self._snapshot = snap
+
+
+def _why(error: BaseException | None) -> str:
+    return f" ({type(error).__name__}: {error})" if error is not None else ""
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -37,11 +37,13 @@ class _SnapshotCollector:
         store = snap.get("store") or {}
         if not store.get("initialized"):
             return
-        used = GaugeMetricFamily("kvstrata_tier_used_bytes", "bytes of blocks held", ["tier"])
-        cached = GaugeMetricFamily(
-            "kvstrata_tier_cached_blocks", "prefix-cache blocks (evictable)", ["tier"]
+        used = GaugeMetricFamily(
+            "kvstrata_tier_used_bytes", "bytes of blocks held", labels=["tier"]
         )
-        cap = GaugeMetricFamily("kvstrata_tier_budget_bytes", "tier budget", ["tier"])
+        cached = GaugeMetricFamily(
+            "kvstrata_tier_cached_blocks", "prefix-cache blocks (evictable)", labels=["tier"]
+        )
+        cap = GaugeMetricFamily("kvstrata_tier_budget_bytes", "tier budget", labels=["tier"])
         for tier, occ in store["tiers"].items():
             used.add_metric([tier], occ["used_bytes"])
             cached.add_metric([tier], occ["cached_blocks"])

@@ -15,6 +15,10 @@ MAX_SEED = 2**63 - 1
 PREEMPTION_MODES = ("demote", "off")
 
 
+class EngineStopped(KvstrataError):
+    """The engine was shut down (or stopped on an error): it takes no more requests."""
+
+
 class RequestRejected(KvstrataError, ValueError):
     """A request the engine can never run (longer than the model's positions, larger
     than every tier together, ...): one line with the numbers and the fix. The server
@@ -45,8 +49,8 @@ class SamplingParams:
     """How one request is decoded.
 
     Args:
-        max_tokens: new tokens at most (the request also stops at the model's
-            positions limit, finish reason "length").
+        max_tokens: new tokens at most (a prompt + max_tokens past the model's
+            positions is refused up front, as OpenAI and vLLM do).
         temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / T).
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set of tokens whose probability reaches top_p.

@@ -1,0 +1,32 @@
+"""An OpenAI-compatible HTTP server over `kvstrata.engine.Engine` (the `serve` extra:
+FastAPI + uvicorn, imported only when an app is built).
+
+    from kvstrata.server import build_app
+    app = build_app(engine)                 # FastAPI; serve it with uvicorn
+    kvstrata serve --model default --port 8000   # the same from the command line
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstrata.server.deps import MissingExtraError, require_serve
+
+
+def build_app(engine: Any, served_model_name: str | None = None) -> Any:
+    """The FastAPI app serving `engine` (see kvstrata.server.app).
+
+    Args:
+        engine: A running kvstrata.engine.Engine (its owner shuts it down).
+        served_model_name: The model name clients use (default: engine.model_name).
+
+    Returns:
+        A FastAPI app; MissingExtraError when FastAPI or uvicorn is not installed.
+    """
+    require_serve()
+    from kvstrata.server.app import build_app as _build_app
+
+    return _build_app(engine, served_model_name)
+
+
+__all__ = ["MissingExtraError", "build_app", "require_serve"]

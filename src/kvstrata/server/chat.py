@@ -1,0 +1,117 @@
+"""Chat messages -> prompt token ids: the tokenizer's chat template, or a plain one.
+
+A tokenizer with a `chat_template` renders the messages with it
+(`add_generation_prompt=True`); the text is then tokenized without adding special
+tokens (the template writes its own). A tokenizer without one (the embedded byte-level
+model) gets the plain template below, documented in the README, tokenized like a
+completion prompt:
+
+    system: You are terse.
+    user: Write a haiku.
+    assistant:
+
+one `<role>: <content>` line per message (a "developer" message is a "system" one),
+then `assistant:` with no trailing space or newline, so the model writes the reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstrata.server.protocol import APIError, invalid
+
+ROLES = ("system", "developer", "user", "assistant")
+_MESSAGE_KEYS = ("role", "content", "name")
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """The `messages` of a chat request as [{"role", "content"(, "name")}] with text
+    content; text parts ({"type": "text", "text": ...}) are joined with newlines.
+
+    Args:
+        messages: The request's `messages` field.
+
+    Returns:
+        The messages, roles and contents checked (400 naming the message otherwise).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", messages, "a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(where, message, "an object with role and content")
+        for key, value in message.items():
+            if key not in _MESSAGE_KEYS and value not in (None, [], ""):
+                raise invalid(
+                    f"{where}.{key}",
+                    value,
+                    "not supported (tool calls and audio are not implemented); "
+                    f"known: {', '.join(_MESSAGE_KEYS)}",
+                    code="unsupported_value",
+                )
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role", role, f"one of {', '.join(ROLES)}")
+        content = _text(message.get("content"), f"{where}.content")
+        item = {"role": "system" if role == "developer" else role, "content": content}
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise invalid(f"{where}.name", name, "a string")
+            item["name"] = name
+        out.append(item)
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, content, "a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise invalid(
+                f"{where}[{j}].type",
+                kind,
+                "'text' (only text content is supported)",
+                code="unsupported_value",
+            )
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{where}[{j}].text", part.get("text"), "a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
+    """The plain template (module docstring) for tokenizers without a chat template."""
+    lines = [f"{m['role']}: {m['content']}\n" for m in messages]
+    return "".join(lines) + "assistant:"
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Render checked messages to prompt token ids (module docstring).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+        messages: From check_messages.
+
+    Returns:
+        The prompt's token ids.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja)
+            raise APIError(
+                400,
+                f"messages could not be rendered by the model's chat template: {exc}",
+                param="messages",
+                code="invalid_value",
+            ) from None
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(plain_chat_prompt(messages))["input_ids"])

@@ -1,0 +1,202 @@
+"""`kvstrata serve`: its flags (vLLM's vocabulary as aliases), refusals before any work
+(one line, exit 2), the engine the flags build, and a real server process that Ctrl-C
+stops cleanly — its disk tier keeps the prefix cache for the next start."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.cli import build_parser, main
+from kvstrata.cli.serve import weight_bytes
+from kvstrata.hardware import machine_ram
+from kvstrata.modelzoo import load_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restore_threads():
+    """serve picks one thread for the tiny model; give other modules theirs back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_help_names_the_vllm_aliases(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in (
+        "--gpu-memory-utilization",
+        "--swap-space",
+        "--block-size",
+        "--enable-prefix-caching, --no-enable-prefix-caching",
+        "--kv-cache-dtype",
+        "--max-batched-tokens MAX_BATCHED_TOKENS, --max-num-batched-tokens",
+        "--max-num-seqs",
+        "--served-model-name",
+        "--preemption {demote,off}",
+    ):
+        assert flag in out, flag
+    assert "The device tier always holds exact KV (it is the residual window)" in out
+
+
+REFUSED = [  # argv, words of the one-line message
+    (["--swap-space", "4", "--host-budget", "1GiB"], ["swap_space", "--host-budget"]),
+    (["--gpu-memory-utilization", "0.5", "--device-budget", "1MiB"], ["--device-budget"]),
+    (["--gpu-memory-utilization", "0.5", "--resident-fraction", "0.5"], ["--resident-fraction"]),
+    (["--kv-cache-dtype", "int8", "--host-codec", "fp8"], ["kv_cache_dtype", "--host-codec"]),
+    (["--kv-cache-dtype", "int8", "--disk-codec", "fp8"], ["--disk-codec"]),
+    (["--kv-cache-dtype", "fp8_e5m2"], ["fp8_e5m2", "e4m3"]),
+    (["--gpu-memory-utilization", "1.5"], ["gpu_memory_utilization", "(0, 1]"]),
+    (["--gpu-memory-utilization", "nan"], ["gpu_memory_utilization"]),
+    (["--swap-space", "-1"], ["swap_space", "'-1'"]),
+    (["--port", "70000"], ["port", "70000"]),
+    (["--max-num-seqs", "0"], ["max_num_seqs"]),
+    (["--max-num-batched-tokens", "0"], ["max_batched_tokens"]),
+    (["--preemption", "recompute"], ["--preemption", "recompute"]),
+    (["--host-codec", "zip"], ["host_codec", "zip"]),
+    (["--uvicorn-log-level", "loud"], ["uvicorn_log_level", "loud"]),
+    (["--disk-budget", "1GiB"], ["disk_budget", "--disk-dir"]),
+    (["--model", "/nonexistent/model"], ["/nonexistent/model"]),
+    (["--gpu-memory-utilization", "0.000001"], ["does not cover the model's weights"]),
+    (["--swap-space-gb", "4"], ["--swap-space"]),
+    (["--host", ""], ["host"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", REFUSED, ids=lambda v: " ".join(v) if v[0] else "")
+def test_bad_flags_exit_2_with_one_line(capsys, argv, words):
+    assert main(["serve", "--port", "0", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("kvstrata serve: error: "), err
+    for word in words:
+        assert word in err, err
+
+
+def _engine(*argv: str):
+    from kvstrata.cli.serve import build_engine
+
+    args = build_parser().parse_args(["serve", *argv])
+    return build_engine(args)
+
+
+def test_vllm_flags_set_the_same_fields_as_kvstrata_flags():
+    engine = _engine(
+        "--swap-space", "0.01", "--kv-cache-dtype", "fp8_e4m3", "--device-budget", "2MiB",
+        "--block-size", "16", "--no-enable-prefix-caching", "--max-num-seqs", "3",
+        "--max-num-batched-tokens", "100", "--served-model-name", "tiny",
+    )  # fmt: skip
+    try:
+        config = engine.store.config
+        assert config.host_budget == int(0.01 * 2**30)
+        assert (config.host_codec, config.disk_codec, config.device_codec) == ("fp8", "fp8", "none")
+        assert config.block_size == 16 and config.device_budget == 2 * 2**20
+        assert engine.store.prefix_caching is False
+        assert (engine.config.max_num_seqs, engine.config.max_batched_tokens) == (3, 100)
+        assert engine.model_name == "tiny"
+    finally:
+        engine.shutdown()
+
+
+def test_gpu_memory_utilization_is_device_memory_minus_the_weights():
+    model, _ = load_model("default")
+    ram, weights = machine_ram(), weight_bytes(model)
+    fraction = (weights + 2 * 2**20) / ram  # leaves about 2 MiB for KV
+    engine = _engine("--gpu-memory-utilization", repr(fraction), "--block-size", "16")
+    try:
+        assert engine.store.config.device_budget == int(fraction * ram) - weights
+        assert engine.store.config.host_codec == "none"
+        assert engine.model_name == "kvstrata-code-tiny"
+    finally:
+        engine.shutdown()
+
+
+# -- a real server process ---------------------------------------------------------------
+
+
+class ServeProcess:
+    """`python -m kvstrata.cli serve ...` with its stderr read line by line."""
+
+    def __init__(self, *argv: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstrata.cli", "serve", "--port", "0", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = self._wait_for_url()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            self.lines.put(line)
+
+    def _wait_for_url(self, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, "".join(self.stderr)
+                continue
+            if " at http://" in line:
+                return line.split(" at ")[1].split()[0]
+        raise AssertionError(f"kvstrata serve did not start: {''.join(self.stderr)}")
+
+    def complete(self, prompt: str) -> dict:
+        body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"{self.url}/completions", body, {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.load(response)
+
+    def stop(self, sig: int) -> int:
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=120)
+        time.sleep(0.1)  # the reader thread has the last lines
+        assert "Traceback" not in "".join(self.stderr)
+        assert "stopped (engine shut down, store closed)" in self.stderr[-1]
+        return code
+
+
+def test_sigint_and_sigterm_close_the_store_and_the_disk_tier_keeps_the_prefix_cache(
+    tmp_path: Path,
+):
+    disk = str(tmp_path / "kv")
+    flags = ("--block-size", "16", "--device-budget", "1MiB", "--disk-dir", disk,
+             "--disk-budget", "4MiB", "--no-status")  # fmt: skip
+    prompt = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n"
+    first = ServeProcess(*flags)
+    try:
+        usage = first.complete(prompt)["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        code = first.stop(signal.SIGINT)  # Ctrl-C
+    assert code == 0, "".join(first.stderr)
+
+    second = ServeProcess(*flags)  # a new process: only the disk tier remembers
+    try:
+        usage = second.complete(prompt)["usage"]
+    finally:
+        assert second.stop(signal.SIGTERM) == 0, "".join(second.stderr)  # kill, docker stop
+    full_blocks = (usage["prompt_tokens"] - 1) // 16
+    assert usage["prompt_tokens_details"]["cached_tokens"] == full_blocks * 16 > 0
