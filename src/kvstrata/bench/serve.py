@@ -13,7 +13,9 @@ Variants, interleaved (one warm-up round, `--repeats` rounds, medians):
   c8_dev25       c8 with a device budget that holds 25 % of the running requests'
                  KV (the rest on host, read in place) vs c8 (device unlimited)
 Under load (c): the baseline and c4 again while a competing CPU-bound process
-spins on one core.
+spins on one core, each in a fresh process: once with OpenMP's default wait policy
+(idle worker threads spin) and once with OMP_WAIT_POLICY=PASSIVE (they sleep; what
+`kvstrata serve` sets).
 Reported: output tokens/s and ratios, TTFT and TPOT p50 / p99 per engine variant;
 every engine output is checked against the baseline's greedy tokens.
 Targets: c8 / baseline >= 3x; c8_dev25 / c8 >= 0.8x.
@@ -22,6 +24,8 @@ Targets: c8 / baseline >= 3x; c8_dev25 / c8 >= 0.8x.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,67 +86,75 @@ class _Run:
         self.outputs: list[list[int]] = []
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import DynamicCache
+class _Bench:
+    """The workload, the baseline and the engines of one run."""
 
-    from kvstrata.engine import Engine, EngineConfig, SamplingParams
-    from kvstrata.modelzoo import load_model
+    def __init__(self, args: argparse.Namespace) -> None:
+        from kvstrata.engine import SamplingParams
+        from kvstrata.modelzoo import load_model
 
-    torch.set_num_threads(args.threads)
-    base_model, tok = load_model("default")
-    base_model.generation_config.eos_token_id = None
-    prompts = _prompts(tok, args.requests, args.prompt_tokens)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    new_tokens = args.requests * args.max_tokens
-    expected: list[list[int]] = []
+        torch.set_num_threads(args.threads)
+        self.args = args
+        self.base_model, self.tok = load_model("default")
+        self.base_model.generation_config.eos_token_id = None
+        self.prompts = _prompts(self.tok, args.requests, args.prompt_tokens)
+        self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        self.expected: list[list[int]] = []
+        self.block_bytes: int | None = None
+        self.engines: dict[str, Any] = {}
+        self.runs: dict[str, _Run] = {}
 
-    def baseline() -> float:
+    def baseline(self) -> float:
+        """transformers generate + DynamicCache, one request after another."""
+        from transformers import DynamicCache
+
+        args, model = self.args, self.base_model
         outs = []
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for p in prompts:
-                cache = DynamicCache(config=base_model.config)
-                ids = torch.tensor([p])
-                out = base_model.generate(
-                    ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
-                    do_sample=False, cache=cache,
+            for p in self.prompts:
+                out = model.generate(
+                    torch.tensor([p]), max_new_tokens=args.max_tokens,
+                    min_new_tokens=args.max_tokens, do_sample=False,
+                    cache=DynamicCache(config=model.config),
                 )  # fmt: skip
                 outs.append(out[0, len(p) :].tolist())
         seconds = time.perf_counter() - t0
-        expected[:] = outs
+        self.expected[:] = outs
         return seconds
 
-    block_bytes = None
-    engines: dict[str, Engine] = {}
+    def engine(self, name: str, seqs: int, device_fraction: float | None = None) -> Any:
+        from kvstrata.engine import Engine, EngineConfig
+        from kvstrata.modelzoo import load_model
 
-    def engine(name: str, seqs: int, device_fraction: float | None = None) -> Engine:
-        nonlocal block_bytes
+        args = self.args
         model, _ = load_model("default")
         kwargs: dict[str, Any] = {"block_size": args.block_size}
         if device_fraction is not None:
-            assert block_bytes is not None
+            assert self.block_bytes is not None, "build an unlimited engine first"
             running = sum(
-                -(-(len(p) + args.max_tokens) // args.block_size) for p in prompts[-seqs:]
+                -(-(len(p) + args.max_tokens) // args.block_size) for p in self.prompts[-seqs:]
             )
             slots = max(int(device_fraction * running), seqs)
-            kwargs.update(device_budget=slots * block_bytes, host_budget="1GiB")
+            kwargs.update(device_budget=slots * self.block_bytes, host_budget="1GiB")
         eng = Engine(
-            model, tok, prefix_caching=False, **kwargs,
+            model, self.tok, prefix_caching=False, **kwargs,
             config=EngineConfig(
                 max_num_seqs=seqs, max_batched_tokens=max(512, args.prompt_tokens * 2),
                 preemption="off", threads=args.threads,
             ),
         )  # fmt: skip
-        if block_bytes is None:
+        if self.block_bytes is None:
             stats = eng.stats()["store"]["tiers"]
-            block_bytes = next(iter(stats.values()))["block_bytes"]
-        engines[name] = eng
+            self.block_bytes = next(iter(stats.values()))["block_bytes"]
+        self.engines[name] = eng
         return eng
 
-    runs: dict[str, _Run] = {}
-
-    def engine_variant(name: str, eng: Engine):
-        run = runs[name] = _Run()
+    def engine_variant(self, name: str, eng: Any) -> Any:
+        """A callable that submits every request at once and returns the seconds until
+        the last finished; latencies and outputs are recorded in `self.runs[name]`."""
+        run = self.runs[name] = _Run()
+        prompts, params = self.prompts, self.params
 
         def once() -> float:
             done = threading.Event()
@@ -180,27 +192,33 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         return once
 
-    variants: dict[str, Any] = {"baseline": baseline}
-    for c in (1, 4, 8):
-        variants[f"c{c}"] = engine_variant(f"c{c}", engine(f"c{c}", c))
-    variants["c8_dev25"] = engine_variant("c8_dev25", engine("c8_dev25", 8, 0.25))
-    try:
-        times, warning = _timing.timed_with_load_check(variants, args.repeats, args.threads)
-        latency = {name: _latency(run) for name, run in runs.items()}
-        exact = {name: run.outputs == expected for name, run in runs.items()}
-        loaded: dict[str, Any] | None = None
-        if not args.no_load:
-            loaded = _under_load({"baseline": baseline, "c4": variants["c4"]}, args)
-        dev25 = engines["c8_dev25"].stats()["store"]
-    finally:
-        for eng in engines.values():
+    def close(self) -> None:
+        for eng in self.engines.values():
             eng.shutdown()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    bench = _Bench(args)
+    new_tokens = args.requests * args.max_tokens
+    variants: dict[str, Any] = {"baseline": bench.baseline}
+    try:
+        for c in (1, 4, 8):
+            variants[f"c{c}"] = bench.engine_variant(f"c{c}", bench.engine(f"c{c}", c))
+        dev25 = bench.engine("c8_dev25", 8, 0.25)
+        variants["c8_dev25"] = bench.engine_variant("c8_dev25", dev25)
+        times, warning = _timing.timed_with_load_check(variants, args.repeats, args.threads)
+        latency = {name: _latency(run) for name, run in bench.runs.items()}
+        exact = {name: run.outputs == bench.expected for name, run in bench.runs.items()}
+        dev25_stats = dev25.stats()["store"]
+    finally:
+        bench.close()
+    loaded = None if args.no_load else _under_load(args)
     med = {name: _timing.median(t) for name, t in times.items()}
     tps = {name: new_tokens / s for name, s in med.items()}
     return {
         "scenario": NAME,
         "requests": args.requests,
-        "prompt_tokens": [len(p) for p in prompts],
+        "prompt_tokens": [len(p) for p in bench.prompts],
         "max_tokens": args.max_tokens,
         "threads": args.threads,
         "repeats": args.repeats,
@@ -210,7 +228,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "median_s": med[name],
                 "tokens_per_s": tps[name],
                 "spread": _timing.spread(times[name]),
-                **({"exact_vs_baseline": exact[name], **latency[name]} if name in runs else {}),
+                **(
+                    {"exact_vs_baseline": exact[name], **latency[name]}
+                    if name in bench.runs
+                    else {}
+                ),
             }
             for name in med
         },
@@ -221,7 +243,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "c8_dev25/c8": tps["c8_dev25"] / tps["c8"],
         },
         "targets": {"c8/baseline": TARGET_C8, "c8_dev25/c8": TARGET_DEV25},
-        "dev25_tiers": {t: o["peak_used_blocks"] for t, o in dev25["tiers"].items()},
+        "dev25_tiers": {t: o["peak_used_blocks"] for t, o in dev25_stats["tiers"].items()},
         "under_load": loaded,
     }
 
@@ -235,19 +257,54 @@ def _latency(run: _Run) -> dict[str, float]:
     }
 
 
-def _under_load(fns: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    spinner = subprocess.Popen([sys.executable, "-c", SPIN])
+def load_child(argv_json: str) -> None:
+    """In a fresh process (its OpenMP wait policy set by the parent before torch
+    loads): the baseline and c4 interleaved while a CPU-bound process spins; prints
+    the medians as JSON."""
+    args = argparse.Namespace(**json.loads(argv_json))
+    bench = _Bench(args)
+    fns = {"baseline": bench.baseline}
+    spinner = None
     try:
+        fns["c4"] = bench.engine_variant("c4", bench.engine("c4", 4))
+        fns["baseline"]()  # warm-up before the competitor starts
+        fns["c4"]()
+        spinner = subprocess.Popen([sys.executable, "-c", SPIN])
         time.sleep(0.5)
         times = _timing.interleaved(fns, args.repeats, warmup=0)
+        exact = bench.runs["c4"].outputs == bench.expected
     finally:
-        spinner.kill()
-        spinner.wait()
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+        bench.close()
     med = {name: statistics.median(t) for name, t in times.items()}
-    return {
-        "median_s": med,
-        "c4/baseline": med["baseline"] / med["c4"],
-    }
+    print(json.dumps({"median_s": med, "exact": exact}))
+
+
+def _under_load(args: argparse.Namespace) -> dict[str, Any]:
+    """(c): the baseline and c4 under a competing CPU-bound process, once with
+    OpenMP's default wait policy (idle workers spin) and once with PASSIVE (they
+    sleep; what `kvstrata serve` sets), each in its own process."""
+    out: dict[str, Any] = {}
+    for policy in ("default", "PASSIVE"):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if policy == "PASSIVE":
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        code = "import sys; from kvstrata.bench.serve import load_child; load_child(sys.argv[1])"
+        fields = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+        done = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(fields)],
+            env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        child = json.loads(done.stdout.strip().splitlines()[-1])
+        med = child["median_s"]
+        out[policy] = {
+            "median_s": med,
+            "exact": child["exact"],
+            "c4/baseline": med["baseline"] / med["c4"],
+        }
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,10 +322,11 @@ def run(args: argparse.Namespace) -> int:
     ]
     notes = [f"{k}: {v:.2f}x (target {report['targets'].get(k, '-')})" for k, v in
              report["ratios"].items()]  # fmt: skip
-    if report["under_load"]:
+    for policy, res in (report["under_load"] or {}).items():
         notes.append(
-            f"under a competing CPU-bound process: c4/baseline "
-            f"{report['under_load']['c4/baseline']:.2f}x"
+            f"under a competing CPU-bound process, OpenMP wait policy {policy}: c4/baseline "
+            f"{res['c4/baseline']:.2f}x (c4 {res['median_s']['c4']:.2f} s, baseline "
+            f"{res['median_s']['baseline']:.2f} s, exact {res['exact']})"
         )
     if report["warning"]:
         notes.append(f"[yellow]{report['warning']}[/yellow]")
