@@ -11,7 +11,7 @@ def test_bench_serve_measures_every_variant():
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     args = parser.parse_args(
-        ["--requests", "3", "--prompt-tokens", "24", "--max-tokens", "4", "--repeats", "1",
+        ["--requests", "3", "--prompt-tokens", "48", "--max-tokens", "4", "--repeats", "1",
          "--threads", "1", "--no-load", "--block-size", "4"]
     )  # fmt: skip
     report = serve.measure(args)
@@ -29,4 +29,6 @@ def test_bench_serve_measures_every_variant():
     )
     # the 25 % device variant really kept blocks on the host
     assert report["dev25_tiers"].get("host", 0) > 0
-    assert report["prompt_tokens"] == [12, 24, 36]
+    assert report["prompt_tokens"] == [24, 48, 72]
+    assert report["peak_running"]["c8_dev25"] == report["peak_running"]["c8"] == 3
+    assert 0 < report["dev25_device_share"] < 1

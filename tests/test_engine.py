@@ -307,3 +307,29 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on():
         ok = engine.generate([prompts(1)[0]], SamplingParams(max_tokens=10))[0]
     mlp.forward = original
     assert ok.token_ids == reference("llama", prompts(1)[0], 10)
+
+
+def test_text_output_keeps_the_leading_space_and_settles_utf8():
+    """Metaspace tokenizers drop the space of a decode's first token: the output is
+    decoded after the prompt's last tokens, as a whole decode of prompt + output."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvstrata.engine.sampling import TextOutput
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁Paris": 4, ".": 5, "▁é": 6}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    prompt, out = [1, 2, 3], [4, 5, 6, 4]
+    assert tok.decode(out) == "Paris. é Paris"  # alone: the space is lost
+    text = TextOutput(tok, ())
+    text.ids, text.read = list(prompt), len(prompt)
+    pieces = [text.push([t])[0] for t in out] + [text.flush()]
+    whole = tok.decode(prompt + out)
+    assert "".join(pieces) == whole[len(tok.decode(prompt)) :] == " Paris. é Paris"
+    stopped = TextOutput(tok, (". é",), prompt)
+    got = [stopped.push([t]) for t in out]
+    assert [stop for _, stop in got] == [False, False, True, False]
+    assert "".join(t for t, _ in got[:3]) == " Paris"  # held back, then cut at the stop

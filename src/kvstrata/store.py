@@ -274,7 +274,11 @@ class KVStore(OneThread):
             mgr.add_sequence(key, window=group.window)
         matched = 0
         if token_ids is not None and lookup and self.prefix_caching:
-            matched = self.prefix_index.attach(seq_id, [int(t) for t in token_ids])
+            try:
+                matched = self.prefix_index.attach(seq_id, [int(t) for t in token_ids])
+            except BaseException:  # nothing half-attached stays behind
+                self.free(seq_id)
+                raise
         return seq_id, matched
 
     def extend(

@@ -340,7 +340,9 @@ class Engine:
         sched = self.sched
         assert sched is not None
         if kind == "add":
-            sched.add(arg)
+            if not sched.add(arg):
+                error = f"request_id {arg.id!r} is already running"
+                self._emit(arg, RequestOutput(arg.id, finish_reason="abort", error=error))
         elif kind == "abort":
             req = sched.requests.get(arg)
             if req is not None:
@@ -378,12 +380,12 @@ class Engine:
                     ),
                 )
         except OutOfBlocksError as err:
-            self.store.abort_step(seq_ids)
+            self._undo(batch, f"out of KV blocks: {err}")
             if not sched.relieve(batch):  # nothing left to preempt: the request fails
                 self._finish(batch[0][0], "abort", f"out of KV blocks: {err}")
             return True
         except Exception as err:
-            self.store.abort_step(seq_ids)
+            self._undo(batch, f"the model step failed: {err}")
             log.exception("kvstrata engine: a step failed")
             for req, _ in batch:
                 self._finish(req, "abort", f"the model step failed: {err}")
@@ -399,6 +401,14 @@ class Engine:
             self._accept(req, token, now)
         self.metrics.step.observe(time.perf_counter() - t0)
         return True
+
+    def _undo(self, batch: list[tuple[Request, int]], why: str) -> None:
+        """Undo a failed step; a request whose sequence cannot be restored ends."""
+        seq_ids = [r.seq_id for r, _ in batch]
+        undone = set(self.store.abort_step(seq_ids))
+        for req, _ in batch:
+            if req.seq_id not in undone and req.id in self.sched.requests:
+                self._finish(req, "abort", f"{why}; its KV could not be restored")
 
     def _accept(self, req: Request, token: int, now: float) -> None:
         if req.first_token_at is None:
@@ -422,6 +432,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: str | None = None, delta: str = "") -> None:
         sched = self.sched
         assert sched is not None
+        if sched.requests.get(req.id) is not req:
+            return  # already ended (e.g. by a failed step's undo)
         sched.remove(req)
         text = delta + req.text.flush() if reason != "abort" else delta
         now = time.perf_counter()

@@ -55,39 +55,58 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[Any]) 
 class TextOutput:
     """A request's output text, decoded incrementally, with its stop strings.
 
-    `push(token_ids)` returns (new text safe to emit, stop string found). Text that
-    might still become a stop string, or an incomplete UTF-8 sequence (decoded as
-    U+FFFD), is held back until it is settled; `flush()` returns what is left."""
+    Decoding follows vLLM's incremental detokenizer: each new piece is decoded with
+    the tokens just before it as context (the prompt's last few, at first), so
+    tokenizers that drop a leading space at the start of a decode (SentencePiece /
+    Metaspace) keep it, and each token costs a short decode, not the whole output.
+    Text ending in an incomplete UTF-8 sequence (U+FFFD) waits for the next token.
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    `push(token_ids)` returns (new text safe to emit, stop string found): text that
+    might still become a stop string is held back; `flush()` returns what is left."""
+
+    CONTEXT = 5  # prompt tokens decoded in front of the first output tokens
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], prompt_ids: Any = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
+        self.ids: list[int] = list(prompt_ids)[-self.CONTEXT :]
+        self.prefix = 0  # ids[prefix:read] is the context of the next decode
+        self.read = len(self.ids)  # ids before this are in `text`
         self.text = ""  # the decoded output so far (cut at a stop string)
         self.sent = 0  # characters of `text` already emitted
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _advance(self, final: bool = False) -> None:
+        context = self._decode(self.ids[self.prefix : self.read])
+        full = self._decode(self.ids[self.prefix :])
+        if len(full) > len(context) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(context) :]
+            self.prefix, self.read = self.read, len(self.ids)
+
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
-        self.ids.extend(token_ids)
         if self.tokenizer is None:
             return "", False
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        start = max(0, len(self.text) - self.hold - 4)  # a few more: decoding may redo
-        # the last characters (an incomplete UTF-8 sequence completed)
-        self.text = text
+        self.ids.extend(token_ids)
+        start = max(0, len(self.text) - self.hold)
+        self._advance()
         for s in self.stop:
-            at = text.find(s, start)
+            at = self.text.find(s, start)
             if at >= 0:
-                self.text = text[:at]
+                self.text = self.text[:at]
+                self.read = len(self.ids)  # nothing after the stop string is text
                 return self.flush(), True
-        end = len(text) - self.hold
-        while end > self.sent and text[end - 1] == "\ufffd":
-            end -= 1
+        end = len(self.text) - self.hold
         if end <= self.sent:
             return "", False
-        new, self.sent = text[self.sent : end], end
+        new, self.sent = self.text[self.sent : end], end
         return new, False
 
     def flush(self) -> str:
+        """The rest of the text (at the end of the request)."""
+        if self.tokenizer is not None and self.read < len(self.ids):
+            self._advance(final=True)
         new, self.sent = self.text[self.sent :], len(self.text)
         return new

@@ -23,6 +23,7 @@ Runs in the engine thread (it owns the store). Policy, per step:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ from kvstrata import budgets
 from kvstrata.engine.params import SamplingParams
 from kvstrata.engine.sampling import TextOutput, make_generator
 from kvstrata.errors import KvstrataError
+
+log = logging.getLogger("kvstrata.engine")
 
 if TYPE_CHECKING:
     from kvstrata.engine.metrics import EngineMetrics
@@ -61,7 +64,7 @@ class Request:
         self.computed = 0  # tokens in the store
         self.out_ids: list[int] = []
         self.sent_ids = 0
-        self.text = TextOutput(tokenizer, params.stop)
+        self.text = TextOutput(tokenizer, params.stop, prompt_ids)
         self.emit_tokens = tokenizer is None  # no text: every token is news
         self.generator = make_generator(params)
         self.reserve = 0  # blocks reserved in all tiers together
@@ -110,6 +113,7 @@ class Scheduler:
         self.reserved = 0
         self.failed: list[tuple[Request, str]] = []  # requests that could not start
         self.cap = config.max_num_seqs  # lowered after a step ran out of blocks
+        self.peak_running = 0
         # what every running sequence pins on the device: sinks, the residual window
         # above a lossy tier, the open block and one more while a step crosses a block
         cc = store.config
@@ -129,12 +133,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.preempted)
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> bool:
+        """Queue a request; False when its id is taken (the engine ends it)."""
         if req.id in self.requests:
-            req.on_output and req.on_output(_duplicate(req))
-            return
+            return False
         self.requests[req.id] = req
         self.waiting.append(req)
+        return True
 
     def remove(self, req: Request) -> None:
         """Forget a finished or aborted request; its blocks are freed now (hashed
@@ -148,8 +153,9 @@ class Scheduler:
             self.waiting.remove(req)
         if req.seq_id is not None and self.store.has_sequence(req.seq_id):
             self.store.free(req.seq_id)
+        if req.seq_id is not None:
+            self.cap = min(self.cap + 1, self.config.max_num_seqs)
         req.seq_id = None
-        self.cap = min(self.cap + 1, self.config.max_num_seqs)
         self.reserved -= req.reserve
         req.reserve = 0
 
@@ -164,7 +170,8 @@ class Scheduler:
     def plan_step(self) -> list[tuple[Request, int]]:
         cfg = self.config
         demote = cfg.preemption == "demote"
-        room = self.manager.budget_slots[self.device]
+        # preempted sequences still pin their floor (sinks, open block) on the device
+        room = self.manager.budget_slots[self.device] - len(self.preempted) * self.floor_blocks
         chunk = cfg.max_batched_tokens
         used = 0
         keep: list[Request] = []
@@ -223,13 +230,19 @@ class Scheduler:
         else:
             return None
         self.running.append(req)
+        self.running.sort(key=lambda r: r.arrival)  # oldest first: preempted last
+        self.peak_running = max(self.peak_running, len(self.running))
         return req
 
     def requests_admitted(self) -> bool:
         return bool(self.running or self.preempted)
 
     def _preempt(self, req: Request) -> None:
-        moved = self.store.demote(req.seq_id)
+        try:
+            moved = self.store.demote(req.seq_id)
+        except (KvstrataError, OSError) as err:  # e.g. a full disk: blocks stay put
+            log.warning("kvstrata engine: demoting %s failed (%s); it waits as is", req.id, err)
+            moved = 0
         self.metrics.preemptions.inc()
         self.metrics.demoted_blocks.inc(moved)
         self.preempted.append(req)
@@ -255,16 +268,9 @@ class Scheduler:
             "preempted": len(self.preempted),
             "live_blocks": sum(o["used_blocks"] - o["cached_blocks"] for o in occupancy.values()),
             "sequences": len(self.store.sequence_ids),
+            "peak_running": self.peak_running,
             "reserved_blocks": self.reserved,
             "capacity_blocks": self.capacity_blocks,
             "evicted_cached_blocks": self.manager.num_evicted_cached,
             "store": self.store.stats(),
         }
-
-
-def _duplicate(req: Request) -> Any:
-    from kvstrata.engine.params import RequestOutput
-
-    return RequestOutput(
-        req.id, finish_reason="abort", error=f"request_id {req.id!r} is already running"
-    )

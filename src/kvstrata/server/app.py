@@ -38,6 +38,8 @@ from kvstrata.server.protocol import CHAT, COMPLETIONS, APIError, ResponseHead
 
 ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 
+CHAT_DEFAULT_MAX_TOKENS = 2048  # chat without max_tokens: see Server.room_for
+
 
 class ClientGone(Exception):
     """The client disconnected before its response was ready (nothing to answer)."""
@@ -263,9 +265,12 @@ class OpenAIServer:
 
     def room_for(self, prompt_ids: list[int]) -> int:
         """Chat's default max_tokens: the rest of the model's positions (as OpenAI and
-        vLLM), lowered to what all tiers together can hold for this prompt."""
+        vLLM), at most CHAT_DEFAULT_MAX_TOKENS (each running request reserves its
+        prompt + max_tokens, so "the whole context" would run chats one at a time),
+        lowered to what all tiers together can hold for this prompt."""
         limit = self.engine.max_model_len
         room = max(1, (limit or len(prompt_ids) + 4096) - len(prompt_ids))
+        room = min(room, CHAT_DEFAULT_MAX_TOKENS)
         check = getattr(self.engine, "check", None)
         if check is None or _fits(check, prompt_ids, room):
             return room
