@@ -1,4 +1,17 @@
-"""kvstrata: a tiered, paged, compressed KV cache for LLM inference."""
+"""kvstrata: a tiered, paged, compressed KV cache for LLM inference.
+
+Importing kvstrata before torch sets `OMP_WAIT_POLICY=PASSIVE` unless the environment
+already names a policy: idle OpenMP threads then sleep instead of spinning. Measured
+on 2 cores (README, "Threads that share the cores"): with another process competing
+for the cores, 8 requests through the engine took 38.6 s with spinning workers and
+1.8 s with sleeping ones; idle, the engine's time was the same either way.
+"""
+
+import os as _os
+import sys as _sys
+
+if "torch" not in _sys.modules:  # read once, when torch loads its OpenMP runtime
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kvstrata.config import CacheConfig
 from kvstrata.errors import (

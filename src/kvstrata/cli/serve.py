@@ -261,22 +261,10 @@ def _has_lower_tier(fields: dict[str, Any]) -> bool:
     return bool(fields.get("host_budget")) or fields.get("disk_dir") is not None
 
 
-def passive_openmp() -> None:
-    """Idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, unless
-    the environment says otherwise; read when torch loads its OpenMP runtime, so this
-    runs before torch is imported). A server shares the cores with its HTTP threads
-    and other processes; measured here with a competing CPU-bound process (README,
-    "Threads that share the cores"): spinning workers made every step wait."""
-    import os
-
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata serve` until SIGINT / SIGTERM."""
     check_flags(args)  # before the slow imports: bad flags answer at once
-    passive_openmp()
+    # (OpenMP workers sleep when idle: `import kvstrata` set OMP_WAIT_POLICY=PASSIVE)
     from kvstrata.server import require_serve
 
     require_serve()
