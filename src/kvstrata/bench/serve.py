@@ -304,7 +304,11 @@ def _under_load(args: argparse.Namespace) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         if policy == "PASSIVE":
             env["OMP_WAIT_POLICY"] = "PASSIVE"
-        code = "import sys; from kvstrata.bench.serve import load_child; load_child(sys.argv[1])"
+        # torch first: `import kvstrata` then leaves the policy the environment gives
+        code = (
+            "import sys, torch; from kvstrata.bench.serve import load_child; "
+            "load_child(sys.argv[1])"
+        )
         fields = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         done = subprocess.run(
             [sys.executable, "-c", code, json.dumps(fields)],
