@@ -2,8 +2,9 @@
 by one engine whose device budget holds a fraction of their KV.
 
 Each request is a different real document (held-out sources shipped with the
-project for the byte model; Python's own stdlib sources otherwise) behind a shared
-instruction, so the instruction's blocks are a prefix hit for all but the first.
+project; Python's own stdlib sources) with a question after it (chat models; the
+byte model continues the code); what the requests share (the chat template's
+system prompt) is a prefix hit for all but the first.
 Shown: the answers, a live one-line status while they run, the tier occupancy, the
 prefix hits, the device memory saved against keeping every request's KV resident,
 and the check that every answer equals the same request run alone through
@@ -19,9 +20,8 @@ from typing import Any
 
 from kvstrata.units import format_bytes
 
-INSTRUCTION = (
-    "You are given a source file. Read it, then say in one or two sentences what it is for.\n\n"
-)
+INTRO = "Here is a source file:\n\n"
+QUESTION = "\n\nIn one or two sentences, what is this file for?"
 
 
 def documents(tokenizer: Any, count: int, tokens: int) -> list[str]:
@@ -50,10 +50,10 @@ def documents(tokenizer: Any, count: int, tokens: int) -> list[str]:
 def request_ids(tokenizer: Any, doc: str) -> list[int]:
     """The prompt of one request: chat template when the tokenizer has one."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": INSTRUCTION + doc}]
+        messages = [{"role": "user", "content": INTRO + doc + QUESTION}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return list(tokenizer("# " + INSTRUCTION.replace("\n", "\n# ") + doc)["input_ids"])
+        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+    return list(tokenizer("# " + INTRO.strip() + "\n" + doc)["input_ids"])
 
 
 def run(
