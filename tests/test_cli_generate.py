@@ -140,18 +140,43 @@ def test_generate_matches_between_placements_and_samples_with_seed(tiny_dir, cap
 
 
 def test_demo_with_model(tiny_dir, capsys, monkeypatch):
+    """The demo's sections in order over the embedded model (here a tiny random one); a
+    section appended to SECTIONS runs last and sees what the others left."""
+    import kvstrata.cli.demo as demo
+
+    seen = {}
+
+    def extra(state) -> int:
+        seen.update(state.results, model=state.model, job=state.job)
+        print("extra section ran")
+        return 0
+
     monkeypatch.setattr(kvstrata.modelzoo, "default_model_dir", lambda: tiny_dir)
-    code, out, err = _run(capsys, "demo", "--max-new-tokens", "40")
+    monkeypatch.setattr(demo, "SECTIONS", [*demo.SECTIONS, demo.Section("extra", extra)])
+    code, out, err = _run(capsys, "demo", "--model", "tiny", "--max-new-tokens", "80")
     assert code == 0, err
-    assert out.startswith("plan: ")
+    titles = [line for line in out.splitlines() if line.startswith("== ")]
+    assert titles[:4] == [
+        "== 1. model ==",
+        "== 2. plan ==",
+        "== 3. the job, 10% of its KV on the device ==",
+        "== 4. exactness ==",
+    ]
+    assert titles[-1] == f"== {len(demo.SECTIONS)}. extra =="
+    assert out.split("== 2. plan ==\n")[1].startswith("plan: tiny: llama: 2 layers")
     assert PROMPT in out
-    assert "device->host" in out
-    assert "tokens identical to DynamicCache: yes (57 tokens)" in out
+    assert "device->host" in out and "host->disk" in out
+    same = re.search(r"tokens identical to DynamicCache: yes \((\d+) tokens\)", out)
+    assert same and 17 + 40 < int(same.group(1)) <= 17 + 80  # 17 prompt tokens
+    assert out.rstrip().endswith("extra section ran")
+    assert 0 < len(seen["answer_tokens"]) <= 80 and seen["model"] is not None
+    memory = seen["memory"]
+    assert memory["device_peak"] < memory["resident"] and memory["held"] > 0
 
 
 def test_demo_without_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kvstrata.modelzoo, "default_model_dir", lambda: tmp_path / "absent")
-    code, out, err = _run(capsys, "demo")
+    code, out, err = _run(capsys, "demo", "--model", "tiny")
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("kvstrata demo: the embedded model kvstrata-code-tiny is not")

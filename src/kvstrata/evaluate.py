@@ -404,9 +404,9 @@ def heldout_stream(model: str | Path = "default", tokenizer: Any = None) -> list
         if tokenizer is None:
             stream.extend(bytes_to_ids(data))
         else:
-            stream.extend(
-                tokenizer.encode(data.decode("utf-8", "replace"), add_special_tokens=False)
-            )
+            text = data.decode("utf-8", "replace")
+            # whole files may exceed the model's positions: they are cut into windows
+            stream.extend(tokenizer.encode(text, add_special_tokens=False, verbose=False))
         if eos is not None:
             stream.append(eos)
     return stream

@@ -2,9 +2,11 @@
 
 kvstrata ships one small model, ``kvstrata-code-tiny`` (a byte-level Llama trained on CPU on
 the Python standard library by ``scripts/train_embedded_model.py``), so every command works
-offline. :func:`load_model` loads it, or any local Hugging Face model directory whose
-architecture uses standard attention, and turns every broken-directory case into a one-line
-:class:`~kvstrata.errors.ConfigError` naming the file and the problem.
+offline. :func:`load_model` takes a model name — ``tiny`` (that model; ``default`` is its old
+name) or ``smollm2`` (a real instruct model, converted once from a package's GGUF file into
+the user's cache by :mod:`kvstrata.realmodel`) — or any local Hugging Face model directory
+whose architecture uses standard attention, and turns every broken-directory case into a
+one-line :class:`~kvstrata.errors.ConfigError` naming the file and the problem.
 
 Tokenizer guarantee: token id ``b`` *is* byte ``b`` for ``b < 256``; ids 256-258 are
 ``<bos>``, ``<eos>``, ``<pad>``. For any ``str`` s, ``tok.decode(tok.encode(s)) == s``
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_NAME = "kvstrata-code-tiny"
+# Names of the embedded model. "default" was its only name before the real models came;
+# the commands now default to CLI_DEFAULT_MODEL.
+EMBEDDED_NAMES = ("tiny", "default")
+CLI_DEFAULT_MODEL = "smollm2"
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 BYTE_VOCAB_SIZE = 259
 _SPECIALS = {"<bos>": BOS_ID, "<eos>": EOS_ID, "<pad>": PAD_ID}
@@ -233,16 +239,28 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
+def model_names() -> list[str]:
+    """The model names :func:`resolve_model_dir` accepts (besides directories)."""
+    from kvstrata.realmodel import MODELS
+
+    return [*MODELS, EMBEDDED_NAMES[0]]
+
+
 def resolve_model_dir(path_or_default: str | Path) -> Path:
-    """Turn ``"default"`` or a path into an existing model directory.
+    """Turn a model name or a path into an existing model directory.
 
     Args:
-        path_or_default: ``"default"`` for the embedded model, or a local directory.
+        path_or_default: ``"tiny"`` (or ``"default"``) for the embedded model, a name of
+            :data:`kvstrata.realmodel.MODELS` (converted into the cache on first use), or a
+            local directory.
 
     Returns:
         The directory.
     """
-    if str(path_or_default) == "default":
+    from kvstrata.realmodel import MODELS, converted_dir
+
+    name = str(path_or_default)
+    if name in EMBEDDED_NAMES:
         model_dir = default_model_dir()
         if not model_dir.is_dir():
             raise ConfigError(
@@ -250,24 +268,38 @@ def resolve_model_dir(path_or_default: str | Path) -> Path:
                 "(build it with scripts/train_embedded_model.py or pass a model directory)"
             )
         return model_dir
+    if name in MODELS:
+        return converted_dir(name)
     model_dir = Path(path_or_default).expanduser()
     if not model_dir.is_dir():
-        raise ConfigError(f"model={str(path_or_default)!r} is invalid: not a local directory")
+        if "/" not in name and not name.startswith("."):
+            names = ", ".join(model_names())
+            raise ConfigError.field(
+                "model", name, f"not a model name ({names}) nor a local directory"
+            )
+        raise ConfigError(f"model={name!r} is invalid: not a local directory")
     return model_dir
 
 
 def load_tokenizer(path_or_default: str | Path = "default") -> PreTrainedTokenizerBase:
-    """Load a model directory's tokenizer and check it fits the model's vocab_size.
+    """Load a model's tokenizer and check it fits the model's vocab_size.
 
     Args:
-        path_or_default: ``"default"`` or a local model directory.
+        path_or_default: A model name (see :func:`resolve_model_dir`) or a local directory.
 
     Returns:
         The tokenizer.
     """
-    from transformers import AutoTokenizer
+    from kvstrata.realmodel import damaged_cache_hint
 
     model_dir = resolve_model_dir(path_or_default)
+    with damaged_cache_hint(str(path_or_default), model_dir):
+        return _load_tokenizer(model_dir)
+
+
+def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     config = _read_config(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -287,23 +319,34 @@ def load_tokenizer(path_or_default: str | Path = "default") -> PreTrainedTokeniz
 def load_model(
     path_or_default: str | Path = "default", dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local directory, checking it first.
+    """Load a causal LM and its tokenizer, checking the directory first.
 
     Args:
-        path_or_default: ``"default"`` for the embedded model, or a local model directory.
+        path_or_default: A model name — ``"tiny"`` / ``"default"`` (the embedded model),
+            ``"smollm2"`` (converted into the cache on first use) — or a local model
+            directory.
         dtype: Parameter dtype (default torch.float32).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode on CPU.
     """
+    from kvstrata.realmodel import damaged_cache_hint
+
+    model_dir = resolve_model_dir(path_or_default)
+    with damaged_cache_hint(str(path_or_default), model_dir):
+        return _load_model(model_dir, dtype)
+
+
+def _load_model(
+    model_dir: Path, dtype: torch.dtype | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model_dir = resolve_model_dir(path_or_default)
     _read_config(model_dir)
     for weights in _weight_files(model_dir):
         _check_safetensors(weights)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = _load_tokenizer(model_dir)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             model_dir,
@@ -326,16 +369,22 @@ def heldout_files(path_or_default: str | Path = "default") -> list[Path]:
     """Return the held-out source files of the embedded model that exist on this machine.
 
     ``heldout_files.txt`` lists paths relative to the stdlib the model was trained on; they
-    are resolved against the running interpreter's stdlib.
+    are resolved against the running interpreter's stdlib. A named real model (not trained
+    here) is evaluated on the embedded model's held-out files: real Python source, the same
+    text for every model.
 
     Args:
-        path_or_default: ``"default"`` or a model directory holding heldout_files.txt.
+        path_or_default: A model name or a model directory holding heldout_files.txt.
 
     Returns:
         Absolute paths, in the file's order; files absent here are skipped.
     """
     import sysconfig
 
+    from kvstrata.realmodel import MODELS
+
+    if str(path_or_default) in MODELS:
+        path_or_default = EMBEDDED_NAMES[0]
     model_dir = resolve_model_dir(path_or_default)
     listing = model_dir / "heldout_files.txt"
     if not listing.is_file():

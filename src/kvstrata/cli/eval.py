@@ -1,7 +1,11 @@
 """`kvstrata eval ppl`: perplexity through the tiered cache vs the exact cache.
 
-kvstrata eval ppl --model default --codec none,int8,fp8,int4 --context 2048
-kvstrata eval ppl --model ./my-model --codec none --resident 1,0.25,0.1 --disk --json
+kvstrata eval ppl --model smollm2 --codec none,int8,fp8,int4 --context 2048
+kvstrata eval ppl --model tiny --codec none --resident 1,0.25,0.1 --disk --json
+
+(`eval needle` and `eval greedy` live in cli/_eval_long.py.) Held-out text: the Python
+standard library files the embedded model never saw in training (the same files for
+every named model; a model directory lists its own in heldout_files.txt).
 
 Every configuration and the exact reference (transformers' DynamicCache + sdpa) run over
 the same held-out windows, token by token through the cache, so the figures compare like
@@ -17,7 +21,7 @@ import sys
 import tempfile
 from typing import Any
 
-from kvstrata.cli.generate import apply_threads, parse_threads, quiet_transformers
+from kvstrata.cli.generate import apply_threads, model_help, parse_threads, quiet_transformers
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.errors import ConfigError
 from kvstrata.evaluate import (
@@ -243,10 +247,14 @@ def run_ppl(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the `eval` subcommand (with its `ppl` action)."""
+    """Add the `eval` subcommand (with its `ppl`, `needle` and `greedy` actions)."""
+    from kvstrata.cli._eval_long import register_actions
+    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+
     p = sub.add_parser(
         "eval",
-        help="quality harness: perplexity through the tiered cache vs the exact cache",
+        help="quality harness: perplexity, passkey retrieval and greedy agreement vs the "
+        "exact cache",
         description="Measure what the cache configuration does to model quality.",
     )
     actions = p.add_subparsers(dest="action", metavar="ACTION")
@@ -257,7 +265,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Teacher-forced perplexity, one token per step through the cache, on "
         "held-out text, for each codec and placement, against the exact DynamicCache.",
     )
-    ppl.add_argument("--model", default="default", help="'default' or a model directory")
+    ppl.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     ppl.add_argument(
         "--codec",
         action="append",
@@ -283,3 +291,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ppl.add_argument("--json", action="store_true", help="machine-readable JSON output")
     ppl.set_defaults(func=run_ppl)
+    register_actions(actions)

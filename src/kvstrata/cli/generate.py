@@ -1,11 +1,16 @@
 """`kvstrata generate`: generate text with the KV cache spread over tiers.
 
-kvstrata generate --prompt 'def fibonacci(n):' --max-new-tokens 200
-kvstrata generate --resident-fraction 0.25 --host-codec int8 --block-size 16 --stats
+kvstrata generate --prompt 'Why is the sky blue?' --max-new-tokens 200
+kvstrata generate --prompt-file notes.txt --resident-fraction 0.1 --host-codec int8 --stats
+cat long.txt | kvstrata generate --prompt-file - --temperature 0
+kvstrata generate --model tiny --prompt 'def fibonacci(n):' --block-size 16 --stats
 kvstrata generate --model ./my-model --resident-fraction 0.1 --disk-dir /tmp/kv --stats
 
-The placement flags are CacheConfig fields. With an offloading placement and no
---host-budget, the host tier is sized to hold every block the generation can produce.
+--model is a name (smollm2, the default; tiny, the embedded byte model) or a model
+directory. A model with a chat template (smollm2) gets the prompt as a user message and
+prints only its answer; --raw feeds the text as is and echoes it first. The placement
+flags are CacheConfig fields. With an offloading placement and no --host-budget, the host
+tier is sized to hold every block the generation can produce.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.errors import ConfigError
+from kvstrata.prompts import encode_prompt, read_prompt_file, uses_chat
 from kvstrata.units import (
     format_bytes,
     parse_float,
@@ -25,7 +31,8 @@ from kvstrata.units import (
     parse_tokens,
 )
 
-DEFAULT_PROMPT = "def fibonacci(n):"
+DEFAULT_PROMPT = "def fibonacci(n):"  # a completion prompt (models without a chat template)
+DEFAULT_CHAT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
 MAX_THREADS = 1024
@@ -90,12 +97,26 @@ def _fraction(value: str | None) -> float | None:
     return None if value is None else parse_fraction(value, "resident_fraction")
 
 
+def resolve_prompt(args: argparse.Namespace) -> None:
+    """Settle args.prompt once: --prompt, or the text of --prompt-file (read here, once:
+    standard input cannot be read twice), or None for the model's default prompt."""
+    if getattr(args, "prompt_file", None) is None:
+        return
+    if args.prompt is not None:
+        raise ConfigError.field(
+            "prompt_file", args.prompt_file, "give --prompt or --prompt-file, not both"
+        )
+    args.prompt = read_prompt_file(args.prompt_file)
+    args.prompt_file = None
+
+
 def check_sampling(args: argparse.Namespace) -> None:
     """Validate the generation flags (before any model loads)."""
     parse_tokens(args.max_new_tokens, "max_new_tokens")
     _temperature(args)
     _top_k(args)
-    if not args.prompt:
+    resolve_prompt(args)
+    if args.prompt is not None and not args.prompt:
         raise ConfigError.field("prompt", args.prompt, "a non-empty prompt")
     parse_threads(args.threads)
     _no_repeat_ngram(args)
@@ -198,7 +219,7 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
 def generate_ids(
     model: Any,
     tokenizer: Any,
-    prompt: str,
+    prompt: Any,
     cache: Any,
     max_new_tokens: int,
     *,
@@ -215,7 +236,7 @@ def generate_ids(
         model: A causal LM whose attention suits the cache (kvstrata.enable for a
             TieredCache, sdpa for DynamicCache).
         tokenizer: Its tokenizer.
-        prompt: The prompt text.
+        prompt: The prompt text (fed as is), or its token ids [1, n] (see encode_prompt).
         cache: An empty transformers Cache.
         max_new_tokens: Tokens to generate at most.
         temperature: 0 = greedy; > 0 samples.
@@ -231,7 +252,10 @@ def generate_ids(
     """
     import torch
 
-    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if isinstance(prompt, str):
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    else:
+        input_ids = torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1)
     kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
     if temperature > 0:
         torch.manual_seed(seed)
@@ -305,9 +329,9 @@ def render_stats(stats: dict[str, Any]) -> None:
 
 
 def prompt_then_stream(tokenizer: Any, prompt: str) -> Any:
-    """A TextStreamer that echoes the prompt only once the first new token is out, so
-    an error in the first forward (e.g. a budget the cache refuses) leaves stdout empty
-    and stderr with its one line."""
+    """A TextStreamer that echoes the prompt (may be "") only once the first new token is
+    out, so an error in the first forward (e.g. a budget the cache refuses) leaves stdout
+    empty and stderr with its one line."""
     from transformers import TextStreamer
 
     class PromptThenStream(TextStreamer):
@@ -334,7 +358,11 @@ def run(args: argparse.Namespace) -> int:
     quiet_transformers()
     model, tokenizer = load_model(args.model)
     apply_threads(model, args.threads)
-    prompt_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    chat = uses_chat(tokenizer, args.raw)
+    prompt = args.prompt
+    if prompt is None:
+        prompt = DEFAULT_CHAT_PROMPT if chat else DEFAULT_PROMPT
+    prompt_ids = encode_prompt(tokenizer, prompt, chat)
     check_positions(model, prompt_ids.shape[1], max_new, "max_new_tokens")
     kwargs = cache_kwargs(args, model, prompt_ids.shape[1] + max_new)
     # With a disk tier, the prompt's longest prefix an earlier run left there is reused
@@ -342,11 +370,13 @@ def run(args: argparse.Namespace) -> int:
     dtype = next(model.parameters()).dtype
     cache = TieredCache(model.config, prompt_ids=prompt_ids, dtype=dtype, **kwargs)
     enable(model)
-    streamer = None if args.no_stream else prompt_then_stream(tokenizer, args.prompt)
+    # A chat answer is printed alone; a completion follows its prompt.
+    echo = "" if chat else prompt
+    streamer = None if args.no_stream else prompt_then_stream(tokenizer, echo)
     out = generate_ids(
         model,
         tokenizer,
-        args.prompt,
+        prompt_ids,
         cache,
         max_new,
         temperature=_temperature(args),
@@ -356,11 +386,22 @@ def run(args: argparse.Namespace) -> int:
         streamer=streamer,
     )
     if streamer is None:
-        print(tokenizer.decode(out[0], skip_special_tokens=True))
+        new = tokenizer.decode(out[0, prompt_ids.shape[1] :], skip_special_tokens=True)
+        print(echo + new)
     if args.stats:
         render_stats(cache.stats())
     cache.close()
     return 0
+
+
+def model_help() -> str:
+    """The --model help text: the names, then 'or a model directory'."""
+    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+
+    return (
+        f"{CLI_DEFAULT_MODEL} (default: SmolLM2-135M-Instruct, extra 'model'), tiny (the "
+        "embedded byte model; 'default' is its old name), or a model directory"
+    )
 
 
 def add_placement_flags(p: argparse.ArgumentParser) -> None:
@@ -392,11 +433,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="generate text with the KV cache spread over device, host and disk",
         description="Generate text with a kvstrata TieredCache (transformers generate).",
     )
-    p.add_argument("--model", default="default", help="'default' or a model directory")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt (default {DEFAULT_PROMPT!r})")
+    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+
+    p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help=f"prompt (default {DEFAULT_CHAT_PROMPT!r}; {DEFAULT_PROMPT!r} for a model "
+        "without a chat template)",
+    )
+    p.add_argument(
+        "--prompt-file", default=None, help="read the prompt from a file ('-': standard input)"
+    )
+    p.add_argument(
+        "--raw", action="store_true", help="feed the prompt as is, without the chat template"
+    )
     p.add_argument("--max-new-tokens", default="200", help="tokens to generate (default 200)")
     # The 3M-parameter embedded model falls into runs of spaces when decoded greedily;
-    # light sampling (seeded, so runs repeat) gives readable code.
+    # light sampling (seeded, so runs repeat) gives readable text.
     p.add_argument("--temperature", default="0.7", help="0 = greedy; > 0 samples (default 0.7)")
     p.add_argument(
         "--top-k", default="40", help="sample among the k most likely tokens (default 40)"
