@@ -89,7 +89,7 @@ def test_bad_flags_exit_2_with_one_line(capsys, argv, words):
 def _engine(*argv: str):
     from kvstrata.cli.serve import build_engine
 
-    args = build_parser().parse_args(["serve", *argv])
+    args = build_parser().parse_args(["serve", "--model", "tiny", *argv])
     return build_engine(args)
 
 
@@ -133,7 +133,17 @@ class ServeProcess:
     def __init__(self, *argv: str) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstrata.cli", "serve", "--port", "0", *argv],
+            [
+                sys.executable,
+                "-m",
+                "kvstrata.cli",
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                "tiny",
+                *argv,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -320,11 +320,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "pip install 'kvstrata[serve]'."
         ),
     )
-    p.add_argument(
-        "--model",
-        default="default",
-        help="default (the embedded byte model, also 'tiny'), smollm2, or a model directory",
-    )
+    from kvstrata.cli.generate import model_help
+    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+
+    p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", default="8000", help="TCP port (default 8000; 0 = any free port)")
     p.add_argument(
