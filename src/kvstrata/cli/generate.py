@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvstrata.config import BLOCK_SIZE_MAX
@@ -328,10 +329,13 @@ def render_stats(stats: dict[str, Any]) -> None:
         )
 
 
-def prompt_then_stream(tokenizer: Any, prompt: str) -> Any:
+def prompt_then_stream(
+    tokenizer: Any, prompt: str, on_first: Callable[[], None] | None = None
+) -> Any:
     """A TextStreamer that echoes the prompt (may be "") only once the first new token is
     out, so an error in the first forward (e.g. a budget the cache refuses) leaves stdout
-    empty and stderr with its one line."""
+    empty and stderr with its one line. `on_first` runs just before (e.g. to end a
+    status line)."""
     from transformers import TextStreamer
 
     class PromptThenStream(TextStreamer):
@@ -341,11 +345,30 @@ def prompt_then_stream(tokenizer: Any, prompt: str) -> Any:
 
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
             if self.pending_prompt is not None:
+                if on_first is not None:
+                    on_first()
                 print(self.pending_prompt, end="", flush=True)
                 self.pending_prompt = None
             super().on_finalized_text(text, stream_end)
 
     return PromptThenStream()
+
+
+class _NoStatus:
+    def stop(self) -> None:
+        pass
+
+
+def live_status(text: str) -> Any:
+    """A live one-line status on stderr (rich spinner + elapsed seconds) while long work
+    runs, when stderr is a terminal; `.stop()` ends it (idempotent)."""
+    if not sys.stderr.isatty():
+        return _NoStatus()
+    from rich.console import Console
+
+    status = Console(stderr=True).status(f"kvstrata: {text}")
+    status.start()
+    return status
 
 
 def run(args: argparse.Namespace) -> int:
@@ -372,19 +395,24 @@ def run(args: argparse.Namespace) -> int:
     enable(model)
     # A chat answer is printed alone; a completion follows its prompt.
     echo = "" if chat else prompt
-    streamer = None if args.no_stream else prompt_then_stream(tokenizer, echo)
-    out = generate_ids(
-        model,
-        tokenizer,
-        prompt_ids,
-        cache,
-        max_new,
-        temperature=_temperature(args),
-        top_k=_top_k(args),
-        seed=_seed(args),
-        no_repeat_ngram_size=_no_repeat_ngram(args),
-        streamer=streamer,
-    )
+    todo = prompt_ids.shape[1] - cache.matched_tokens
+    status = live_status(f"prefilling {todo} prompt tokens ({cache.matched_tokens} cached)")
+    streamer = None if args.no_stream else prompt_then_stream(tokenizer, echo, status.stop)
+    try:
+        out = generate_ids(
+            model,
+            tokenizer,
+            prompt_ids,
+            cache,
+            max_new,
+            temperature=_temperature(args),
+            top_k=_top_k(args),
+            seed=_seed(args),
+            no_repeat_ngram_size=_no_repeat_ngram(args),
+            streamer=streamer,
+        )
+    finally:
+        status.stop()
     if streamer is None:
         new = tokenizer.decode(out[0, prompt_ids.shape[1] :], skip_special_tokens=True)
         print(echo + new)
