@@ -199,8 +199,12 @@ def test_demo_without_model(tmp_path, capsys, monkeypatch):
         (["generate", "--resident-fraction", "0"], "resident_fraction='0'"),
         (["generate", "--top-k", "0.5"], "top_k='0.5'"),
         (["generate", "--no-repeat-ngram", "-1"], "no_repeat_ngram='-1'"),
-        (["generate", "--disk-compress"], "disk_compress=True"),
-        (["generate", "--disk-dir", "/proc/kvstrata-no"], "disk_dir='/proc/kvstrata-no'"),
+        # checked with the model's geometry: the embedded model (no extra needed)
+        (["generate", "--model", "tiny", "--disk-compress"], "disk_compress=True"),
+        (
+            ["generate", "--model", "tiny", "--disk-dir", "/proc/kvstrata-no"],
+            "disk_dir='/proc/kvstrata-no'",
+        ),
         (["bench", "decode", "--steps", "0"], "steps=0"),
         (["bench", "decode", "--threads", "0"], "threads=0"),
         (["bench", "quantized", "--group", "0"], "group=0"),
