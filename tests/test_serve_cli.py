@@ -78,7 +78,8 @@ REFUSED = [  # argv, words of the one-line message
 
 @pytest.mark.parametrize("argv, words", REFUSED, ids=lambda v: " ".join(v) if v[0] else "")
 def test_bad_flags_exit_2_with_one_line(capsys, argv, words):
-    assert main(["serve", "--port", "0", *argv]) == 2
+    # the embedded model (a fresh clone has no smollm2 wheel); an explicit --model wins
+    assert main(["serve", "--port", "0", "--model", "tiny", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("kvstrata serve: error: "), err
