@@ -210,8 +210,10 @@ def convert_gguf(gguf_path: Path, dest: Path, *, max_positions: bool = True) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     # The weights are dequantized already; drop the GGUF quantizer so the model saves as an
     # ordinary float32 checkpoint.
     model.hf_quantizer = None
