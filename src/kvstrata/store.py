@@ -131,6 +131,12 @@ class KVStore(OneThread):
             self._model_key = self._default_key + (f":{weights}" if weights else "")
         return self._model_key
 
+    @property
+    def lossy_below(self) -> bool:
+        """A tier below the device stores a lossy codec (the residual window then stays
+        on the device)."""
+        return not all(self.codecs[f].lossless for f in ("host_codec", "disk_codec"))
+
     # -- construction -------------------------------------------------------------------------
     @property
     def is_built(self) -> bool:
@@ -165,7 +171,7 @@ class KVStore(OneThread):
         for codec in self.codecs.values():
             codec.validate(layout)
         dev_codec = self.codecs["device_codec"]
-        lossy_below = not all(self.codecs[f].lossless for f in ("host_codec", "disk_codec"))
+        lossy_below = self.lossy_below
         dev_slots = budgets.device_slots(
             cc, self.groups, dev_codec.block_nbytes(layout), num_sequences, lossy_below
         )
@@ -433,8 +439,7 @@ class KVStore(OneThread):
         blocks moved; the sequence stays usable (its blocks are read where they are)."""
         mgr = self._require()
         self._usable(seq_id)
-        lossy = not all(self.codecs[f].lossless for f in ("host_codec", "disk_codec"))
-        keep = self.config.residual_tokens if lossy else 0
+        keep = self.config.residual_tokens if self.lossy_below else 0
         return sum(mgr.demote(key, keep) for key in self.tables(seq_id))
 
     def runs(self, seq_id: int, group: int) -> list[Run]:

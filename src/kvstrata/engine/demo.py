@@ -79,9 +79,12 @@ def run(
     prompts = [request_ids(tok, d) for d in documents(tok, requests, doc_tokens)]
     params = SamplingParams(max_tokens=max_tokens)
     bs = 32
-    probe = Engine(model, tok, block_size=bs, config=EngineConfig(max_num_seqs=1))
-    block_bytes = next(iter(probe.stats()["store"]["tiers"].values()))["block_bytes"]
-    probe.shutdown()
+    from kvstrata.budgets import group_layout
+    from kvstrata.codecs.registry import get_codec
+    from kvstrata.geometry import KVGeometry
+
+    layout = group_layout(KVGeometry.from_hf_config(model.config), bs, model.dtype)
+    block_bytes = get_codec("none").block_nbytes(layout)  # one block on the device
     total_blocks = sum(-(-(len(p) + max_tokens) // bs) for p in prompts)
     device_blocks = max(int(device_fraction * total_blocks), 2 * len(prompts))
     engine = Engine(

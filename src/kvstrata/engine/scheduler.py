@@ -81,10 +81,10 @@ class Request:
         return self.num_tokens - self.computed
 
     def tokens(self, start: int, count: int) -> list[int]:
+        """Tokens [start, start + count) of prompt + output (no copy of either whole)."""
         n = len(self.prompt_ids)
-        if start + count <= n:
-            return self.prompt_ids[start : start + count]
-        return (self.prompt_ids + self.out_ids)[start : start + count]
+        head = self.prompt_ids[start : start + count] if start < n else []
+        return head + self.out_ids[max(0, start - n) : max(0, start + count - n)]
 
     def take_new_ids(self) -> list[int]:
         new = self.out_ids[self.sent_ids :]
@@ -117,7 +117,7 @@ class Scheduler:
         # what every running sequence pins on the device: sinks, the residual window
         # above a lossy tier, the open block and one more while a step crosses a block
         cc = store.config
-        lossy = not all(store.codecs[f].lossless for f in ("host_codec", "disk_codec"))
+        lossy = store.lossy_below
         per_group = -(-cc.sink_tokens // cc.block_size) + 2
         per_group += -(-cc.residual_tokens // cc.block_size) if lossy else 0
         self.floor_blocks = len(store.groups) * per_group

@@ -22,26 +22,20 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
+# SamplingParams field -> the request field that feeds it (for messages and `param`).
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
 # Fields read by both endpoints (top_k, salt, stop_token_ids, ignore_eos: extensions,
 # named as vLLM names them).
-_COMMON = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "n",
-        "stream",
-        "stream_options",
-        "user",
-        "salt",
-    }
-)
+_COMMON = frozenset({*_SAMPLING_FIELDS, "model", "n", "stream", "stream_options", "user", "salt"})
 SUPPORTED = {
     COMPLETIONS: _COMMON | {"prompt"},
     CHAT: _COMMON | {"messages", "max_completion_tokens"},
@@ -102,17 +96,6 @@ NEUTRAL = {
 # Fields that change nothing about generation here; accepted whatever their value.
 IGNORED = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
 
-# SamplingParams field -> the request field that feeds it (for messages and `param`).
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-)
 _FIELD_OF_MESSAGE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)=")
 
 
