@@ -337,3 +337,39 @@ def test_text_output_keeps_the_leading_space_and_settles_utf8():
     got = [stopped.push([t]) for t in out]
     assert [stop for _, stop in got] == [False, False, True, False]
     assert "".join(t for t, _ in got[:3]) == " Paris"  # held back, then cut at the stop
+
+
+def test_an_unreadable_block_is_recomputed_never_served(monkeypatch):
+    """A block read that fails its check mid-generation (BlockCorruptError from the
+    attention) undoes the step; the requests compute their KV again and give the
+    tokens of an undisturbed run. A read that keeps failing ends the request."""
+    from kvstrata.errors import BlockCorruptError
+    from kvstrata.runtime import AttentionRuntime
+
+    ps, sp = prompts(3, seed=9), SamplingParams(max_tokens=12)
+    real = AttentionRuntime.attend
+    calls = {"n": 0, "fail_at": None}
+
+    def attend(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["fail_at"] is not None and calls["n"] >= calls["fail_at"]:
+            if calls["fail_at"] > 0:
+                calls["fail_at"] = None  # once
+            raise BlockCorruptError("injected: checksum mismatch")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionRuntime, "attend", attend)
+    kwargs = dict(block_size=BS, device_budget="64KiB", host_budget="8MiB")
+    with Engine(tiny_model("llama"), **kwargs) as engine:
+        want = engine.generate(ps, sp)
+        calls["fail_at"] = calls["n"] + 40  # mid-generation: some tokens are out already
+        got = engine.generate(ps, sp)
+        assert engine.metrics.value("kvstrata_recomputes_total") >= 1
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+        calls["fail_at"] = -1  # every read fails from now on
+        broken = engine.generate([ps[0]], sp)[0]
+        assert broken.finish_reason == "abort" and "could not be read" in broken.error
+        calls["fail_at"] = None
+        assert engine.generate([ps[0]], sp)[0].token_ids == want[0].token_ids
+        assert engine.stats()["live_blocks"] == 0

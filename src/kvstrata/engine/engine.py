@@ -35,7 +35,7 @@ from kvstrata.engine.params import (
 )
 from kvstrata.engine.sampling import sample
 from kvstrata.engine.scheduler import Request, Scheduler
-from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
+from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError, TierIOError
 from kvstrata.store import KVStore
 from kvstrata.units import format_bytes
 
@@ -383,6 +383,12 @@ class Engine:
             self._undo(batch, f"out of KV blocks: {err}")
             if not sched.relieve(batch):  # nothing left to preempt: the request fails
                 self._finish(batch[0][0], "abort", f"out of KV blocks: {err}")
+            return True
+        except TierIOError as err:  # a corrupt or unreadable block: never served,
+            self._undo(batch, f"a block could not be read: {err}")  # recomputed instead
+            for req, _ in batch:
+                if req.id in sched.requests and not sched.recompute(req):
+                    self._finish(req, "abort", f"a block could not be read, twice: {err}")
             return True
         except Exception as err:
             self._undo(batch, f"the model step failed: {err}")

@@ -133,6 +133,11 @@ class EngineMetrics:
         self.demoted_blocks = Counter(
             "kvstrata_demoted_blocks", "blocks demoted off the device by preemption", registry=r
         )
+        self.recomputes = Counter(
+            "kvstrata_recomputes",
+            "requests whose KV was recomputed after a storage error",
+            registry=r,
+        )
         self.resumed = Counter(
             "kvstrata_resumed", "preempted requests resumed (no recompute)", registry=r
         )

@@ -34,6 +34,7 @@ from kvstrata.engine.sampling import TextOutput, make_generator
 from kvstrata.errors import KvstrataError
 
 log = logging.getLogger("kvstrata.engine")
+MAX_RECOMPUTES = 2  # storage errors one request survives before it is ended
 
 if TYPE_CHECKING:
     from kvstrata.engine.metrics import EngineMetrics
@@ -68,6 +69,7 @@ class Request:
         self.emit_tokens = tokenizer is None  # no text: every token is news
         self.generator = make_generator(params)
         self.reserve = 0  # blocks reserved in all tiers together
+        self.recomputes = 0  # times its KV was dropped after a storage error
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
 
@@ -219,12 +221,15 @@ class Scheduler:
             if self.running and used + need > room:
                 return None
             self.waiting.popleft()
+            known = req.prompt_ids + req.out_ids if req.out_ids else req.prompt_ids
             try:
-                req.seq_id, req.cached = self.store.add_sequence(req.prompt_ids, salt=req.salt)
+                req.seq_id, matched = self.store.add_sequence(known, salt=req.salt)
             except KvstrataError as err:
                 self.failed.append((req, f"could not start: {err}"))
                 return None
-            req.computed = req.cached
+            if not req.recomputes:
+                req.cached = matched
+            req.computed = matched
             req.reserve = reserve
             self.reserved += reserve
         else:
@@ -233,6 +238,27 @@ class Scheduler:
         self.running.sort(key=lambda r: r.arrival)  # oldest first: preempted last
         self.peak_running = max(self.peak_running, len(self.running))
         return req
+
+    def recompute(self, req: Request) -> bool:
+        """A step could not read one of its blocks: drop the request's sequence (its
+        verified full blocks stay in the prefix cache; a checked hit never serves a
+        bad block) and queue it first, to compute again what is missing from its
+        prompt and output so far. False after MAX_RECOMPUTES (the caller ends it)."""
+        if req.recomputes >= MAX_RECOMPUTES:
+            return False
+        req.recomputes += 1
+        self.metrics.recomputes.inc()
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.preempted:
+            self.preempted.remove(req)
+        if req.seq_id is not None and self.store.has_sequence(req.seq_id):
+            self.store.free(req.seq_id)
+        req.seq_id, req.computed = None, 0
+        self.reserved -= req.reserve
+        req.reserve = 0
+        self.waiting.appendleft(req)
+        return True
 
     def requests_admitted(self) -> bool:
         return bool(self.running or self.preempted)
