@@ -34,6 +34,19 @@ FAMILIES = {
     ),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+    # learned attention sinks (s_aux), sliding and full layers, a mixture of experts
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        {
+            "head_dim": 16,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
     "gemma2": (
         transformers.Gemma2Config,
         transformers.Gemma2ForCausalLM,
@@ -45,6 +58,12 @@ FAMILIES = {
         },
     ),
 }
+
+
+def reference_attn(family: str) -> str:
+    """transformers' attention for the DynamicCache reference: Gemma-2 soft-caps logits,
+    which its sdpa path does not support, and GPT-OSS has no sdpa path at all."""
+    return "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
 
 
 def tiny_model(family: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:

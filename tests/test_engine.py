@@ -11,20 +11,16 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_models import tiny_model
+from hf_models import reference_attn, tiny_model
 from kvstrata.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from kvstrata.errors import ConfigError
 
 BS = 16
 
 
-def _attn(family: str) -> str:
-    return "eager" if family == "gemma2" else "sdpa"  # gemma2 has no sdpa path
-
-
 def reference(family: str, prompt: list[int], max_new: int) -> list[int]:
     """Greedy tokens of transformers' own generate with a DynamicCache (fp32)."""
-    model = tiny_model(family, attn=_attn(family))
+    model = tiny_model(family, attn=reference_attn(family))
     ids = torch.tensor([prompt])
     out = model.generate(
         ids, max_new_tokens=max_new, do_sample=False, cache=DynamicCache(config=model.config)
@@ -47,21 +43,24 @@ def wait_until(cond, timeout: float = 30.0) -> bool:
     return cond()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen2", "gpt_oss"])
 def test_concurrent_requests_equal_solo_and_dynamic_cache(family):
     ps = prompts(8)
     lengths = [12, 20, 7, 25, 30, 5, 18, 10]
     params = [SamplingParams(max_tokens=m) for m in lengths]
     with Engine(
-        tiny_model(family, attn=_attn(family)),
+        tiny_model(family, attn=reference_attn(family)),
         block_size=BS,
         host_budget="8MiB",
         device_budget="64KiB",
         config=EngineConfig(max_batched_tokens=48, preemption="off"),
     ) as engine:
         together = engine.generate(ps, params)
+        batched = engine.store.runtime.batched_decodes
         solo = [engine.generate([p], [sp])[0] for p, sp in zip(ps, params, strict=True)]
         stats = engine.stats()
+    # the decodes of a step were attended together in one native call (where it runs)
+    assert batched > 0 or not engine.store.runtime.native
     for i, (a, b) in enumerate(zip(together, solo, strict=True)):
         assert a.token_ids == b.token_ids, f"request {i}: batched != solo"
         assert a.finish_reason in ("length", "stop")
@@ -347,18 +346,21 @@ def test_an_unreadable_block_is_recomputed_never_served(monkeypatch):
     from kvstrata.runtime import AttentionRuntime
 
     ps, sp = prompts(3, seed=9), SamplingParams(max_tokens=12)
-    real = AttentionRuntime.attend
     calls = {"n": 0, "fail_at": None}
 
-    def attend(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["fail_at"] is not None and calls["n"] >= calls["fail_at"]:
-            if calls["fail_at"] > 0:
-                calls["fail_at"] = None  # once
-            raise BlockCorruptError("injected: checksum mismatch")
-        return real(self, *args, **kwargs)
+    def failing(real):  # one attention (alone or batched decodes) reads a bad block
+        def attend(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["fail_at"] is not None and calls["n"] >= calls["fail_at"]:
+                if calls["fail_at"] > 0:
+                    calls["fail_at"] = None  # once
+                raise BlockCorruptError("injected: checksum mismatch")
+            return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(AttentionRuntime, "attend", attend)
+        return attend
+
+    for name in ("attend", "decode_batch"):
+        monkeypatch.setattr(AttentionRuntime, name, failing(getattr(AttentionRuntime, name)))
     kwargs = dict(block_size=BS, device_budget="64KiB", host_budget="8MiB")
     with Engine(tiny_model("llama"), **kwargs) as engine:
         want = engine.generate(ps, sp)

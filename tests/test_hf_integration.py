@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import kvstrata
-from hf_models import FAMILIES, tiny_model
+from hf_models import FAMILIES, reference_attn, tiny_model
 from kvstrata.integrations.hf import TieredCache, enable
 
 PROMPT_LEN = 1024
@@ -69,11 +69,6 @@ def _prompt(seed: int = 1, length: int = PROMPT_LEN, batch: int = 1) -> torch.Te
     return torch.randint(3, 97, (batch, length), generator=g)
 
 
-def _reference_attn(family: str) -> str:
-    # Gemma-2 soft-caps logits, which transformers' sdpa path does not support.
-    return "eager" if family == "gemma2" else "sdpa"
-
-
 def _greedy(model, ids, cache, n=NEW_TOKENS, **kw):
     return model.generate(
         ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw
@@ -84,7 +79,7 @@ def _greedy(model, ids, cache, n=NEW_TOKENS, **kw):
 def references():
     out = {}
     for family in FAMILIES:
-        model = tiny_model(family, _reference_attn(family))
+        model = tiny_model(family, reference_attn(family))
         ids = _prompt()
         ref = _greedy(model, ids, DynamicCache(config=model.config), n=NEW_TOKENS)
         out[family] = (model, ids, ref)
@@ -136,7 +131,7 @@ def test_tokens_identical(family, placement, references, tmp_path):
         cache.native_attention = native
         out = _greedy(model, ids, cache)
     finally:
-        model.set_attn_implementation(_reference_attn(family))
+        model.set_attn_implementation(reference_attn(family))
     assert torch.equal(out, ref), (out != ref).nonzero()[:5].tolist()
     tiers = cache.stats()["tiers"]
     if placement != "device":
@@ -163,7 +158,7 @@ def test_block_sizes(family, block_size, references):
         )
         out = _greedy(model, ids, cache)
     finally:
-        model.set_attn_implementation(_reference_attn(family))
+        model.set_attn_implementation(reference_attn(family))
     assert torch.equal(out, ref)
 
 

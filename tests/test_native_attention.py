@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from kvstrata.attention import (
     encoded_field,
     merge_all,
     native_attention,
+    native_attention_batch,
     partial_attention,
     raw_field,
 )
@@ -204,6 +206,46 @@ def test_merges_with_torch_partials(threads):
     nat = native_attention(q, [(1000, raw_field(k[:, :1000]), raw_field(v[:, :1000]))], 64, 0.125)
     out, _ = merge_all([nat, partial_attention(q, k[:, 1000:], v[:, 1000:], 0.125)])
     _close(out, want, 1e-5)
+
+
+def test_batched_decodes_equal_one_call_per_sequence(threads):
+    """S sequences in one `kv_attn_decode_batch` call get, bit for bit, what a call of
+    their own gives them: lengths from 1 to several splits, raw and int8 parts,
+    soft-capping; a sequence with no parts gets lse -inf."""
+    import ctypes
+
+    from kvstrata.formats import PartDesc
+
+    codec, enc, k8, v8 = _encoded("int8", 64, 8, 64, seed=3)
+    fmt = codec.attend_format("k", BlockLayout(1, 2, 64, 64))
+
+    def int8_part(a: int, b: int) -> tuple:
+        f = [encoded_field(fmt, enc[x]["data"][0], enc[x]["scale"][0], None, a) for x in "kv"]
+        return (b - a, *f)
+
+    g = torch.Generator().manual_seed(11)
+    raws = [(torch.randn(2, n, 64, generator=g), torch.randn(2, n, 64, generator=g)) for n in
+            (1, 700, 3000, 37)]  # fmt: skip
+    seqs = [
+        [(1, raw_field(raws[0][0]), raw_field(raws[0][1]))],
+        [int8_part(0, 300), (700, raw_field(raws[1][0]), raw_field(raws[1][1]))],
+        [(3000, raw_field(raws[2][0]), raw_field(raws[2][1])), int8_part(64, 512)],
+        [int8_part(5, 6)],
+        [(37, raw_field(raws[3][0]), raw_field(raws[3][1]))],
+    ]
+    q = torch.randn(len(seqs), 2, 3, 64, generator=g)
+    for softcap in (None, 4.0):
+        arrays = [(PartDesc * len(p))(*p) for p in seqs]
+        descs = np.array([ctypes.addressof(a) for a in arrays], dtype=np.uint64)
+        nparts = np.array([len(p) for p in seqs], dtype=np.intc)
+        out, lse = native_attention_batch(q, descs, nparts, 64, 0.125, softcap)
+        solo = [native_attention(q[i], parts, 64, 0.125, softcap) for i, parts in enumerate(seqs)]
+        for i, (want, want_lse) in enumerate(solo):
+            assert torch.equal(out[i], want) and torch.equal(lse[i], want_lse), i
+        nparts[1] = 0  # an empty sequence: no key at all; the others are unchanged
+        out, lse = native_attention_batch(q, descs, nparts, 64, 0.125, softcap)
+        assert torch.isneginf(lse[1]).all()
+        assert all(torch.equal(out[i], solo[i][0]) for i in (0, 2, 3, 4))
 
 
 # -- through TieredCache --------------------------------------------------------------------

@@ -78,6 +78,12 @@ for _name in ("int8", "int4v", "int4k", "fp8"):
 # nparts, parts (kv_part array), q, out, lse, H, M, D, Dv, scale, softcap, threads
 _parts = ctypes.POINTER(PartDesc)
 _SIGNATURES["kv_attn_decode"] = ([_ci, _parts, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
+# S, nparts (int per sequence), parts (kv_part array address per sequence), q, out, lse,
+# H, M, D, Dv, scale, softcap, threads
+_SIGNATURES["kv_attn_decode_batch"] = (
+    [_ci, _vp, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci],
+    _ci,
+)
 _SIGNATURES["kv_abi_layout"] = ([ctypes.POINTER(_i64), _ci], _ci)
 _SIGNATURES["kv_use_openmp"] = ([ctypes.c_char_p], _ci)
 _SIGNATURES["kv_pio_limit_call_bytes"] = ([_i64], None)

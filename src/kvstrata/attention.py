@@ -129,6 +129,39 @@ def native_attention_desc(
     return out.to(q.device, q.dtype), lse.to(q.device)
 
 
+def native_attention_batch(
+    q: torch.Tensor,
+    descs: np.ndarray,
+    nparts: np.ndarray,
+    dim_v: int,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of S sequences in one native call: q [S, Hkv, M, D] (packed
+    queries per sequence), sequence s over the `nparts[s]` parts of the `PartDesc`
+    array at address `descs[s]`. Each sequence gets the bits `native_attention_desc`
+    gives it alone.
+
+    Returns (out [S, Hkv, M, Dv] in q's dtype, lse [S, Hkv, M] fp32). The caller checks
+    the native library is available and M, D, Dv are within NATIVE_MAX_*."""
+    from kvstrata._native import load
+
+    lib = load()
+    num, hkv, m, d = q.shape
+    qf = q.detach().to("cpu", torch.float32).contiguous()
+    out = torch.empty((num, hkv, m, dim_v), dtype=torch.float32)
+    lse = torch.empty((num, hkv, m), dtype=torch.float32)
+    descs = np.ascontiguousarray(descs, dtype=np.uint64)
+    nparts = np.ascontiguousarray(nparts, dtype=np.intc)
+    rc = lib.kv_attn_decode_batch(
+        num, nparts.ctypes.data, descs.ctypes.data, qf.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native batched decode attention failed with status {rc}")
+    return out.to(q.device, q.dtype), lse.to(q.device)
+
+
 class LayerDescs:
     """The `PartDesc` arrays of every layer of a group, built once per step: the
     arenas are [layers, ...] tensors, so one layer's descriptors differ from the

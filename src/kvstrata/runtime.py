@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvstrata import _native
@@ -34,6 +35,7 @@ from kvstrata.attention import (
     masked_attention,
     merge_all,
     merge_sink,
+    native_attention_batch,
     native_attention_desc,
     pack_gqa,
     partial_attention,
@@ -95,6 +97,7 @@ class AttentionRuntime:
         self.step_tokens: dict[int, int] = {}  # new tokens per sequence this step
         self._plans: dict[tuple, Any] = {}  # this step's read plans and cold runs
         self._lone: bool | None = None  # one sequence in the store (this step)
+        self.batched_decodes = 0  # (sequence, layer) decodes attended by `decode_batch`
         # tiers whose raw arenas take token writes and zero-copy views directly
         self.arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
         self.local = {
@@ -339,6 +342,83 @@ class AttentionRuntime:
             )
         return parts
 
+    def _group_of(self, layer: int, sliding_window: int | None):
+        """The layer group of model layer `layer`, checked against the model's window."""
+        group = self.store.groups[self.store.layer_map[layer][0]]
+        if group.window is not None and sliding_window != group.window:
+            raise UnsupportedModelError(
+                f"layer {layer}: the model attends with sliding_window={sliding_window} but "
+                f"its config gives window {group.window}; the cache drops keys outside "
+                f"the configured window, so they must agree"
+            )
+        return group
+
+    def decode_batch(
+        self,
+        layer: int,
+        seq_ids: list[int],
+        q: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Decode attention of several sequences (one new token each, already stored)
+        in one native call, q [S, Hq, D] in `seq_ids` order.
+
+        Only sequences whose keys the native kernel reads entirely in place take part
+        (no staged or device-arena piece): returns (the indices into `seq_ids` done,
+        their outputs [len(done), Hq, Dv]); the caller attends the others one by one
+        (`attend`). The descriptor addresses are gathered once per step and group."""
+        self._group_of(layer, sliding_window)  # the window check
+        num, hq, _ = q.shape
+        hkv = self.layout.num_kv_heads
+        rows = hq // hkv
+        if not self.native or rows > NATIVE_MAX_ROWS or num < 2:
+            return [], None
+        gi, local = self.store.layer_map[layer]
+        key = ("batch", gi, tuple(seq_ids))
+        batch = self._plans.get(key)
+        if batch is None or any(self.manager.runs((sid, gi)) is not runs for sid, runs in batch[3]):
+            done, descs, strides, nparts, runs_of = [], [], [], [], []
+            for i, sid in enumerate(seq_ids):
+                total = self.store.num_tokens(sid)
+                if self.step_tokens.get(sid) != 1:
+                    continue
+                start = total - sliding_window if sliding_window and sliding_window < total else 0
+                plan = self._read_plan(gi, sid, start, total, native=True)
+                if plan.pieces or plan.native is None:
+                    continue
+                done.append(i)
+                descs.append(plan.native.at(0))
+                strides.append(plan.native.at(1) - plan.native.at(0))
+                nparts.append(plan.native.num_parts)
+                runs_of.append((sid, plan.runs))
+            batch = self._plans[key] = (
+                done,
+                (np.array(descs, dtype=np.uint64), np.array(strides, dtype=np.uint64)),
+                np.array(nparts, dtype=np.intc),
+                runs_of,
+            )
+        done, (base, stride), nparts, _ = batch
+        if len(done) < 2:
+            return [], None
+        qd = q[done] if len(done) < num else q
+        out, lse = native_attention_batch(
+            qd.reshape(len(done), hkv, rows, -1),
+            base + stride * np.uint64(local),
+            nparts,
+            self.layout.dim_v,
+            scale,
+            softcap,
+        )
+        self.batched_decodes += len(done)
+        out = out.reshape(len(done), hq, -1)
+        if sinks is not None:
+            merged = merge_sink((out.transpose(0, 1), lse.reshape(len(done), hq).T), sinks)
+            out = merged.transpose(0, 1)
+        return done, out
+
     def attend(
         self,
         layer: int,
@@ -356,13 +436,7 @@ class AttentionRuntime:
         model layer `layer`.
 
         Returns [Hq, Q, Dv]."""
-        group = self.store.groups[self.store.layer_map[layer][0]]
-        if group.window is not None and sliding_window != group.window:
-            raise UnsupportedModelError(
-                f"layer {layer}: the model attends with sliding_window={sliding_window} but "
-                f"its config gives window {group.window}; the cache drops keys outside "
-                f"the configured window, so they must agree"
-            )
+        group = self._group_of(layer, sliding_window)
         num_q, total = q.shape[1], self.store.num_tokens(seq_id)
         past = total - num_q
         hkv, hq = self.layout.num_kv_heads, q.shape[0]

@@ -66,6 +66,8 @@ class StepCache(Cache):
         self.counts: list[int] = []
         self.token_ids: list[list[int]] = []
         self.bounds: list[tuple[int, int]] = []
+        self.decodes: list[int] = []
+        self.decode_rows = torch.empty(0, dtype=torch.long)
         self._writes: list[list[tuple]] = []
 
     def begin(self, seq_ids: list[int], counts: list[int], token_ids: list[list[int]]) -> None:
@@ -74,6 +76,9 @@ class StepCache(Cache):
         for n in counts:
             ends.append(ends[-1] + n)
         self.bounds = list(zip(ends[:-1], ends[1:], strict=True))
+        # sequences bringing one token (decodes): attended together where possible
+        self.decodes = [i for i, n in enumerate(counts) if n == 1]
+        self.decode_rows = torch.tensor([ends[i] for i in self.decodes], dtype=torch.long)
 
     # -- transformers Cache API --------------------------------------------------------------
     def update(
@@ -114,7 +119,24 @@ class StepCache(Cache):
         scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
         out = query.new_empty((1, total, hq, kv.new_v.shape[-1]))
         layer = kv.layer_idx
-        for seq_id, (s, e) in zip(self.seq_ids, self.bounds, strict=True):
+        batched: set[int] = set()
+        if len(self.decodes) > 1:  # the decodes that the native kernel reads in place
+            done, o = runtime.decode_batch(
+                layer,
+                [self.seq_ids[i] for i in self.decodes],
+                query[0, :, self.decode_rows].transpose(0, 1),
+                scale,
+                sliding_window,
+                softcap,
+                sinks,
+            )
+            if done:
+                rows = self.decode_rows[done] if len(done) < len(self.decodes) else self.decode_rows
+                out[0, rows] = o.to(out.dtype)
+                batched = {self.decodes[i] for i in done}
+        for i, (seq_id, (s, e)) in enumerate(zip(self.seq_ids, self.bounds, strict=True)):
+            if i in batched:
+                continue
             o = runtime.attend(
                 layer,
                 seq_id,

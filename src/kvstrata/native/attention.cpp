@@ -322,48 +322,24 @@ static int check_field(const kv_field &F, i64 dim) {
   return -2;
 }
 
-extern "C" int kv_attn_decode(int nparts, const kv_part *parts, const float *q, float *out,
-                              float *lse, i64 H, i64 M, i64 D, i64 Dv, float scale, float softcap,
-                              int nth) {
-  if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1) return -1;
-  for (int p = 0; p < nparts; p++) {
-    if (int rc = check_field(parts[p].k, D)) return rc;
-    if (int rc = check_field(parts[p].v, Dv)) return rc;
-  }
-  init_e4m3();
-  Job J{nparts, parts, q, H, M, D, Dv, scale, softcap};
-  i64 total = 0;
-  for (int p = 0; p < nparts; p++) total += parts[p].tokens;
-  // Work items: heads x token splits, about 4 per thread (a worker that wakes late
-  // finds work left), each >= 512 tokens; taken dynamically.
-  i64 splits = 1;
-  if (nth > 1) splits = std::min<i64>((4 * nth + H - 1) / H, std::max<i64>(1, total / 512));
-  i64 items = H * splits, chunk = (total + splits - 1) / splits;
-  std::vector<State> states((size_t)items);
-  auto run = [&](i64 i0, i64 i1) {
-    for (i64 i = i0; i < i1; i++) {
-      i64 h = i / splits, sp = i % splits;
-      attend_range(J, h, sp * chunk, std::min(total, (sp + 1) * chunk), states[(size_t)i]);
-    }
-  };
-  int workers = (int)std::min<i64>(nth, items);
-  if (total * H * D < (1 << 14)) workers = 1;
-  std::atomic<i64> next{0};
-  std::atomic<bool> failed{false};
-  parallel(workers, [&](int) {
-    try {
-      for (i64 i = next++; i < items; i = next++) run(i, i + 1);
-    } catch (...) {  // out of memory: report, never unwind through OpenMP
-      failed = true;
-    }
-  });
-  if (failed) return -4;
+// How many token splits the work of one call's heads gets: about 4 items per thread
+// (a worker that wakes late finds work left), each >= 512 tokens. A sequence's splits
+// depend only on its own tokens, so a batched call gives each sequence the bits a
+// call of its own gives it.
+static i64 num_splits(int nth, i64 H, i64 total) {
+  if (nth <= 1) return 1;
+  return std::min<i64>((4 * nth + H - 1) / H, std::max<i64>(1, total / 512));
+}
+
+// Merge the `splits` states of each head (states[h * splits + sp]) into out / lse.
+static void merge_splits(const State *states, i64 splits, i64 H, i64 M, i64 Dv, float *out,
+                         float *lse) {
   for (i64 h = 0; h < H; h++) {
     for (i64 m = 0; m < M; m++) {
       float mx = -INFINITY;
       bool nan = false;
       for (i64 sp = 0; sp < splits; sp++) {
-        float v = states[(size_t)(h * splits + sp)].m[m];
+        float v = states[h * splits + sp].m[m];
         nan |= v != v;
         mx = std::max(mx, v);
       }
@@ -379,7 +355,7 @@ extern "C" int kv_attn_decode(int nparts, const kv_part *parts, const float *q, 
       }
       float l = 0;
       for (i64 sp = 0; sp < splits; sp++) {
-        const State &st = states[(size_t)(h * splits + sp)];
+        const State &st = states[h * splits + sp];
         if (st.m[m] == -INFINITY) continue;
         float w = std::exp(st.m[m] - mx);
         l += st.l[m] * w;
@@ -390,7 +366,72 @@ extern "C" int kv_attn_decode(int nparts, const kv_part *parts, const float *q, 
       lse[h * M + m] = mx + std::log(l);
     }
   }
+}
+
+// Decode attention of S sequences in one call: sequence s's packed queries
+// q[s] ([H, M, D]) over its own `nparts[s]` parts at `parts[s]`, into out[s]
+// ([H, M, Dv]) and lse[s] ([H, M]). The work items of every sequence (heads x its
+// token splits) share one parallel region, so a step of many short decodes costs one
+// thread wake-up instead of one per sequence and layer.
+extern "C" int kv_attn_decode_batch(int S, const int *nparts, const kv_part *const *parts,
+                                    const float *q, float *out, float *lse, i64 H, i64 M, i64 D,
+                                    i64 Dv, float scale, float softcap, int nth) {
+  if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1 || S < 0)
+    return -1;
+  for (int s = 0; s < S; s++) {
+    if (nparts[s] < 0) return -1;
+    for (int p = 0; p < nparts[s]; p++) {
+      if (int rc = check_field(parts[s][p].k, D)) return rc;
+      if (int rc = check_field(parts[s][p].v, Dv)) return rc;
+    }
+  }
+  init_e4m3();
+  std::vector<Job> jobs;
+  std::vector<i64> totals((size_t)S), splits((size_t)S), chunks((size_t)S), first((size_t)S + 1);
+  jobs.reserve((size_t)S);
+  first[0] = 0;
+  i64 work = 0;
+  for (int s = 0; s < S; s++) {
+    jobs.push_back(Job{nparts[s], parts[s], q + s * H * M * D, H, M, D, Dv, scale, softcap});
+    i64 total = 0;
+    for (int p = 0; p < nparts[s]; p++) total += parts[s][p].tokens;
+    totals[s] = total;
+    splits[s] = num_splits(nth, H, total);
+    chunks[s] = (total + splits[s] - 1) / splits[s];
+    first[s + 1] = first[s] + H * splits[s];
+    work += total * H * D;
+  }
+  const i64 items = first[(size_t)S];
+  std::vector<State> states((size_t)items);
+  auto run = [&](i64 i) {
+    // the sequence of item i: the last s with first[s] <= i
+    i64 s = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    i64 j = i - first[s], sp = j % splits[s], h = j / splits[s];
+    attend_range(jobs[s], h, sp * chunks[s], std::min(totals[s], (sp + 1) * chunks[s]),
+                 states[(size_t)i]);
+  };
+  int workers = (int)std::min<i64>(nth, items);
+  if (work < (1 << 14)) workers = 1;
+  std::atomic<i64> next{0};
+  std::atomic<bool> failed{false};
+  parallel(workers, [&](int) {
+    try {
+      for (i64 i = next++; i < items; i = next++) run(i);
+    } catch (...) {  // out of memory: report, never unwind through OpenMP
+      failed = true;
+    }
+  });
+  if (failed) return -4;
+  for (int s = 0; s < S; s++)
+    merge_splits(states.data() + first[s], splits[s], H, M, Dv, out + s * H * M * Dv,
+                 lse + s * H * M);
   return 0;
+}
+
+extern "C" int kv_attn_decode(int nparts, const kv_part *parts, const float *q, float *out,
+                              float *lse, i64 H, i64 M, i64 D, i64 Dv, float scale, float softcap,
+                              int nth) {
+  return kv_attn_decode_batch(1, &nparts, &parts, q, out, lse, H, M, D, Dv, scale, softcap, nth);
 }
 
 // The layout the compiler gave the shared structs (common.h), for the test that checks
