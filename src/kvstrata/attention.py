@@ -197,6 +197,11 @@ class LayerDescs:
         """Address of the `PartDesc` array of local layer `layer`."""
         return self._addr + layer * self._stride
 
+    def set_tokens(self, part: int, tokens: int) -> None:
+        """Set part `part`'s token count in every layer's array (a run that grew)."""
+        per_part = ctypes.sizeof(PartDesc) // 8
+        self._bufs[:, part * per_part + PartDesc.tokens.offset // 8] = tokens
+
 
 def pack_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[Hq, Q, D] -> [Hkv, R*Q, D] (query head h uses kv head h // R, as repeat_kv)."""
@@ -229,6 +234,10 @@ def partial_attention(
     if softcap is None and q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
         out, lse = _flash_cpu(q[None], k[None], v[None], 0.0, False, scale=scale)
         return out[0], lse[0]
+    if q.device.type == "cuda":  # an LSE-returning GPU kernel (kvstrata.device_attention)
+        from kvstrata.device_attention import lse_attention
+
+        return lse_attention(q, k, v, scale, softcap)
     return _math_attention(q, k, v, scale, None, softcap)
 
 

@@ -97,6 +97,10 @@ class AttentionRuntime:
         self.step_tokens: dict[int, int] = {}  # new tokens per sequence this step
         self._plans: dict[tuple, Any] = {}  # this step's read plans and cold runs
         self._lone: bool | None = None  # one sequence in the store (this step)
+        # the last read plan of each (group, sequence, native), with its step number and
+        # bounds: the next step patches it when only the sequence's last run grew
+        self._last: dict[tuple, tuple[int, int, int, ReadPlan]] = {}
+        self._step_no = 0
         self.batched_decodes = 0  # (sequence, layer) decodes attended by `decode_batch`
         # tiers whose raw arenas take token writes and zero-copy views directly
         self.arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
@@ -167,6 +171,9 @@ class AttentionRuntime:
         self.step_tokens = num_new
         self._plans.clear()
         self._lone = None
+        self._step_no += 1
+        if len(self._last) > 4 * max(1, len(num_new)):  # sequences that left: forget them
+            self._last = {k: v for k, v in self._last.items() if k[1] in num_new}
 
     def _read_plan(self, group: int, seq_id: int, start: int, end: int, native: bool) -> ReadPlan:
         """What reading keys [start, end) of a sequence in a layer group takes, built
@@ -176,6 +183,52 @@ class AttentionRuntime:
         plan = self._plans.get(key)
         if plan is not None and plan.runs is runs:
             return plan
+        plan = self._grown_plan(group, seq_id, start, end, native, runs)
+        if plan is None:
+            plan = self._build_plan(group, start, end, native, runs)
+        self._plans[key] = plan
+        self._last[(group, seq_id, native)] = (self._step_no, start, end, plan)
+        return plan
+
+    def _grown_plan(
+        self, group: int, seq_id: int, start: int, end: int, native: bool, runs: list[Run]
+    ) -> ReadPlan | None:
+        """The sequence's plan of an earlier step with its last part's token count
+        raised, when that is all that changed (a decode step that stayed in the last
+        block's run, read natively): no descriptor is rebuilt. Else None."""
+        last = self._last.get((group, seq_id, native))
+        if last is None or not runs:
+            return None
+        step_no, p_start, p_end, prev = last
+        old = prev.runs
+        if (
+            step_no == self._step_no  # patching in place: never a plan of this step
+            or p_start != start
+            or end < p_end
+            or prev.native is None
+            or len(old) != len(runs)
+        ):
+            return None
+        tail, o_tail = runs[-1], old[-1]
+        if (
+            tail.tier not in self.native
+            or (tail.tier, tail.first_slot, tail.token_start)
+            != (o_tail.tier, o_tail.first_slot, o_tail.token_start)
+            or old[-2::-1] != runs[-2::-1]
+            or (len(old) > 1 and old[-2].token_start + old[-2].num_tokens > p_end)
+        ):
+            return None
+        lo = max(start, tail.token_start)
+        if lo >= min(p_end, o_tail.token_start + o_tail.num_tokens):
+            return None  # the tail had no part last step
+        prev.native.set_tokens(
+            prev.native.num_parts - 1, min(end, tail.token_start + tail.num_tokens) - lo
+        )
+        return ReadPlan(runs, prev.pieces, prev.native, prev.has_staged)
+
+    def _build_plan(
+        self, group: int, start: int, end: int, native: bool, runs: list[Run]
+    ) -> ReadPlan:
         layers = len(self.store.groups[group].layers)
         pieces: list[tuple[bool, Run, int, int]] = []
         first: list[tuple] = []
@@ -193,8 +246,7 @@ class AttentionRuntime:
                 pieces.append((run.tier not in self.local, run, lo, hi))
         descs = LayerDescs(first, second if layers > 1 else None, layers) if first else None
         has_staged = any(staged for staged, *_ in pieces)
-        plan = self._plans[key] = ReadPlan(runs, pieces, descs, has_staged)
-        return plan
+        return ReadPlan(runs, pieces, descs, has_staged)
 
     def _parts(self, layer: int, plan: ReadPlan, seq_id: int):
         """(k, v) parts of a read plan's non-native pieces for model layer `layer`, in
