@@ -313,3 +313,34 @@ def test_layer_descs_equal_descriptors_built_per_layer() -> None:
     for layer in range(layers):
         want = bytes((PartDesc * 2)(*parts(layer)))
         assert ctypes.string_at(descs.at(layer), size) == want
+
+
+@pytest.mark.parametrize("host_codec", ["none", "int8"])
+def test_patched_read_plans_equal_rebuilt_ones(monkeypatch, host_codec):
+    """A decode step that only grows a sequence's last run patches last step's plan;
+    every patched plan must equal, byte for byte, the plan built from scratch — over
+    steps that cross block boundaries and spill blocks to the host tier."""
+    from kvstrata.runtime import AttentionRuntime
+
+    real = AttentionRuntime._grown_plan
+    checked = []
+
+    def grown(self, group, seq_id, start, end, native, runs):
+        plan = real(self, group, seq_id, start, end, native, runs)
+        if plan is not None:
+            fresh = self._build_plan(group, start, end, native, runs)
+            assert plan.pieces == fresh.pieces and plan.runs is runs
+            assert plan.native.num_parts == fresh.native.num_parts
+            assert np.array_equal(plan.native._bufs, fresh.native._bufs), (seq_id, end)
+            checked.append(end)
+        return plan
+
+    monkeypatch.setattr(AttentionRuntime, "_grown_plan", grown)
+    size = dict(hidden_size=256, intermediate_size=512, initializer_range=0.05)
+    model = enable(tiny_model("llama", **size))
+    ids = torch.randint(3, 97, (1, 700), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_tokens=1024, device_budget="512KiB", host_budget="4MiB", host_codec=host_codec)
+    if host_codec != "none":
+        kw["residual_tokens"] = 64
+    _decode_logits(model, ids, 100, True, **kw)
+    assert len(checked) > 50, "decode steps should mostly patch their plans"
