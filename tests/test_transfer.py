@@ -90,6 +90,43 @@ def test_stats_overlap_ratio_and_dict():
     assert d["overlap_ratio"] == 0.75 and d["bytes_per_link"] == {"a": 10}
 
 
+def test_hidden_fraction_counts_waits_that_found_their_transfer_done():
+    gate = threading.Event()
+    with TransferEngine(max_workers=1) as engine:
+        done = engine.submit(lambda: 1, link="l", nbytes=1)
+        while not done.done():
+            time.sleep(0.001)
+        engine.wait(done)  # already over: hidden
+        blocked = engine.submit(gate.wait, link="l", nbytes=1)
+        threading.Timer(0.05, gate.set).start()
+        engine.wait(blocked)  # not over yet: stalled
+        stats = engine.stats
+    assert (stats.num_waits, stats.num_stalled) == (2, 1)
+    assert stats.hidden_fraction == 0.5
+    assert stats.as_dict()["hidden_fraction"] == 0.5 and stats.as_dict()["num_stalled"] == 1
+    assert TransferStats().hidden_fraction == 1.0
+
+
+def test_account_and_stats_hooks():
+    """Transfers timed elsewhere (device events) are accounted; hooks run before every
+    snapshot and reset, e.g. to resolve pending device timings."""
+    calls = []
+    with TransferEngine() as engine:
+        engine.add_stats_hook(lambda: calls.append(1))
+        engine.account("host->device", 100, 0.5, stall_s=0.25)
+        engine.account("host->device", 50, 0.5)  # hidden
+        engine.account("disk->host", 10, 0.1, waited=False)  # a prefetch never used
+        s = engine.stats
+        assert len(calls) == 1
+        engine.reset_stats()
+        assert len(calls) == 2 and engine.stats.num_transfers == 0
+    assert s.bytes_per_link == {"host->device": 150, "disk->host": 10}
+    assert s.seconds_per_link == {"host->device": 1.0, "disk->host": 0.1}
+    assert (s.num_transfers, s.num_waits, s.num_stalled) == (3, 2, 1)
+    assert s.stall_s == 0.25 and s.hidden_fraction == 0.5
+    assert s.overlap_ratio == pytest.approx(1 - 0.25 / 1.1)
+
+
 def test_prefetcher_loads_next_item_while_current_is_consumed():
     n = 5
     started = [threading.Event() for _ in range(n)]
@@ -141,4 +178,6 @@ def test_cuda_side_stream_copy():
         engine.wait(engine.copy(dst, src, link="h2d"))
         dst.mul_(2)  # on the current stream, after the copy
         engine.wait(engine.copy(back, dst, link="d2h"))
+        directions = sorted(direction for _, direction in engine._streams)
     assert torch.equal(back, src * 2)
+    assert directions == ["d2h", "h2d"]  # one side stream per direction

@@ -6,8 +6,14 @@
     ... compute layer l ...                 (bytes / bandwidth + latency)
     engine.wait(f)  ◄── blocked time = stall
 
-`TransferStats` keeps bytes and copy seconds per link, the total stall, and the
-overlap ratio 1 - stall / transfer time (1.0 = every transfer hidden behind compute).
+`TransferStats` keeps bytes and copy seconds per link, the total stall, the overlap
+ratio 1 - stall / transfer time (1.0 = every transfer hidden behind compute) and the
+hidden fraction: the share of waits whose transfer had already finished. Transfers
+that run on a device's copy stream rather than a worker (the CUDA staging path, see
+`kvstrata.staging`) are timed with device events and reported through `account`.
+
+With CUDA, `copy` runs device copies on one side stream per direction (h2d, d2h,
+d2d) of each device, ordered after the caller's stream with an event.
 
 A `LinkModel` makes a copy take at least as long as it would on a given link (the
 presets are `kvstrata.hardware.LINKS`), so the overlap machinery can be exercised and
@@ -28,6 +34,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from kvstrata.device_streams import copy_direction
 from kvstrata.errors import ConfigError
 from kvstrata.hardware import LINK_LATENCY_S, LINKS, lookup_preset
 
@@ -73,6 +80,15 @@ class TransferStats:
     num_transfers: int = 0
     num_waits: int = 0
     stall_s: float = 0.0
+    num_stalled: int = 0  # waits that found their transfer unfinished
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of waits whose transfer was already over (fully hidden behind
+        compute), in [0, 1]; 1.0 when nothing was waited for."""
+        if self.num_waits <= 0:
+            return 1.0
+        return 1.0 - min(self.num_stalled, self.num_waits) / self.num_waits
 
     @property
     def transfer_s(self) -> float:
@@ -95,8 +111,10 @@ class TransferStats:
             "num_transfers": self.num_transfers,
             "num_waits": self.num_waits,
             "stall_s": self.stall_s,
+            "num_stalled": self.num_stalled,
             "transfer_s": self.transfer_s,
             "overlap_ratio": self.overlap_ratio,
+            "hidden_fraction": self.hidden_fraction,
         }
 
 
@@ -127,7 +145,8 @@ class TransferEngine:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvstrata-xfer")
         self._lock = threading.Lock()
         self._stats = TransferStats()
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+        self._stats_hooks: list[Callable[[], None]] = []
 
     # -- submission -------------------------------------------------------------------
     def submit(self, fn: Callable[[], T], *, link: str, nbytes: int) -> Future[T]:
@@ -144,22 +163,40 @@ class TransferEngine:
         result = fn()
         if model is not None:
             _sleep_until(start + model.seconds(nbytes))
-        elapsed = time.perf_counter() - start
+        self.account(link, nbytes, time.perf_counter() - start, waited=False)
+        return result
+
+    def account(
+        self,
+        link: str,
+        nbytes: int,
+        seconds: float,
+        *,
+        stall_s: float = 0.0,
+        waited: bool = True,
+    ) -> None:
+        """Count a transfer that ran elsewhere (e.g. on a CUDA copy stream, timed with
+        events): `nbytes` over `link` in `seconds`; with `waited`, also the consumer's
+        wait for it, of which `stall_s` it was blocked (0 = the transfer was hidden)."""
         with self._lock:
             s = self._stats
             s.bytes_per_link[link] = s.bytes_per_link.get(link, 0) + nbytes
-            s.seconds_per_link[link] = s.seconds_per_link.get(link, 0.0) + elapsed
+            s.seconds_per_link[link] = s.seconds_per_link.get(link, 0.0) + seconds
             s.num_transfers += 1
-        return result
+            if waited:
+                s.num_waits += 1
+                s.stall_s += stall_s
+                s.num_stalled += stall_s > 0
 
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, *, link: str, nbytes: int | None = None
     ) -> Future[torch.Tensor]:
         """dst.copy_(src) as a transfer; the Future's result is `dst`.
 
-        With CUDA and a device tensor on either side, the copy runs on a side stream
-        that first waits for the caller's current stream (so `src` is ready), and the
-        Future completes when the copy has finished on the device.
+        With CUDA and a device tensor on either side, the copy runs on the side
+        stream of its direction (h2d, d2h, d2d; one per device) after waiting for the
+        caller's current stream (so `src` is ready), and the Future completes when the
+        copy has finished on the device. Pinned host memory makes it asynchronous.
         """
         if nbytes is None:
             nbytes = src.numel() * src.element_size()
@@ -173,9 +210,10 @@ class TransferEngine:
 
     def _cuda_copy_fn(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], torch.Tensor]:
         device = dst.device if dst.is_cuda else src.device
-        stream = self._streams.get(device.index or 0)
+        key = (device.index or 0, copy_direction(dst, src))
+        stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams.setdefault(device.index or 0, torch.cuda.Stream(device))
+            stream = self._streams.setdefault(key, torch.cuda.Stream(device))
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))  # in the caller's stream order
 
@@ -196,6 +234,7 @@ class TransferEngine:
     # -- waiting ----------------------------------------------------------------------
     def wait(self, future: Future[T]) -> T:
         """The future's result; the time the caller was blocked counts as stall."""
+        stalled = not future.done()
         start = time.perf_counter()
         try:
             return future.result()
@@ -204,15 +243,23 @@ class TransferEngine:
             with self._lock:
                 self._stats.stall_s += blocked
                 self._stats.num_waits += 1
+                self._stats.num_stalled += stalled
 
     def wait_all(self, futures: Sequence[Future[Any]]) -> list[Any]:
         """wait() on each future in order."""
         return [self.wait(f) for f in futures]
 
     # -- stats and lifecycle ----------------------------------------------------------
+    def add_stats_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` before every stats snapshot or reset: e.g. a stager resolving
+        its pending device timings into `account` (which may wait for the device)."""
+        self._stats_hooks.append(hook)
+
     @property
     def stats(self) -> TransferStats:
-        """A snapshot of the counters."""
+        """A snapshot of the counters (after the stats hooks ran)."""
+        for hook in self._stats_hooks:
+            hook()
         with self._lock:
             s = self._stats
             return TransferStats(
@@ -221,9 +268,12 @@ class TransferEngine:
                 s.num_transfers,
                 s.num_waits,
                 s.stall_s,
+                s.num_stalled,
             )
 
     def reset_stats(self) -> None:
+        for hook in self._stats_hooks:
+            hook()
         with self._lock:
             self._stats = TransferStats()
 

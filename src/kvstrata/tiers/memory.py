@@ -8,14 +8,31 @@ Each keeps, per kind (K/V) and codec field, one preallocated arena
 layer is a zero-copy `[Hkv, run_tokens, D]` view that attention kernels take as is.
 Reads and writes of arbitrary slot lists are one `index_select` / `index_copy_` per
 arena, never a Python loop per block.
+
+Pinned host arenas: with CUDA the host tier's arenas are page-locked once, at
+construction, so copies to and from the device are DMA transfers that run
+asynchronously on a copy stream (`non_blocking=True`) at the link's full rate. When
+the OS refuses to lock that much memory the tier falls back to pageable arenas
+(correct, but such copies are synchronous and slower) and says so in `pinned`.
+
+Writes from a GPU into a host tier: quantizing codecs encode where the data is (on
+the GPU: only the encoded bytes cross PCIe), and the copies into the arena run
+asynchronously on the caller's stream. A non-blocking copy to the host returns before
+the bytes have landed, so nothing on the CPU may read them until then: the tier
+records an event after such writes and its CPU-side reads wait for it (device-side
+readers are ordered on the stream: the stager's copy stream waits for the compute
+stream, see kvstrata.staging).
 """
 
 from __future__ import annotations
 
+import itertools
+import warnings
+
 import torch
 
 from kvstrata.codecs.base import Codec, NoneCodec
-from kvstrata.layout import KINDS, BlockLayout
+from kvstrata.layout import KINDS, BlockLayout, FieldSpec
 from kvstrata.slots import slot_runs
 from kvstrata.tiers.base import Encoded, Tier
 
@@ -46,19 +63,40 @@ class MemoryTier(Tier):
         codec = codec or NoneCodec()
         super().__init__(name, layout, num_slots, codec)
         self.device = torch.device(device)
-        self.pinned = pin_memory
         self.field_specs = {kind: codec.fields(kind, layout) for kind in KINDS}
         self.arenas: dict[str, torch.Tensor] = {}
+        self.pinned = pin_memory
+        self._device_write: torch.cuda.Event | None = None  # see _note_device_write
+        try:
+            self._allocate(num_slots, pin_memory)
+        except RuntimeError as err:
+            if not pin_memory:
+                raise
+            # cudaHostAlloc refused (locked-memory limit, or no driver): pageable arenas
+            # still work, only their device copies are synchronous.
+            warnings.warn(
+                f"{name} tier: could not pin {num_slots * self.block_bytes:,} bytes of host "
+                f"memory ({str(err).splitlines()[0]}); using pageable memory: transfers to "
+                "the device will be synchronous and slower",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.arenas.clear()
+            self.pinned = False
+            self._allocate(num_slots, False)
+        self.zero_copy = isinstance(codec, NoneCodec)
+        # Raw arenas for the `none` codec: attention and token writes go straight here.
+        self.k_arena = self.arenas["k.data"] if self.zero_copy else None
+        self.v_arena = self.arenas["v.data"] if self.zero_copy else None
+
+    def _allocate(self, num_slots: int, pin_memory: bool) -> None:
+        layout = self.layout
         for kind, specs in self.field_specs.items():
             for fname, spec in specs.items():
                 shape = (layout.num_layers, layout.num_kv_heads, num_slots * spec.rows, spec.cols)
                 self.arenas[f"{kind}.{fname}"] = torch.empty(
                     shape, dtype=spec.dtype, device=self.device, pin_memory=pin_memory
                 )
-        self.zero_copy = isinstance(codec, NoneCodec)
-        # Raw arenas for the `none` codec: attention and token writes go straight here.
-        self.k_arena = self.arenas["k.data"] if self.zero_copy else None
-        self.v_arena = self.arenas["v.data"] if self.zero_copy else None
 
     # -- index helpers -------------------------------------------------------------------
     def _rows_index(self, slots: list[int], rows: int) -> torch.Tensor:
@@ -80,23 +118,10 @@ class MemoryTier(Tier):
         n = len(slots)
         if n == 0:
             return
+        lead = (self.layout.num_layers, self.layout.num_kv_heads)
         for kind, raw in (("k", k), ("v", v)):
-            raw = raw.to(self.device, non_blocking=True)
-            specs = self.field_specs[kind]
-            if self.zero_copy:
-                self._scatter(f"{kind}.data", slots, specs["data"].rows, raw)
-                continue
-            enc = {
-                fname: torch.empty(
-                    (self.layout.num_layers, self.layout.num_kv_heads, n * spec.rows, spec.cols),
-                    dtype=spec.dtype,
-                    device=self.device,
-                )
-                for fname, spec in specs.items()
-            }
-            self.codec.encode(kind, raw, enc)
-            for fname, spec in specs.items():
-                self._scatter(f"{kind}.{fname}", slots, spec.rows, enc[fname])
+            for fname, spec, data in self._stored(kind, raw, lead):
+                self._scatter(f"{kind}.{fname}", slots, spec.rows, data)
         self.stats.blocks_written += n
         self.stats.bytes_written += n * self.block_bytes
 
@@ -105,24 +130,53 @@ class MemoryTier(Tier):
             return
         n = len(slots)
         for kind, raw in (("k", k), ("v", v)):
-            raw = raw.to(self.device, non_blocking=True)
-            specs = self.field_specs[kind]
-            if self.zero_copy:
-                enc = {"data": raw}
-            else:
-                enc = {
-                    fname: torch.empty(
-                        (self.layout.num_kv_heads, n * spec.rows, spec.cols),
-                        dtype=spec.dtype,
-                        device=self.device,
-                    )
-                    for fname, spec in specs.items()
-                }
-                self.codec.encode(kind, raw, enc)
-            for fname, spec in specs.items():
-                arena = _indexable(self.arenas[f"{kind}.{fname}"][layer])
-                arena.index_copy_(1, self._rows_index(slots, spec.rows), _indexable(enc[fname]))
+            for fname, spec, data in self._stored(kind, raw, (self.layout.num_kv_heads,)):
+                key = f"{kind}.{fname}"
+                if data.device != self.device:  # a GPU's data into a host arena
+                    self._scatter(key, slots, spec.rows, data, layer)
+                    continue
+                arena = _indexable(self.arenas[key][layer])
+                arena.index_copy_(1, self._rows_index(slots, spec.rows), _indexable(data))
         self.stats.bytes_written += n * self.block_bytes // self.layout.num_layers
+
+    def _stored(
+        self, kind: str, raw: torch.Tensor, lead: tuple[int, ...]
+    ) -> list[tuple[str, FieldSpec, torch.Tensor]]:
+        """(field, spec, tensor) of raw K or V [*lead, n*bs, D] as this tier stores it.
+
+        Encoded where the data is when that is a GPU (a host tier then receives the
+        encoded bytes), else on the tier's device. Data bound from a GPU to this
+        (host) tier stays on the GPU here: `_scatter` copies it into the arena."""
+        specs = self.field_specs[kind]
+        to_host = raw.is_cuda and self.device.type == "cpu"
+        if self.zero_copy:
+            data = raw if to_host else raw.to(self.device, non_blocking=True)
+            return [("data", specs["data"], data)]
+        where = raw.device if to_host else self.device
+        raw = raw.to(where, non_blocking=True)  # a no-op or host -> device: safe
+        blocks = raw.shape[-2] // self.layout.block_size
+        enc = {
+            fname: torch.empty(
+                (*lead, blocks * spec.rows, spec.cols), dtype=spec.dtype, device=where
+            )
+            for fname, spec in specs.items()
+        }
+        self.codec.encode(kind, raw, enc)
+        return [(fname, spec, enc[fname]) for fname, spec in specs.items()]
+
+    def _note_device_write(self, src: torch.Tensor) -> None:
+        """After copies from a GPU tensor into this host tier's arenas (asynchronous):
+        an event that CPU-side reads of the arenas wait for."""
+        if src.is_cuda and self.device.type == "cpu":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(src.device))
+            self._device_write = event
+
+    def _await_device_writes(self) -> None:
+        """Block until copies from a GPU into the arenas have landed (CPU readers)."""
+        event, self._device_write = self._device_write, None
+        if event is not None:
+            event.synchronize()
 
     def _copy_runs(
         self,
@@ -146,13 +200,23 @@ class MemoryTier(Tier):
         for j, first, count in runs:
             a = arena.narrow(dim, first * rows, count * rows)
             o = other.narrow(dim, j * rows, count * rows)
-            (a if into_arena else o).copy_(o if into_arena else a, non_blocking=True)
+            if into_arena:
+                copy_async(a, o)
+            else:
+                copy_async(o, a)
         return True
 
-    def _scatter(self, key: str, slots: list[int], rows: int, data: torch.Tensor) -> None:
-        if not self._copy_runs(key, slots, rows, data, into_arena=True):
+    def _scatter(
+        self, key: str, slots: list[int], rows: int, data: torch.Tensor, layer: int | None = None
+    ) -> None:
+        """Arena rows of `slots` (all layers, or one `layer`) <- data, from any device."""
+        if not self._copy_runs(key, slots, rows, data, layer, into_arena=True):
             idx = self._rows_index(slots, rows)
-            _indexable(self.arenas[key]).index_copy_(2, idx, _indexable(data))
+            arena = self.arenas[key] if layer is None else self.arenas[key][layer]
+            # .to() blocks for a device -> host copy: index_copy_ reads it at once
+            src = _indexable(data.to(self.device))
+            _indexable(arena).index_copy_(2 if layer is None else 1, idx, src)
+        self._note_device_write(data)
 
     def _gather(
         self, key: str, slots: list[int], rows: int, layer: int | None = None
@@ -189,6 +253,8 @@ class MemoryTier(Tier):
     ) -> None:
         if not slots:
             return
+        if k_out.device.type == "cpu" or not self.zero_copy:  # CPU-side reads or decode
+            self._await_device_writes()
         for kind, out in (("k", k_out), ("v", v_out)):
             if self.zero_copy:
                 self._copy_out(f"{kind}.data", slots, out, layer)
@@ -204,7 +270,26 @@ class MemoryTier(Tier):
         self.stats.blocks_read += n
         self.stats.bytes_read += n * self.block_bytes // frac
 
+    def read_layer_fields(self, layer: int, slots: list[int], outs: Encoded) -> None:
+        """One layer's stored fields of `slots`, as they are (still encoded), into
+        `outs[f"{kind}.{field}"]` [Hkv, n*rows, cols] on any device: one strided
+        non-blocking copy per run of consecutive slots. This is how quantized blocks
+        cross PCIe compressed, to be decoded on the device where they are used."""
+        if not slots:
+            return
+        if any(t.device.type == "cpu" for t in outs.values()):
+            self._await_device_writes()
+        for kind, specs in self.field_specs.items():
+            for fname, spec in specs.items():
+                key = f"{kind}.{fname}"
+                out = outs[key]
+                if not self._copy_runs(key, slots, spec.rows, out, layer):
+                    out.copy_(self._gather(key, slots, spec.rows, layer), non_blocking=True)
+        self.stats.blocks_read += len(slots)
+        self.stats.bytes_read += len(slots) * self.block_bytes // self.layout.num_layers
+
     def read_encoded(self, slots: list[int]) -> Encoded:
+        self._await_device_writes()
         out: Encoded = {}
         for kind, specs in self.field_specs.items():
             for fname, spec in specs.items():
@@ -218,9 +303,42 @@ class MemoryTier(Tier):
         for kind, specs in self.field_specs.items():
             for fname, spec in specs.items():
                 key = f"{kind}.{fname}"
-                self._scatter(key, slots, spec.rows, data[key].to(self.device, non_blocking=True))
+                src = data[key]
+                if not (src.is_cuda and self.device.type == "cpu"):  # see _stored
+                    src = src.to(self.device, non_blocking=True)
+                self._scatter(key, slots, spec.rows, src)
         self.stats.blocks_written += len(slots)
         self.stats.bytes_written += len(slots) * self.block_bytes
+
+
+def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src, non_blocking=True), with host -> device copies of strided views
+    split into their 2-D [rows, cols] slices (one per layer and head).
+
+    torch copies a non-contiguous CPU tensor to a GPU through a contiguous pageable
+    temporary: a CPU memcpy, then a transfer that blocks the host. A run of slots in
+    an arena is such a view (heads apart by the whole arena), but each head's rows are
+    contiguous, so slice by slice every copy is one asynchronous DMA from the pinned
+    arena (Hkv copies per field and run; still no Python loop per block)."""
+    if (
+        dst.device.type != "cpu"
+        and src.device.type == "cpu"
+        and dst.dim() > 2
+        and not (dst.is_contiguous() and src.is_contiguous())
+        and _rows_contiguous(dst)
+        and _rows_contiguous(src)
+    ):
+        for index in itertools.product(*map(range, dst.shape[:-2])):
+            dst[index].copy_(src[index], non_blocking=True)
+        return
+    dst.copy_(src, non_blocking=True)
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Each [rows, cols] slice of t is one contiguous block."""
+    return (t.stride(-1) == 1 or t.shape[-1] == 1) and (
+        t.stride(-2) == t.shape[-1] or t.shape[-2] == 1
+    )
 
 
 def _indexable(t: torch.Tensor) -> torch.Tensor:
