@@ -171,6 +171,8 @@ class Variant:
     make_cache: Callable[[], Any]
     results: list[Decoded]
     host_fraction: float | None = None
+    held: dict[str, int] | None = None  # bytes per tier of the last call's cache
+    stats: dict[str, Any] | None = None  # the last call's TieredCache.stats()
 
 
 def _variants(args: argparse.Namespace, sdpa: torch.nn.Module) -> list[Variant]:
@@ -210,6 +212,25 @@ def _variants(args: argparse.Namespace, sdpa: torch.nn.Module) -> list[Variant]:
     return [Variant(k, label, ctx, m, make, []) for k, label, ctx, m, make in specs]
 
 
+def held_bytes(cache: Any) -> dict[str, int]:
+    """KV bytes a cache holds: a TieredCache's used blocks x block bytes per tier and
+    its device staging buffer ("staging"), a DynamicCache's K/V tensors (all "device").
+
+    Returns:
+        tier name -> bytes ("device" first).
+    """
+    stats = cache.stats() if hasattr(cache, "stats") else None
+    if stats is None:
+        layers = getattr(cache, "layers", [])
+        held = sum(t.nbytes for layer in layers for t in (layer.keys, layer.values))
+        return {"device": int(held)}
+    if not stats.get("initialized"):
+        return {"device": 0}
+    held = {name: int(t["used_bytes"]) for name, t in stats["tiers"].items()}
+    held["staging"] = int(stats["staging_bytes"])
+    return held
+
+
 def _host_fraction(cache: Any) -> float | None:
     stats = cache.stats() if hasattr(cache, "stats") else None
     if not stats or not stats.get("initialized"):
@@ -217,6 +238,48 @@ def _host_fraction(cache: Any) -> float | None:
     used = {name: t["used_blocks"] for name, t in stats["tiers"].items()}
     total = sum(used.values())
     return used.get("host", 0) / total if total else None
+
+
+def time_variants(
+    variants: list[Variant],
+    prefilled: dict[int, Prefilled],
+    steps: int,
+    repeats: int,
+    threads: int,
+) -> tuple[dict[str, list[float]], str | None]:
+    """Time the decode loop of every variant, round-robin (the method of this module).
+
+    Per call: a fresh cache from `make_cache`, filled by `replay` (untimed), then
+    `steps` greedy steps (timed); the result, the cache's host fraction, bytes held
+    per tier and stats are kept on the variant; the cache is closed.
+
+    Args:
+        variants: the compared configurations (keys unique).
+        prefilled: context -> its exact prefill.
+        steps: timed decode steps per call.
+        repeats: timed rounds, after one warm-up round.
+        threads: torch threads (for the machine-load warning).
+
+    Returns:
+        (variant key -> the `repeats` measured seconds, the load warning or None).
+    """
+
+    def call(v: Variant) -> Callable[[], float]:
+        def once() -> float:
+            cache = replay(v.make_cache(), prefilled[v.context])
+            result = decode(v.model, cache, prefilled[v.context].first_token, steps)
+            v.results.append(result)
+            v.host_fraction = _host_fraction(cache)
+            v.held = held_bytes(cache)
+            v.stats = cache.stats() if hasattr(cache, "stats") else None
+            if hasattr(cache, "close"):
+                cache.close()
+            return result.seconds
+
+        return once
+
+    fns = {v.key: call(v) for v in variants}
+    return _timing.timed_with_load_check(fns, repeats, threads)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,19 +290,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sdpa = tiny_llama(args.layers, args.seed, initializer_range=args.init_range)
     pre = {ctx: prefill(sdpa, ctx, args.seed + 1) for ctx in sorted(set(args.contexts))}
     variants = _variants(args, sdpa)
-
-    def call(v: Variant) -> Callable[[], float]:
-        def once() -> float:
-            cache = replay(v.make_cache(), pre[v.context])
-            result = decode(v.model, cache, pre[v.context].first_token, args.steps)
-            v.results.append(result)
-            v.host_fraction = _host_fraction(cache)
-            return result.seconds
-
-        return once
-
-    fns = {v.key: call(v) for v in variants}
-    times, warning = _timing.timed_with_load_check(fns, args.repeats, args.threads)
+    times, warning = time_variants(variants, pre, args.steps, args.repeats, args.threads)
 
     reference = {v.context: v.results[0].tokens for v in variants if v.key in ("a", "e")}
     # "Identical tokens" proves nothing if the model ignores old context: decode once

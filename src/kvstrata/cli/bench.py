@@ -79,6 +79,8 @@ def _scenarios() -> dict[str, object]:
 def _run_all(args: argparse.Namespace) -> int:
     code = 0
     for name, module in _scenarios().items():
+        if not getattr(module, "IN_ALL", True):  # e.g. the report, which runs the others
+            continue
         print(f"\n=== kvstrata bench {name} ===")
         sub_args = argparse.Namespace(**vars(args))
         parser = argparse.ArgumentParser()

@@ -1,0 +1,177 @@
+"""`kvstrata plan` next to the measurement: for every cache the strategy and context
+sections ran, the planner's device / host / disk bytes and decode-step bound against
+the bytes the cache held and the step time measured.
+
+The planner is given this machine as it was measured: "device" bandwidth = a raw
+`copy_` in memory, host link = the host tier's read rate, disk link = the disk tier's
+read rate (bench tiers, page cache warm), memory = this machine's RAM. It applies one
+codec to every tier while the caches keep the device tier exact: it is asked once with
+codec "none" (the device bytes) and once with the lower tiers' codec (host / disk bytes,
+step bound). Bytes must agree to within one block per sequence per layer group; a
+step-time bound off by more than 2x is flagged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from kvstrata.report.session import Session
+
+STEP_TOLERANCE = 2.0  # measured / predicted outside [1/2, 2]: flagged
+
+
+def case(
+    section: str,
+    label: str,
+    geometry: dict[str, Any],
+    variant: Any,
+    cache_kwargs: dict[str, Any] | None,
+    step_s: float,
+) -> dict[str, Any]:
+    """What the planner needs about one measured cache, and what was measured.
+
+    Args:
+        section: the section that measured it.
+        label: the case's name.
+        geometry: `quality.geometry_of(model)`.
+        variant: the timed `kvstrata.bench.decode.Variant` (its last cache's bytes).
+        cache_kwargs: the TieredCache's CacheConfig fields; None for a DynamicCache.
+        step_s: median seconds per decode step.
+
+    Returns:
+        A JSON-able dict.
+    """
+    tokens = variant.context + len(variant.results[-1].tokens)
+    held = dict(variant.held or {})
+    kwargs = cache_kwargs or {}
+    stats = variant.stats or {}
+    block_bytes = {t: o["block_bytes"] for t, o in stats.get("tiers", {}).items()}
+    device_blocks = None
+    if cache_kwargs is not None:
+        device_blocks = kwargs["device_budget"] // block_bytes["device"]
+    return {
+        "section": section,
+        "case": label,
+        "geometry": geometry,
+        "tokens": tokens,
+        "tiered": cache_kwargs is not None,
+        "block_size": kwargs.get("block_size"),
+        "device_blocks": device_blocks,
+        "lower_codec": kwargs.get("host_codec", "none"),
+        "host_budget": kwargs.get("host_budget", 0),
+        "disk": kwargs.get("disk_dir") is not None,
+        "groups": len(stats.get("groups", [])) or 1,
+        "measured": {
+            "device": held.get("device", 0),
+            "host": held.get("host", 0),
+            "disk": held.get("disk", 0),
+            "staging": held.get("staging", 0),
+            "step_s": step_s,
+        },
+    }
+
+
+def _hardware(bandwidth: dict[str, float], host_memory: int) -> Any:
+    from kvstrata.hardware import GPUSpec, Hardware, LinkSpec, machine_ram
+
+    return Hardware(
+        gpu=GPUSpec("this machine (device tier = RAM)", machine_ram() or 2**40,
+                    bandwidth["device"]),
+        link=LinkSpec("host tier read (measured)", bandwidth["link"]),
+        disk=LinkSpec("disk tier read (measured)", bandwidth["disk"]),
+        host_memory=host_memory,
+    )  # fmt: skip
+
+
+def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int) -> dict:
+    """The planner's prediction for one case next to its measurement.
+
+    Args:
+        c: a `case()` dict.
+        bandwidth: bytes/s of "device", "link" and "disk" (see `system.bandwidths`).
+        block_size: block size for a DynamicCache case (its bytes do not depend on it).
+
+    Returns:
+        predicted / measured bytes per tier, the tolerance, step seconds and ratio.
+    """
+    from kvstrata.geometry import KVGeometry
+    from kvstrata.hardware import machine_ram
+    from kvstrata.planner import HOST_USABLE_FRACTION, Workload, plan
+
+    geometry = KVGeometry(
+        **{**c["geometry"], "sliding_layers": tuple(c["geometry"]["sliding_layers"])}
+    )
+    tokens, bs = c["tokens"], c["block_size"] or block_size
+    resident = 1.0
+    if c["tiered"]:
+        resident = min(1.0, c["device_blocks"] * bs / tokens)
+    host_memory = machine_ram()
+    if c["disk"]:  # the planner fills the host up to 80 % of its RAM, then the disk
+        host_memory = math.ceil(c["host_budget"] / HOST_USABLE_FRACTION)
+    hardware = _hardware(bandwidth, host_memory)
+    exact = Workload(context_tokens=tokens, block_size=bs, reserve_bytes=0,
+                     resident_fraction=resident)  # fmt: skip
+    on_device = plan(geometry, hardware, exact)
+    lower = c["lower_codec"]
+    below = on_device if lower == "none" else plan(geometry, hardware, replace(exact, codec=lower))
+    offloaded = resident < 1.0
+    predicted = {
+        "device": on_device.tiers.device_bytes,
+        "host": below.tiers.host_bytes if offloaded else 0,
+        "disk": below.tiers.disk_bytes if offloaded else 0,
+        "staging": on_device.tiers.staging_bytes,
+        "step_s": below.bounds.tiered_s if offloaded else on_device.bounds.all_on_gpu_s,
+    }
+    measured = c["measured"]
+    # one block per sequence (one here) per layer group: a group's block spans its
+    # layers, so one block of every group is block_size tokens of all layers
+    tolerance = {
+        tier: bs * geometry.bytes_per_token(codec, None, bs)
+        for tier, codec in (("device", "none"), ("host", lower), ("disk", lower))
+    }
+    within = {t: abs(predicted[t] - measured[t]) <= tolerance[t] for t in tolerance}
+    ratio = measured["step_s"] / predicted["step_s"]
+    return {
+        "section": c["section"],
+        "case": c["case"],
+        "tokens": tokens,
+        "resident_fraction": resident,
+        "lower_codec": lower,
+        "disk": c["disk"],
+        "predicted": predicted,
+        "measured": measured,
+        "tolerance": tolerance,
+        "bytes_within_one_block": within,
+        "step_ratio": ratio,
+        "step_off_by_more_than_2x": not 1 / STEP_TOLERANCE <= ratio <= STEP_TOLERANCE,
+        "step_bound": "max(HBM, host link, disk link)" if offloaded else "HBM (all on device)",
+    }
+
+
+def section(session: Session) -> dict[str, Any]:
+    """The planner next to every case the strategy and context sections measured."""
+    from kvstrata.report.system import bandwidths
+
+    cases = [
+        c for name in ("strategy", "context") for c in session.data.get(name, {}).get("cases", [])
+    ]
+    bandwidth = bandwidths(session)
+    rows = [compare_case(c, bandwidth, session.scale.block_size) for c in cases]
+    session.tick("planner: predicted vs measured")
+    off = [r["case"] for r in rows if r["step_off_by_more_than_2x"]]
+    mismatched = [r["case"] for r in rows if not all(r["bytes_within_one_block"].values())]
+    ratios = sorted(r["step_ratio"] for r in rows)
+    return {
+        "bandwidth": bandwidth,
+        "rows": rows,
+        "summary": {
+            "cases": len(rows),
+            "bytes_mismatched": mismatched,
+            "step_off_by_more_than_2x": off,
+            "step_ratio_min": ratios[0] if ratios else None,
+            "step_ratio_max": ratios[-1] if ratios else None,
+        },
+        "command": session.section_command("planner"),
+    }

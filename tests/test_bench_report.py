@@ -1,0 +1,213 @@
+"""`kvstrata bench report --smoke` on the embedded model: every figure, table and the JSON
+are produced, and from measured data — values that follow the inputs (DynamicCache's
+bytes grow with the context, a fixed device share stays flat, bits shrink with the
+codec), and output that changes when the data does. No timing assertions."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+
+import pytest
+
+from kvstrata.cli import main
+from kvstrata.errors import ConfigError
+from kvstrata.report import figures, markdown
+
+FIGURES = ("strategy", "resident", "context", "block_size", "codecs", "serving", "planner")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    assert main(["bench", "report", "--smoke", "--model", "tiny", "--out", str(out)]) == 0
+    return out, json.loads((out / "report.json").read_text())
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path.name} is not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_every_figure_is_a_legible_png_embedded_with_its_command(smoke):
+    out, report = smoke
+    md = (out / "report.md").read_text()
+    for name in FIGURES:
+        path = out / f"{name}.png"
+        width, height = _png_size(path)
+        assert width >= 700 and height >= 400, (name, width, height)
+        assert f"]({name}.png)" in md
+    for section in report["sections"]:
+        assert f"`kvstrata bench report --smoke --model tiny --sections {section}`" in md
+    assert md.count("*Figure ") == len(FIGURES)
+    assert "[report.json](report.json)" in md
+
+
+def test_report_records_the_machine_and_the_command(smoke):
+    _, report = smoke
+    m = report["machine"]
+    assert m["cores"] >= 1 and m["ram_bytes"] > 0 and m["cpu"]
+    assert m["versions"]["torch"] and m["versions"]["matplotlib"]
+    assert report["command"].startswith("kvstrata bench report --smoke --out ")
+    assert report["scale"] == "smoke" and report["seconds"] > 0
+    assert list(report["sections"]) == [
+        "strategy", "resident", "context", "block_size", "codecs", "prefix", "serve", "planner",
+    ]  # fmt: skip
+
+
+def test_context_bytes_follow_the_context(smoke):
+    _, report = smoke
+    ctx = report["sections"]["context"]
+    steps = ctx["steps"]
+    rows = {(r["variant"], r["context"]): r for r in ctx["rows"]}
+    # DynamicCache holds every token: 4 layers x K,V x 2 heads x 64 x 4 B = 4 KiB per token
+    dynamic = [rows[("DynamicCache", c)]["device_bytes"] for c in ctx["contexts"]]
+    assert dynamic == [4096 * (c + steps) for c in ctx["contexts"]]
+    # the tiered cache keeps a fixed device share: flat once the context exceeds it
+    tiered = [rows[("TieredCache, host fp32", c)]["device_bytes"] for c in ctx["contexts"]]
+    assert len(set(tiered[1:])) == 1 and tiered[-1] < dynamic[-1]
+    stored = [rows[("TieredCache, host fp32", c)]["stored_bytes"] for c in ctx["contexts"]]
+    assert stored == sorted(stored) and stored[0] < stored[-1]
+    assert all(r["step_s"] > 0 for r in ctx["rows"])
+
+
+def test_strategies_place_and_compress_the_kv(smoke):
+    _, report = smoke
+    rows = {r["strategy"]: r for r in report["sections"]["strategy"]["rows"]}
+    assert rows["offload to host"]["device_bytes"] < rows["all on device"]["device_bytes"]
+    assert rows["offload to host"]["held"]["host"] > 0
+    assert rows["offload + int4"]["stored_bytes"] < rows["offload + int8"]["stored_bytes"]
+    assert rows["offload + int8"]["stored_bytes"] < rows["offload to host"]["stored_bytes"]
+    assert rows["offload + int4 + disk"]["held"]["disk"] > 0
+    for name in ("all on device", "offload to host"):  # lossless: exactly the reference
+        assert rows[name]["decode_tokens_identical"]
+        assert rows[name]["top1_agreement"] == 1.0 and rows[name]["greedy_agreement"] == 1.0
+    assert all(r["tok_per_s"] > 0 for r in rows.values())
+
+
+def test_sweeps_and_benches_report_measured_values(smoke):
+    _, report = smoke
+    s = report["sections"]
+    none = sorted((r["asked"][0]["fraction"], r["device_fraction"]) for r in s["resident"]["rows"]
+                  if r["codec"] == "none")  # fmt: skip
+    assert [f for f, _ in none] == [0.1, 1.0] and none[0][1] < none[1][1] == 1.0
+    sweep = s["block_size"]["sweep"]
+    assert [r["block_size"] for r in sweep] == [16, 32, 64, 128, 256, 512]
+    assert [r["block_bytes"] for r in sweep] == [sweep[0]["block_bytes"] * 2**i for i in range(6)]
+    assert all(r[t]["latency_us"] > 0 for r in sweep for t in ("host", "disk"))
+    bits = [r["bits"] for r in s["codecs"]["rows"]]
+    assert bits == sorted(bits, reverse=True) and bits[0] == 16.0
+    errors = [r["attn_rel_err"] for r in s["codecs"]["rows"]]
+    assert errors[0] == 0.0 and 0 < errors[1] < errors[2]
+    prefix = {v["variant"]: v for v in s["prefix"]["variants"]}
+    assert prefix["warm"]["hit_tokens_by_tier"] and prefix["restart"]["hit_tokens_by_tier"]["disk"]
+    serve = s["serve"]["variants"]
+    assert all(v["tokens_per_s"] > 0 for v in serve.values())
+    assert all(v["exact_vs_baseline"] for k, v in serve.items() if k != "baseline")
+
+
+def test_planner_bytes_match_the_caches_to_one_block(smoke):
+    _, report = smoke
+    planner = report["sections"]["planner"]
+    assert len(planner["rows"]) == 6 + 3 * 3  # strategy rows + context variants x contexts
+    for row in planner["rows"]:
+        assert all(row["bytes_within_one_block"].values()), row["case"]
+        assert row["predicted"]["step_s"] > 0 and row["measured"]["step_s"] > 0
+        expected = not 0.5 <= row["step_ratio"] <= 2.0
+        assert row["step_off_by_more_than_2x"] == expected
+    assert planner["summary"]["bytes_mismatched"] == []
+    dynamic = next(r for r in planner["rows"] if r["case"].startswith("DynamicCache @"))
+    assert dynamic["predicted"]["device"] == dynamic["measured"]["device"]
+
+
+def test_tables_quote_the_json(smoke):
+    out, report = smoke
+    md = (out / "report.md").read_text()
+    for row in report["sections"]["strategy"]["rows"]:
+        assert f"| {row['strategy']} |" in md and f"| {row['tok_per_s']:.1f} |" in md
+    for row in report["sections"]["context"]["rows"]:
+        assert f"{row['device_bytes'] / 2**20:,.2f} MiB" in md
+    for row in report["sections"]["codecs"]["rows"]:
+        assert f"| {row['codec']} | {row['bits']:.3f} |" in md
+
+
+def test_output_follows_the_data(smoke, tmp_path):
+    """Rendering is a function of the data: change a measured value and the table and the
+    figure change with it."""
+    out, report = smoke
+    changed = copy.deepcopy(report)
+    sections = changed["sections"]
+    sections["context"]["rows"][0]["device_bytes"] = 123 * 2**20
+    sections["strategy"]["rows"][0]["tok_per_s"] = 4321.5
+    captions = {name: (f"{name}.png", "caption") for name in FIGURES}
+    md = markdown.render(changed, captions)
+    assert "123.00 MiB" in md and "| 4321.5 |" in md
+    assert "123.00 MiB" not in (out / "report.md").read_text()
+    for name in ("context", "strategy"):
+        figures.FIGURES[name][1](sections[name], tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").read_bytes() != (out / f"{name}.png").read_bytes()
+
+
+def test_step_time_off_by_2x_is_said(smoke):
+    _, report = smoke
+    data = copy.deepcopy(report["sections"]["planner"])
+    rows = data["rows"]
+    for r in rows:
+        r["step_ratio"], r["step_off_by_more_than_2x"] = 1.0, False
+    rows[0]["step_ratio"], rows[0]["step_off_by_more_than_2x"] = 3.5, True
+    data["summary"].update(step_off_by_more_than_2x=[rows[0]["case"]], step_ratio_min=1.0,
+                           step_ratio_max=3.5)  # fmt: skip
+    text = markdown.planner(data)
+    assert re.search(
+        r"off by more than 2x in 1 of \d+ cases\*\*: " + re.escape(rows[0]["case"]), text
+    )
+    assert text.count("**off > 2x**") == 1
+    for r in rows:
+        r["step_off_by_more_than_2x"] = False
+    data["summary"]["step_off_by_more_than_2x"] = []
+    assert "within 2x of the measured step in all" in markdown.planner(data)
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match=r"pip install 'kvstrata\[report\]'"):
+        figures.pyplot()
+    assert main(["bench", "report", "--smoke", "--out", str(tmp_path / "r")]) == 2
+    assert "kvstrata[report]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--sections", "context,nope"], "sections="),
+        (["--sections", "planner,prefix"], "sections="),
+        (["--quick", "--smoke"], "smoke="),
+        (["--threads", "0"], "threads="),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv, field, tmp_path, capsys):
+    assert main(["bench", "report", *argv, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert field in err and err.count("\n") == 1
+
+
+def test_bench_all_leaves_the_report_out(monkeypatch, capsys):
+    """`kvstrata bench all` runs every scenario but the report (which runs them again)."""
+    import argparse
+    import types
+
+    from kvstrata.bench import report as bench_report
+    from kvstrata.cli import bench as cli_bench
+
+    ran = []
+    other = types.SimpleNamespace(
+        add_arguments=lambda parser: None, run=lambda args: ran.append("other") or 0
+    )
+    monkeypatch.setattr(bench_report, "run", lambda args: ran.append("report") or 0)
+    monkeypatch.setattr(cli_bench, "_scenarios", lambda: {"other": other, "report": bench_report})
+    assert cli_bench._run_all(argparse.Namespace()) == 0
+    assert ran == ["other"]
