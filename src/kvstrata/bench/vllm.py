@@ -1,0 +1,288 @@
+"""`kvstrata bench vllm`: vLLM's time to first token, cold vs KV loaded back from kvstrata.
+
+Needs vLLM (`pip install 'kvstrata[vllm]'`; in a checkout `make venv-vllm`, then
+`.venv-vllm/bin/kvstrata bench vllm`). One engine (the embedded model by default, fp32
+on the CPU) with kvstrata as its offloading backend; its host tier holds exactly one
+prompt, so storing a prompt pushes the previous one out to the disk tier. Every round
+(one untimed warm-up round, then `--repeats`; medians) times `generate(max_tokens=1)`:
+
+  cold          a new `--prompt-tokens` prompt of real text: computed in full
+  vllm_prefix   the same prompt again: vLLM's own prefix cache holds it
+  kvstrata_host after vLLM's prefix cache is reset: its blocks load from kvstrata's host tier
+  kvstrata_disk the previous round's prompt, vLLM's cache reset: its blocks were pushed out
+                of the host tier and load from disk (read back and checksummed)
+
+Each variant's token must equal the same prompt's cold token (lossless codecs; lossy
+ones report it). Also reported: hits per tier, and the bytes of one block per codec
+(exact stored sizes; with --disk-compress the measured average on disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench import _timing
+
+NAME = "vllm"
+HELP = "vLLM time to first token: cold vs loaded from kvstrata host / disk vs vLLM prefix cache"
+VARIANTS = ("cold", "vllm_prefix", "kvstrata_host", "kvstrata_disk")
+EXTRA_HINT = "pip install 'kvstrata[vllm]' (in a checkout: make venv-vllm)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="model directory (default: embedded)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM KV block (x32 on CPU)")
+    parser.add_argument("--host-codec", default="none")
+    parser.add_argument("--disk-codec", default="none")
+    parser.add_argument("--disk-compress", action="store_true", help="zstd on the disk tier")
+    parser.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (512 tokens)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _prompts(model_dir: Path, count: int, num_tokens: int) -> list[list[int]]:
+    """`count` prompts of `num_tokens` tokens of real text (stdlib sources), disjoint."""
+    from transformers import AutoTokenizer
+
+    from kvstrata.modelzoo import heldout_files
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids: list[int] = []
+    for path in heldout_files("default"):
+        ids += tokenizer(path.read_text(errors="replace"), verbose=False)["input_ids"]
+        if len(ids) >= count * num_tokens:
+            break
+    ids = (ids * (count * num_tokens // max(1, len(ids)) + 1))[: count * num_tokens]
+    return [ids[i * num_tokens : (i + 1) * num_tokens] for i in range(count)]
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    # vLLM logs INFO lines to stdout (in every process it starts): keep the report readable
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if args.json:
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    from vllm import LLM, SamplingParams
+
+    from kvstrata.integrations.vllm import kv_transfer_config
+    from kvstrata.modelzoo import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    warning = _busy_warning()
+    rounds = args.repeats + 1  # + the warm-up round
+    prompts = _prompts(model_dir, rounds, args.prompt_tokens)
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvstrata-vllm-"))
+    stats_file = root / "stats.json"
+    block_tokens = args.block_size
+    num_blocks = args.prompt_tokens // block_tokens
+    # probe the block size with a tiny host tier, then size it to one prompt
+    fields: dict[str, Any] = dict(
+        host_codec=args.host_codec,
+        disk_dir=str(root),
+        disk_codec=args.disk_codec,
+        disk_compress=args.disk_compress,
+        stats_file=str(stats_file),
+    )
+    host_block = _host_block_bytes(model_dir, block_tokens, args.host_codec)
+    fields["host_budget"] = num_blocks * host_block
+    fields["disk_budget"] = 4 * rounds * num_blocks * _raw_block_bytes(model_dir, block_tokens)
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir),
+        enforce_eager=True,
+        dtype="float32",
+        block_size=block_tokens,
+        kv_cache_memory_bytes=max(256 << 20, 4 * num_blocks * _raw_block_bytes(model_dir, 32)),
+        seed=0,
+        kv_transfer_config=kv_transfer_config(**fields),
+    )
+    startup_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run(prompt: list[int]) -> tuple[float, int, int]:
+        t0 = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return time.perf_counter() - t0, out.outputs[0].token_ids[0], out.num_cached_tokens or 0
+
+    def stats() -> dict[str, Any]:
+        return json.loads(stats_file.read_text())
+
+    def settle() -> None:
+        """Let the stores finish and reach the disk (untimed)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            run(prompts[0][:3])
+            s = stats()
+            if s["disk_written"] >= s["stored"]:
+                return
+            time.sleep(0.1)
+
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cached: dict[str, list[int]] = {v: [] for v in VARIANTS}
+    hits: dict[str, dict[str, int]] = {v: {"host": 0, "disk": 0} for v in VARIANTS}
+    same: dict[str, bool] = dict.fromkeys(VARIANTS, True)
+    first_token: list[int] = []
+    for r, prompt in enumerate(prompts):
+        timed = r > 0
+        for variant in VARIANTS:
+            if variant == "kvstrata_disk" and r == 0:
+                continue
+            target = prompts[r - 1] if variant == "kvstrata_disk" else prompt
+            if variant in ("kvstrata_host", "kvstrata_disk"):
+                llm.reset_prefix_cache()
+            if variant == "kvstrata_disk":
+                settle()
+            before = stats() if stats_file.exists() else {}
+            seconds, token, n_cached = run(target)
+            if variant == "cold":
+                first_token.append(token)
+                settle()
+            expected = first_token[r - 1] if variant == "kvstrata_disk" else first_token[r]
+            same[variant] &= token == expected
+            if timed:
+                after = stats()
+                times[variant].append(seconds)
+                cached[variant].append(n_cached)
+                for tier in ("host", "disk"):
+                    key = f"hits_{tier}"
+                    hits[variant][tier] += after[key] - before.get(key, 0)
+        llm.reset_prefix_cache()
+    final = stats()
+    llm.llm_engine.engine_core.shutdown()
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {v: _timing.median(t) for v, t in times.items()}
+    return {
+        "scenario": NAME,
+        "model": str(model_dir),
+        "prompt_tokens": args.prompt_tokens,
+        "vllm_block_tokens": block_tokens,
+        "codecs": final["codecs"],
+        "engine_startup_s": startup_s,
+        "variants": [
+            {
+                "variant": v,
+                "ttft_ms": 1000 * med[v],
+                "spread": _timing.spread(times[v]),
+                "cached_tokens": _timing.median(cached[v]),
+                "kvstrata_hits": hits[v],
+                "tokens_identical": same[v],
+            }
+            for v in VARIANTS
+        ],
+        "ratios": {f"cold/{v}": med["cold"] / med[v] for v in VARIANTS[1:]},
+        "bytes_per_block": _codec_bytes(model_dir, block_tokens, final),
+        "machine_warning": warning,
+    }
+
+
+def _busy_warning() -> str | None:
+    """A note when the machine was busy before the run (vLLM's CPU worker uses every core)."""
+    load, cores = _timing.machine_load()
+    if load <= _timing.LOAD_MARGIN:
+        return None
+    return (
+        f"machine busy: load average {load:.2f} on {cores} cores before the run, and vLLM "
+        "uses every core: timings are slowed and noisy, compare ratios only"
+    )
+
+
+def _layout(model_dir: Path, block_tokens: int) -> Any:
+    import torch
+
+    from kvstrata.integrations.vllm.plan import model_geometry
+    from kvstrata.layout import BlockLayout
+
+    g = model_geometry(str(model_dir))
+    return BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, block_tokens, torch.float32)
+
+
+def _raw_block_bytes(model_dir: Path, block_tokens: int) -> int:
+    return _layout(model_dir, block_tokens).raw_block_bytes
+
+
+def _host_block_bytes(model_dir: Path, block_tokens: int, codec: str) -> int:
+    from kvstrata.codecs.registry import get_codec
+
+    return get_codec(codec, "host_codec").block_nbytes(_layout(model_dir, block_tokens))
+
+
+def _codec_bytes(model_dir: Path, block_tokens: int, final: dict[str, Any]) -> dict[str, Any]:
+    """Stored bytes of one block per codec (exact), plus what this run measured."""
+    from kvstrata.codecs.registry import codec_names, get_codec
+    from kvstrata.errors import ConfigError
+
+    layout = _layout(model_dir, block_tokens)
+    out: dict[str, Any] = {}
+    for name in codec_names():
+        codec = get_codec(name)
+        try:
+            codec.validate(layout)
+        except ConfigError:
+            continue  # e.g. int4-g128 needs 128-token blocks
+        out[name] = codec.block_nbytes(layout)
+    out["measured"] = final["bytes_per_block"]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; exit 1 if a lossless variant's token differs from cold."""
+    if importlib.util.find_spec("vllm") is None:
+        if getattr(args, "scenario", None) == "all":
+            print(f"skipped: vLLM is not installed ({EXTRA_HINT})")
+            return 0
+        print(f"kvstrata bench vllm needs vLLM, which is not installed: {EXTRA_HINT}")
+        return 2
+    if args.quick:
+        args = argparse.Namespace(**vars(args))
+        args.prompt_tokens, args.repeats = 512, 2
+    _timing.check_positive(args, "prompt_tokens", "repeats", "block_size")
+    report = measure(args)
+    if args.json:
+        _timing.print_json(report)
+    else:
+        _print(report)
+    lossless = report["codecs"]["host"] == "none" and report["codecs"]["disk"] in (None, "none")
+    return 0 if not lossless or all(v["tokens_identical"] for v in report["variants"]) else 1
+
+
+def _print(report: dict[str, Any]) -> None:
+    rows = [
+        (
+            v["variant"],
+            f"{v['ttft_ms']:.1f}",
+            f"{100 * v['spread']:.0f} %",
+            f"{v['cached_tokens']:.0f}",
+            ", ".join(f"{t}={n}" for t, n in v["kvstrata_hits"].items() if n) or "-",
+            "✓" if v["tokens_identical"] else "✗",
+        )
+        for v in report["variants"]
+    ]
+    notes = [f"{k} = {x:.2f}x" for k, x in report["ratios"].items()]
+    sizes = report["bytes_per_block"]
+    measured = sizes["measured"]
+    notes.append(
+        "bytes per block ("
+        + ", ".join(f"{k} {n}" for k, n in sizes.items() if k != "measured")
+        + f"); this run: host {measured['host']}, disk {measured['disk']:.0f}"
+    )
+    notes.append(f"engine start-up {report['engine_startup_s']:.0f} s (not in the figures)")
+    if report["machine_warning"]:
+        notes.append(report["machine_warning"])
+    c = report["codecs"]
+    _timing.print_table(
+        f"vLLM time to first token, {report['prompt_tokens']}-token prompt, kvstrata host "
+        f"{c['host']} / disk {c['disk']} (medians)",
+        ("variant", "TTFT ms", "spread", "cached tokens", "kvstrata hits (blocks)", "token"),
+        rows,
+        notes,
+    )

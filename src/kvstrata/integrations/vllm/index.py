@@ -1,0 +1,135 @@
+"""Which blocks the backend holds, on which tier, and which to evict first.
+
+An entry is one stored block (one vLLM chunk) under its namespaced key. It may have a
+host copy, a disk copy, or both (the disk is written through: a block stored on the
+host is also written to disk, so the disk index is complete even after a crash):
+
+    host copy:  allocated --(worker stored it)--> ready     (pinned while loading)
+    disk copy:  allocated --(writer thread wrote it)--> ready
+
+Eviction uses kvstrata's policies (policies/eviction.py) on every copy that may go:
+per tier, the evictable copies are kept sorted by the policy's keep-key, so the
+lowest-ranked are taken in O(log n) each. An offload cache has no sequences, so the
+policy sees each block as a one-block table: `lru` ranks by last use, `lfu` by use
+count then last use, `window` by store order (oldest first).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedList
+
+from kvstrata.policies.eviction import BlockView, EvictionPolicy
+
+TIERS = ("host", "disk")
+
+
+@dataclass(eq=False)
+class Entry:
+    """One stored block. `pins` counts loads in flight and this step's hit leases."""
+
+    key: bytes
+    vllm_key: bytes | None  # None for blocks found on disk after a restart
+    seq: int
+    host_slot: int | None = None
+    host_ready: bool = False
+    disk_slot: int | None = None
+    disk_ready: bool = False
+    writing: bool = False  # the host copy is being written to disk
+    pins: int = 0
+    last_access: int = 0
+    access_count: int = 0
+    ranked: dict[str, tuple] = field(default_factory=dict)  # tier -> its key in the order
+
+    def evictable(self, tier: str) -> bool:
+        """Whether this copy may be dropped now."""
+        if tier == "host":
+            return self.host_ready and self.pins == 0 and not self.writing
+        return self.disk_ready and not self.writing
+
+
+class BlockIndex:
+    """Entries by key, plus per tier the evictable copies in eviction order.
+
+    Args:
+        policy: a kvstrata eviction policy name ("lru", "lfu", "window").
+    """
+
+    def __init__(self, policy: str) -> None:
+        self.policy = EvictionPolicy(policy)
+        self.entries: dict[bytes, Entry] = {}
+        self._order: dict[str, SortedList] = {t: SortedList() for t in TIERS}
+        self._seq = itertools.count()
+        self.clock = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: bytes) -> Entry | None:
+        return self.entries.get(key)
+
+    def add(self, key: bytes, vllm_key: bytes | None) -> Entry:
+        """A new entry (no copy yet); it counts as used now."""
+        assert key not in self.entries, "a key is stored once"
+        self.clock += 1
+        entry = Entry(key, vllm_key, next(self._seq), last_access=self.clock)
+        self.entries[key] = entry
+        return entry
+
+    def touch(self, entry: Entry) -> None:
+        """The block was used (a hit, or vLLM's touch)."""
+        self.clock += 1
+        entry.last_access = self.clock
+        entry.access_count += 1
+        self.refresh(entry)
+
+    def refresh(self, entry: Entry) -> None:
+        """Re-rank the entry after any change of its state (call after every change)."""
+        for tier in TIERS:
+            old = entry.ranked.pop(tier, None)
+            if old is not None:
+                self._order[tier].remove(old)
+            if entry.evictable(tier) and entry.key in self.entries:
+                rank = (self._keep_key(entry), entry.seq, entry.key)
+                self._order[tier].add(rank)
+                entry.ranked[tier] = rank
+
+    def remove(self, entry: Entry) -> None:
+        """Forget the entry (both copies must be gone)."""
+        assert entry.host_slot is None and entry.disk_slot is None
+        del self.entries[entry.key]
+        self.refresh(entry)
+
+    def victims(self, tier: str, count: int, protect: set[bytes]) -> list[Entry]:
+        """Up to `count` evictable copies on `tier`, lowest-ranked first, skipping the
+        keys in `protect`."""
+        out: list[Entry] = []
+        for _, _, key in self._order[tier]:
+            if len(out) == count:
+                break
+            if key not in protect:
+                out.append(self.entries[key])
+        return out
+
+    def num_evictable(self, tier: str) -> int:
+        return len(self._order[tier])
+
+    def on(self, tier: str) -> Iterator[Entry]:
+        """Entries with a copy on `tier`."""
+        slot = "host_slot" if tier == "host" else "disk_slot"
+        return (e for e in self.entries.values() if getattr(e, slot) is not None)
+
+    def _keep_key(self, entry: Entry) -> tuple:
+        # blocks_from_end counts back from the first block stored: the same order as from
+        # the newest (a shift by the number stored), without re-ranking on every store.
+        view = BlockView(
+            block_id=entry.seq,
+            is_sink=False,
+            blocks_from_end=-entry.seq,
+            last_access=entry.last_access,
+            access_count=entry.access_count,
+        )
+        return self.policy.keep_key(view)

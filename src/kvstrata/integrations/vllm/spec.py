@@ -1,0 +1,95 @@
+"""The OffloadingSpec vLLM loads by name: `KvstrataOffloadingSpec`.
+
+vLLM builds one spec per process from `kv_connector_extra_config`: the scheduler
+process asks it for the manager, the worker process for the worker. Both derive the
+same BackendPlan, so they agree on the host arena they share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvstrata.errors import UnsupportedModelError
+from kvstrata.integrations.vllm.manager import KvstrataOffloadingManager
+from kvstrata.integrations.vllm.options import VllmOptions
+from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry
+
+
+class KvstrataOffloadingSpec(OffloadingSpec):
+    """kvstrata tiers (host arena, durable disk) as vLLM's KV offloading backend.
+
+    Raises:
+        ConfigError: a bad `kv_connector_extra_config` value (one line).
+        UnsupportedModelError: several KV cache groups (sliding-window or hybrid
+            models), MLA, a quantized KV cache, or more than one worker.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.options = VllmOptions.from_extra_config(config.extra_config)
+        if len(config.groups) != 1:
+            raise UnsupportedModelError(
+                f"{config.model.name} has {len(config.groups)} KV cache groups (sliding-window "
+                "or hybrid layers): kvstrata's vLLM backend offloads one full-attention group"
+            )
+        group = config.groups[0]
+        side = VllmSide(
+            model_name=config.model.name,
+            dtype=config.model.dtype,
+            num_layers=len(group.layer_names),
+            tokens_per_block=group.tokens_per_block,
+            blocks_per_chunk=self.blocks_per_chunk,
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            engine_id=config.engine_id,
+            world_size=config.parallel.world_size,
+            page_layout="cpu-hnd" if current_platform.is_cpu() else "opaque",
+        )
+        self.plan = make_plan(self.options, side, model_geometry(config.model.name))
+        self._manager: KvstrataOffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            from kvstrata.integrations.vllm.store import OffloadStore
+
+            store = OffloadStore(self.plan, self.options)
+            self._manager = KvstrataOffloadingManager(
+                store, enable_events=self.kv_events_config.enable_kv_cache_events
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from kvstrata.integrations.vllm.worker import KvstrataOffloadingWorker
+
+            _check_heads(self.plan.layout.num_kv_heads, self.plan.page_layout)
+            self._worker = KvstrataOffloadingWorker(self.plan, kv_caches)
+        return self._worker
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+def _check_heads(num_kv_heads: int, page_layout: str) -> None:
+    """The worker process knows vLLM's own view of the model: check the plan's heads."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or page_layout != "cpu-hnd":
+        return
+    heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
+    if heads != num_kv_heads:
+        raise UnsupportedModelError(
+            f"vLLM runs {heads} kv heads per worker, the model's config.json says "
+            f"{num_kv_heads}: kvstrata cannot read these KV pages"
+        )
