@@ -67,7 +67,7 @@ class StepCache(Cache):
         self.token_ids: list[list[int]] = []
         self.bounds: list[tuple[int, int]] = []
         self.decodes: list[int] = []
-        self.decode_rows = torch.empty(0, dtype=torch.long)
+        self.decode_rows: torch.Tensor | slice = slice(0, 0)
         self._writes: list[list[tuple]] = []
 
     def begin(self, seq_ids: list[int], counts: list[int], token_ids: list[list[int]]) -> None:
@@ -78,7 +78,13 @@ class StepCache(Cache):
         self.bounds = list(zip(ends[:-1], ends[1:], strict=True))
         # sequences bringing one token (decodes): attended together where possible
         self.decodes = [i for i, n in enumerate(counts) if n == 1]
-        self.decode_rows = torch.tensor([ends[i] for i in self.decodes], dtype=torch.long)
+        rows = [ends[i] for i in self.decodes]
+        # the rows of the decodes: a slice when they are consecutive (decodes come first)
+        self.decode_rows: torch.Tensor | slice = (
+            slice(rows[0], rows[-1] + 1)
+            if rows and rows[-1] - rows[0] == len(rows) - 1
+            else torch.tensor(rows, dtype=torch.long)
+        )
 
     # -- transformers Cache API --------------------------------------------------------------
     def update(
@@ -131,7 +137,9 @@ class StepCache(Cache):
                 sinks,
             )
             if done:
-                rows = self.decode_rows[done] if len(done) < len(self.decodes) else self.decode_rows
+                rows = self.decode_rows
+                if len(done) < len(self.decodes):
+                    rows = torch.tensor([self.bounds[self.decodes[i]][0] for i in done])
                 out[0, rows] = o.to(out.dtype)
                 batched = {self.decodes[i] for i in done}
         for i, (seq_id, (s, e)) in enumerate(zip(self.seq_ids, self.bounds, strict=True)):
