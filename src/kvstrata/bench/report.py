@@ -3,7 +3,12 @@ written as DIR/report.md with PNG figures and the raw JSON.
 
     kvstrata bench report --quick --out docs/report     # <= 15 min on 2 cores
     kvstrata bench report --out report                  # the full run (bigger machines)
-    kvstrata bench report --quick --sections context    # one figure again
+    kvstrata bench report --quick --out docs/report --sections context
+        # measures one section again and merges it into docs/report (same scale)
+
+A section that fails is recorded as {"error": ...} (report.md says "section failed"), the
+others still run, and the command exits 1 at the end; report.json is written after every
+section, so a late crash keeps the sections measured before it.
 
 Sections (`kvstrata.report`), each from the existing benchmarks' measuring code:
   strategy    all on device / offload to host / + int8 / + int4 / + disk: decode tok/s,
@@ -20,10 +25,12 @@ Sections (`kvstrata.report`), each from the existing benchmarks' measuring code:
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -88,10 +95,16 @@ def _scale(args: argparse.Namespace) -> Any:
 
 def choose_model(name: str) -> tuple[str, str]:
     """The strategy table's model and why: "auto" is smollm2 when its package is
-    installed (converted on first use), else the embedded model."""
-    if name != "auto":
-        return name, ""
+    installed (converted on first use), else the embedded model.
+
+    Raises:
+        ConfigError: a named model that is not there (a flag error, before measuring).
+    """
     from kvstrata.modelzoo import resolve_model_dir
+
+    if name != "auto":
+        resolve_model_dir(name)
+        return name, ""
 
     try:
         resolve_model_dir("smollm2")
@@ -100,16 +113,71 @@ def choose_model(name: str) -> tuple[str, str]:
     return "smollm2", ""
 
 
-def _command(args: argparse.Namespace, out: str | None) -> str:
+def _scale_flag(scale: str) -> str:
+    return {"quick": "--quick", "smoke": "--smoke"}.get(scale, "")
+
+
+def _command(args: argparse.Namespace, with_sections: bool = True) -> str:
+    """The command line of this run (--sections only when it is not every section)."""
     words = ["kvstrata bench report"]
     words += ["--quick"] if args.quick else ["--smoke"] if args.smoke else []
-    if out is not None:
-        words.append(f"--out {out}")
+    words.append(f"--out {args.out}")
     if args.model != "auto":
         words.append(f"--model {args.model}")
     if args.threads != 1:
         words.append(f"--threads {args.threads}")
+    sections = _sections(args.sections)
+    if with_sections and sections != list(SECTIONS):
+        words.append(f"--sections {','.join(sections)}")
     return " ".join(words)
+
+
+def previous_report(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The report in --out that a run of some sections merges into (None: a run of
+    every section, or no report there yet).
+
+    Raises:
+        ConfigError: --out holds a report.json that is not a report, or one of another
+            scale (merging would mislabel the numbers).
+    """
+    if _sections(args.sections) == list(SECTIONS):
+        return None
+    path = Path(args.out) / "report.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        usable = data.get("scenario") == NAME and isinstance(data.get("sections"), dict)
+    except (OSError, ValueError, AttributeError):
+        usable = False
+    if not usable:
+        raise ConfigError.field(
+            "out", args.out, "its report.json is not a kvstrata report to merge --sections "
+            "into: give an empty or new --out"
+        )  # fmt: skip
+    scale = _scale(args).name
+    if data.get("scale") != scale:
+        flag = _scale_flag(data.get("scale", "")) or "neither --quick nor --smoke"
+        raise ConfigError.field(
+            "out", args.out, f"it holds a {data.get('scale')}-scale report and --sections "
+            f"merges into it at the same scale only: use {flag}, or give another --out"
+        )  # fmt: skip
+    return data
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _runs(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The earlier runs recorded in a report (a report without "runs": its one run)."""
+    if previous is None:
+        return []
+    if previous.get("runs"):
+        return list(previous["runs"])
+    return [{key: previous.get(key) for key in ("command", "date", "seconds")}
+            | {"sections": list(previous["sections"])}]  # fmt: skip
 
 
 def _ticks(scale: Any, sections: list[str]) -> int:
@@ -155,47 +223,96 @@ def _measurers() -> dict[str, Callable[[Any], dict[str, Any]]]:
     }
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure the chosen sections; returns the report's data (JSON-able)."""
+def measure(
+    args: argparse.Namespace,
+    previous: dict[str, Any] | None = None,
+    save: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Measure the chosen sections; returns the report's data (JSON-able).
+
+    Args:
+        args: the command's flags.
+        previous: a report to merge into (`previous_report`): its other sections are kept.
+        save: called with the report so far after every section (report.json).
+
+    A section that raises is recorded as {"error": one line, "traceback": ...}; the
+    others still run. The report's "failed" lists this run's failed sections.
+    """
     from kvstrata.bench._timing import check_positive, machine_load
     from kvstrata.cli.generate import quiet_transformers
     from kvstrata.report.machine import describe
     from kvstrata.report.session import Session
 
+    started = time.perf_counter()  # the minutes reported include loading the model
     scale = _scale(args)
     sections = _sections(args.sections)
     check_positive(args, "threads")  # also here: measure() is callable on its own
     quiet_transformers()
     model, note = choose_model(args.model) if "strategy" in sections else (args.model, "")
-    started = time.perf_counter()
     machine = describe(args.threads)
-    command = _command(args, None)
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    run_entry: dict[str, Any] = {"command": _command(args), "date": date, "seconds": 0.0,
+                                 "sections": sections, "failed": []}  # fmt: skip
+    runs = [*_runs(previous), run_entry]
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-report-"))
     measurers = _measurers()
+
+    def report() -> dict[str, Any]:
+        run_entry["seconds"] = time.perf_counter() - started
+        data = session.data
+        return {
+            "scenario": NAME,
+            "command": run_entry["command"],
+            "scale": scale.name,
+            "date": date,
+            "seconds": run_entry["seconds"],
+            "machine": machine,
+            "runs": runs,
+            "failed": list(run_entry["failed"]),
+            "sections": {name: data[name] for name in SECTIONS if name in data},
+        }
+
     try:
         with _progress(_ticks(scale, sections)) as tick:
-            session = Session(scale, args.threads, model, note, workdir, tick, command)
+            session = Session(scale, args.threads, model, note, workdir, tick,
+                              _command(args, with_sections=False))  # fmt: skip
+            # earlier sections stay (and the planner compares their caches too)
+            session.data.update((previous or {}).get("sections", {}))
             for name in sections:
-                session.data[name] = measurers[name](session)
+                try:
+                    session.data[name] = measurers[name](session)
+                except Exception as exc:  # the other sections still run
+                    run_entry["failed"].append(name)
+                    session.data[name] = {
+                        "error": _one_line(exc),
+                        "traceback": traceback.format_exc(),
+                        "command": session.section_command(name),
+                    }
+                _mark_stale_planner(session.data, sections, name)
+                if save is not None:
+                    save(report())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     machine["load_after"] = machine_load()[0]
-    return {
-        "scenario": NAME,
-        "command": _command(args, args.out),
-        "scale": scale.name,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "seconds": time.perf_counter() - started,
-        "machine": machine,
-        "sections": session.data,
-    }
+    run_entry["load"] = [machine["load_before"], machine["load_after"]]
+    return report()
+
+
+def _mark_stale_planner(data: dict[str, Any], sections: list[str], measured: str) -> None:
+    """A planner section of an earlier run compares caches that `measured` replaced."""
+    planner = data.get("planner")
+    if measured in ("strategy", "context") and planner and "planner" not in sections:
+        planner["stale"] = (
+            f"its {measured} cases are from an earlier run than the {measured} section above; "
+            f"`{planner['command']}` compares the new ones"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure, then write DIR/report.json, the figures and DIR/report.md."""
     from kvstrata.bench._timing import check_positive
     from kvstrata.report.figures import pyplot
-    from kvstrata.report.output import write
+    from kvstrata.report.output import write, write_json
 
     _scale(args)
     _sections(args.sections)
@@ -206,8 +323,13 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError.field("out", args.out, f"cannot create it ({exc.strerror})") from exc
-    report = measure(args)
+    previous = previous_report(args)
+    report = measure(args, previous, save=lambda data: write_json(data, out))
     files = write(report, out)
+    merged = f" (merged into the report of {report['runs'][0]['date']})" if previous else ""
     print(f"kvstrata bench report: {report['seconds'] / 60:.1f} min; wrote "
-          f"{', '.join(str(f) for f in files)}")  # fmt: skip
-    return 0
+          f"{', '.join(str(f) for f in files)}{merged}")  # fmt: skip
+    for name in report["failed"]:
+        print(f"kvstrata bench report: section {name} failed: "
+              f"{report['sections'][name]['error']}", file=sys.stderr)  # fmt: skip
+    return 1 if report["failed"] else 0

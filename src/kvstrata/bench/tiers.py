@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvstrata.bench._timing import check_positive, median_seconds
+from kvstrata.geometry import dtype_name
 from kvstrata.layout import BlockLayout
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import HostTier
@@ -234,13 +235,23 @@ def bench_sweep(args: argparse.Namespace, workdir: Path) -> list[dict[str, objec
         layout = _layout(bs, args.quick)
         n = max(2, budget // layout.raw_block_bytes)
         tiers = _tiers_for(layout, n, workdir / f"sweep{bs}")
-        lat = _single_block_latencies(tiers, n, samples, layout, args.cold)
-        row: dict[str, object] = {"block_size": bs, "block_bytes": layout.raw_block_bytes}
+        try:
+            lat = _single_block_latencies(tiers, n, samples, layout, args.cold)
+        finally:
+            tiers["disk"].close()
+        row: dict[str, object] = {
+            "block_size": bs,
+            "block_bytes": layout.raw_block_bytes,
+            "dtype": dtype_name(layout.dtype),
+        }
         for name, ts in lat.items():
             med = statistics.median(ts)
-            row[name] = {"latency_us": med * 1e6, "gb_per_s": layout.raw_block_bytes / med / _GB}
+            row[name] = {
+                "latency_us": med * 1e6,
+                "gb_per_s": layout.raw_block_bytes / med / _GB,
+                "samples": len(ts),
+            }
         rows.append(row)
-        tiers["disk"].close()
     return rows
 
 

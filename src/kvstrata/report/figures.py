@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import ConfigError
+from kvstrata.report.markdown import PPL_LABEL
 
 MIB = 2**20
 DPI = 110
@@ -78,6 +79,14 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def _share_range(shares: list[float]) -> str:
+    """Measured device shares as "12 %" or "12-24 %"."""
+    if not shares:
+        return "none"
+    lo, hi = round(100 * min(shares)), round(100 * max(shares))
+    return f"{lo} %" if lo == hi else f"{lo}–{hi} %"
+
+
 def draw_strategy(data: dict[str, Any], path: Path) -> str:
     """Strategy comparison: device / stored KV bytes, decode tok/s, ΔPPL, greedy agreement."""
     plt = pyplot()
@@ -109,7 +118,7 @@ def draw_strategy(data: dict[str, Any], path: Path) -> str:
     _at_least(ax_q, 0.1)
     lo, hi = ax_q.get_xlim()
     ax_q.set_xlim(lo - 0.25 * (hi - lo) * (lo < 0), hi + 0.25 * (hi - lo))  # room for labels
-    ax_q.set_xlabel("ΔPPL vs DynamicCache (%)")
+    ax_q.set_xlabel(f"{PPL_LABEL} (%)")
     ax_q.set_title("Perplexity change")
     agreement = [100 * r["greedy_agreement"] for r in quality]
     bars = ax_g.barh([y[rows.index(r)] for r in quality], agreement, 0.6, color="#9467bd")
@@ -124,9 +133,11 @@ def draw_strategy(data: dict[str, Any], path: Path) -> str:
                 at = (0.5, y[rows.index(r)])
                 ax.annotate("reference", at, xycoords=("axes fraction", "data"), ha="center",
                             va="center", fontsize=8)  # fmt: skip
+    shares = [r["device_fraction"] for r in rows if r["device_fraction"] < 1]
     fig.suptitle(
-        f"Offloading strategies: {data['model']} (fp32), {_tokens(data['context'])}-token "
-        f"context, {data['resident']:.0%} of the blocks on the device when offloaded"
+        f"Offloading strategies: {data['model']} ({data['geometry']['dtype']}), "
+        f"{_tokens(data['context'])}-token context, {_share_range(shares)} of the blocks on "
+        f"the device when offloaded (asked {100 * data['resident']:.0f} %)"
     )
     _save(fig, path)
     return (
@@ -147,7 +158,7 @@ def draw_resident(data: dict[str, Any], path: Path) -> str:
     for codec in codecs:
         pts = sorted((r["device_fraction"], r["tok_per_s"]) for r in data["rows"]
                      if codec in r["codecs"])  # fmt: skip
-        name = "fp32 (none)" if codec == "none" else codec
+        name = f"{data.get('dtype', 'exact')} (none)" if codec == "none" else codec
         ax.plot([100 * x for x, _ in pts], [t for _, t in pts], marker="o",
                 color=COLOURS.get(codec), label=f"TieredCache, host {name}")  # fmt: skip
     for r in dynamic:
@@ -227,8 +238,9 @@ def draw_block_size(data: dict[str, Any], path: Path) -> str:
     _save(fig, path)
     return (
         f"One-block reads from each tier against the block size ({data['token_bytes']:,} B "
-        f"per token, fp16; {data['samples']} random reads per point, medians; page cache "
-        "warm): small blocks pay the per-call cost, large ones move bytes a step may not need."
+        f"per token, {data['dtype']}; {data['samples']} random reads per point, medians; "
+        "page cache warm): small blocks pay the per-call cost, large ones move bytes a step "
+        "may not need."
     )
 
 
@@ -259,10 +271,11 @@ def draw_codecs(data: dict[str, Any], path: Path) -> str:
                       xycoords="axes fraction", ha="right", va="top", fontsize=8)  # fmt: skip
     ax_p.axhline(0, color="black", lw=0.8)
     _at_least(ax_p, 0.1, "y")
-    ax_p.set_ylabel("ΔPPL vs exact (%)")
-    ax_p.set_title(f"ΔPPL, embedded model, {data['resident']:.0%} on the device")
+    ax_p.set_ylabel(f"{PPL_LABEL} (%)")
+    shares = [r["ppl_device_fraction"] for r in rows if r.get("ppl_device_fraction") is not None]
+    ax_p.set_title(f"ΔPPL, embedded model, {_share_range(shares)} on the device")
     _log(ax_s)
-    ax_s.set_ylabel("GB/s of fp16 input (log)")
+    ax_s.set_ylabel(f"GB/s of {data['dtype']} input (log)")
     ax_s.set_title("Codec speed")
     for ax, where in ((ax_e, "lower left"), (ax_p, "lower left"), (ax_s, "lower right")):
         ax.set_xlabel("stored bits per element (incl. scales)")
@@ -272,7 +285,7 @@ def draw_codecs(data: dict[str, Any], path: Path) -> str:
         f"Each codec's stored bits per element (scales counted) against the attention error "
         f"on synthetic K/V with outlier channels, ΔPPL of the embedded model with the codec on "
         f"the host tier ({data['ppl_window']}-token held-out window) and encode / decode GB/s "
-        f"({data['size_mib']} MiB of fp16 K and V, median of {data['repeats']})."
+        f"({data['size_mib']} MiB of {data['dtype']} K and V, median of {data['repeats']})."
     )
 
 
@@ -347,7 +360,8 @@ def draw_planner(data: dict[str, Any], path: Path) -> str:
         if not pts:
             continue
         xs, ys = [p / MIB for p, _ in pts], [m / MIB for _, m in pts]
-        ax_b.scatter(xs, ys, marker=marker, label=f"{tier} tier", alpha=0.8)
+        label = "device tier (excl. staging)" if tier == "device" else f"{tier} tier"
+        ax_b.scatter(xs, ys, marker=marker, label=label, alpha=0.8)
         lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
     if hi > 0:
         ax_b.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="predicted = measured")
@@ -382,9 +396,10 @@ def draw_planner(data: dict[str, Any], path: Path) -> str:
     ax_t.legend(fontsize=8)
     _save(fig, path)
     return (
-        "kvstrata plan's bytes per tier and decode-step bound for every measured cache, given "
-        "this machine's measured copy and tier bandwidths, against the bytes the cache held "
-        "and the median step time."
+        "kvstrata plan's bytes per tier (device without the staging buffer, which the table "
+        "compares on its own) and decode-step bound for every measured cache, given this "
+        "machine's measured copy and tier bandwidths and each cache's asked device share, "
+        "against the bytes the cache held and the median step time."
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.report.predicted import STEP_TOLERANCE
 from kvstrata.units import format_bytes
 
 SECTION_TITLES = {
@@ -16,6 +17,9 @@ SECTION_TITLES = {
     "serving": "Prefix reuse and engine concurrency",
     "planner": "kvstrata plan next to the measurement",
 }
+
+
+PPL_LABEL = "ΔPPL vs DynamicCache"  # the exact reference of every ΔPPL: one wording
 
 
 def _mib(num: float) -> str:
@@ -93,20 +97,36 @@ def strategy(d: dict[str, Any]) -> str:
         ])  # fmt: skip
     text = _table(
         ["strategy", "blocks on device", "decode tok/s", "vs DynamicCache", "device KV",
-         "stored KV (all tiers)", "ΔPPL", "top-1 agreement", "greedy agreement"],
+         "stored KV (all tiers)", PPL_LABEL, "top-1 agreement", "greedy agreement"],
         table,
+    )  # fmt: skip
+    ppl, greedy = d["ppl"], d["greedy"]
+    speed_tokens = d["context"] + d["steps"]
+    greedy_tokens = greedy["prompt_tokens"] + greedy["new"]
+    scoring = "; ".join(
+        f"{r['strategy']}: {_pct(r['ppl_device_fraction'], 0)} of the blocks on the device, "
+        f"{r['ppl_lower_tier_predictions']} of {ppl['predictions']} scored predictions read "
+        "blocks back from the host / disk tier"
+        for r in rows if r.get("ppl_lower_tier_predictions") is not None
     )  # fmt: skip
     text += (
         f"\n\nModel: {d['model']}{' (' + d['model_note'] + ')' if d['model_note'] else ''}; "
         f"{d['context']}-token random prompt, {d['steps']} decode steps x {d['repeats']} "
         f"rounds; block size {d['block_size']}. Device KV counts the device blocks and the "
-        f"staging buffer. ΔPPL and top-1: teacher-forced over {d['ppl']['windows']} held-out "
-        f"window(s) of {d['ppl']['window']} tokens (exact PPL {d['ppl']['exact_ppl']:.3f}), "
-        f"one token per forward after the first {d['ppl']['prefill']}, which every strategy "
-        "holds exactly (sinks + residual window on the device) and so scores in one "
-        "forward; greedy agreement: share of the exact run's tokens "
-        f"reproduced before the first difference, {d['greedy']['prompts']} held-out prompt(s) "
-        f"of {d['greedy']['prompt_tokens']} tokens + {d['greedy']['new']} new.\n"
+        f"staging buffer. ΔPPL and top-1: teacher-forced over {ppl['windows']} held-out "
+        f"window(s) of {ppl['window']} tokens (exact PPL {ppl['exact_ppl']:.3f}), one token "
+        f"per forward after the first {ppl['prefill']}, which every strategy holds exactly "
+        f"(the sinks and the {_residual(d)}residual window on the device) and so scores in one "
+        "forward; greedy agreement: share of the exact run's tokens reproduced before the "
+        f"first difference, {greedy['prompts']} held-out prompt(s) of {greedy['prompt_tokens']} "
+        f"tokens + {greedy['new']} new.\n\n"
+        f"Each row measures three caches built for the same strategy and asked device share "
+        f"({d['resident']:.0%} when offloaded), not one: speed, bytes and blocks on device "
+        f"come from a {speed_tokens}-token cache, ΔPPL and top-1 from {ppl['window']}-token "
+        f"caches, greedy agreement from {greedy_tokens}-token caches. A lossy codec keeps the "
+        "sinks, the residual window and the open block on the device whatever the share, "
+        "which is a different share of each length. In the ΔPPL caches: "
+        f"{scoring or 'no tiered cache'}.\n"
     )
     full = next((r for r in rows if r["strategy"] == "all on device"), None)
     if full is not None:
@@ -124,6 +144,10 @@ def strategy(d: dict[str, Any]) -> str:
                 f"{_signed(r['delta_ppl_pct'])}.\n"
             )
     return text
+
+
+def _residual(d: dict[str, Any]) -> str:
+    return f"{d['residual_tokens']}-token " if d.get("residual_tokens") else ""
 
 
 def resident(d: dict[str, Any]) -> str:
@@ -185,7 +209,8 @@ def block_size(d: dict[str, Any]) -> str:
                         f"{g['tier read']:.2f}", f"{g['raw read']:.2f}"])  # fmt: skip
     text += (
         f"\n\nTier vs raw copies of the same {format_bytes(tp['bytes'])} ({tp['blocks']} blocks of "
-        f"64 tokens; host: tensor `copy_`, disk: pwrite/preadv of one file), GB/s:\n\n"
+        f"{tp['block_size']} tokens; host: tensor `copy_`, disk: pwrite/preadv of one file), "
+        "GB/s:\n\n"
     )
     text += _table(["tier", "tier write", "raw write", "tier read", "raw read"], tp_rows)
     return text + "\n"
@@ -198,15 +223,26 @@ def codecs(d: dict[str, Any]) -> str:
          _pct(r["top1_agreement"]), f"{r['enc']:.2f}", f"{r['dec']:.2f}", f"{r['copy']:.2f}"]
         for r in d["rows"]
     ]  # fmt: skip
-    notes = [f"{r['codec']}: {r['ppl_unavailable']}" for r in d["rows"] if r["ppl_unavailable"]]
-    return _table(
-        ["codec", "bits/element", "attention error", "ΔPPL", "top-1 agreement", "encode GB/s",
-         "decode GB/s", "copy_ GB/s"],
+    text = _table(
+        ["codec", "bits/element", "attention error", PPL_LABEL, "top-1 agreement",
+         "encode GB/s", "decode GB/s", "copy_ GB/s"],
         rows,
-    ) + (
-        f"\n\nExact PPL of the embedded model on the window: {d['exact_ppl']:.3f}."
-        + "".join(f" No ΔPPL for {n}." for n in notes) + "\n"
     )  # fmt: skip
+    text += f"\n\nExact PPL of the embedded model on the window: {d['exact_ppl']:.3f}."
+    reads = [
+        f"{r['codec']} {r['ppl_lower_tier_predictions']}" for r in d["rows"]
+        if r.get("ppl_lower_tier_predictions") is not None
+    ]  # fmt: skip
+    if reads and d.get("ppl_predictions"):
+        text += (
+            f" Scored predictions (of {d['ppl_predictions']}) that read host blocks back: "
+            f"{', '.join(reads)}."
+        )
+    text += "".join(
+        f" No ΔPPL for {r['codec']}: {r['ppl_unavailable']}." for r in d["rows"]
+        if r["ppl_unavailable"]
+    )  # fmt: skip
+    return text + "\n"
 
 
 def serving(prefix: dict[str, Any] | None, serve: dict[str, Any] | None) -> str:
@@ -238,32 +274,78 @@ def serving(prefix: dict[str, Any] | None, serve: dict[str, Any] | None) -> str:
     return text
 
 
+def _floor(r: dict[str, Any]) -> str:
+    floor = r.get("floor_tokens", 0)
+    if not floor:
+        return "–"
+    binds = floor >= r["asked_resident"] * r["tokens"]
+    return f"{floor} tokens" + (" (used)" if binds else "")
+
+
+def step_reason(r: dict[str, Any]) -> str:
+    """Why one case's step is off the planner's bound: what that case does that the bound
+    (bytes moved at the measured bandwidths) does not count."""
+    if r["step_ratio"] < 1 / STEP_TOLERANCE:
+        return "the bound assumes traffic this cache avoids"
+    why = []
+    if r["lower_codec"] != "none" and r["measured"]["host"] + r["measured"]["disk"] > 0:
+        why.append(f"decoding {r['lower_codec']} blocks is compute the bound does not count")
+    if r["disk"]:
+        why.append("per-block disk reads and checksums")
+    if not why:
+        what = "per-block host reads, " if r["measured"]["host"] else ""
+        why.append(f"{what}attention compute over {r['tokens']} tokens / timing noise")
+    return "; ".join(why)
+
+
 def planner(d: dict[str, Any]) -> str:
     rows = []
     for r in d["rows"]:
         p, m, ok = r["predicted"], r["measured"], r["bytes_within_one_block"]
         bytes_cells = [
-            f"{_mib(p[t])} / {_mib(m[t])}" + ("" if ok[t] else " **✗**")
-            for t in ("device", "host", "disk")
+            f"{_mib(p[t])} / {_mib(m[t])}" + ("" if ok.get(t, True) else " **✗**")
+            for t in ("device", "staging", "host", "disk")
         ]
         flag = " **off > 2x**" if r["step_off_by_more_than_2x"] else ""
         rows.append([
-            f"{r['section']}: {r['case']}", r["tokens"], *bytes_cells,
-            f"{1e3 * p['step_s']:.3f}", f"{1e3 * m['step_s']:.2f}", f"{r['step_ratio']:.1f}x{flag}",
+            f"{r['section']}: {r['case']}", r["tokens"], f"{100 * r['asked_resident']:.0f} %",
+            _floor(r), *bytes_cells, f"{1e3 * p['step_s']:.3f}", f"{1e3 * m['step_s']:.2f}",
+            f"{r['step_ratio']:.1f}x{flag}",
         ])  # fmt: skip
-    text = _table(
-        ["case", "tokens", "device: plan / cache", "host: plan / cache", "disk: plan / cache",
-         "step bound ms", "measured ms", "measured / bound"],
+    text = ""
+    if d.get("stale"):
+        text += f"> **Stale:** {d['stale']}.\n\n"
+    text += _table(
+        ["case", "tokens", "asked device share", "floor (sinks + residual + open block)",
+         "device excl. staging: plan / cache", "staging: plan / cache", "host: plan / cache",
+         "disk: plan / cache", "step bound ms", "measured ms", "measured / bound"],
         rows,
     )  # fmt: skip
     s, bw = d["summary"], d["bandwidth"]
+    disk_cases = [r["case"] for r in d["rows"] if r.get("host_capacity_from_cache")]
     text += (
         f"\n\nThe planner was given this machine as measured: memory copy "
         f"{bw['device'] / 1e9:.2f} GB/s as the device bandwidth, host tier reads "
         f"{bw['link'] / 1e9:.2f} GB/s as the link, disk tier reads {bw['disk'] / 1e9:.2f} GB/s "
-        "(page cache warm). It applies one codec to every tier; the caches keep the device "
-        "exact, so it is asked with codec none for the device bytes and with the lower "
-        "tiers' codec for the host / disk bytes and the step bound.\n\n"
+        "(page cache warm). Of each cache it was given the tokens, the block size and the "
+        "device share the section asked for (not the cache's device budget), raised to the "
+        'placement floor where that column says "used": a lossy host tier keeps the '
+        "sinks, the residual window and the open block on the device whatever the share. "
+    )
+    if disk_cases:
+        text += (
+            f"For {', '.join(disk_cases)} it was also given the host tier's capacity from the "
+            "cache's host_budget, so the host / disk split is the cache's; only their sum is "
+            "the planner's. "
+        )
+    text += (
+        "It applies one codec to every tier; the caches keep the device exact, so it is asked "
+        "with codec none for the device and staging bytes and with the lower tiers' codec for "
+        "the host / disk bytes and the step bound. The device column excludes the staging "
+        "buffer (the strategy and context tables' device KV includes it). The planner sizes "
+        "a staging buffer for every offloaded cache (a GPU streams cold blocks through it); "
+        "on this machine a cache stages only the lossy blocks it decodes and reads a "
+        "lossless host tier in place, so there the cache's staging is 0.\n\n"
     )
     if s["bytes_mismatched"]:
         text += (
@@ -279,23 +361,16 @@ def planner(d: dict[str, Any]) -> str:
     if off:
         text += (
             f"**Step time: the planner's bound is off by more than 2x in {len(off)} of "
-            f"{s['cases']} cases**: {'; '.join(off)} (measured / bound over all cases "
-            f"{s['step_ratio_min']:.1f}x to {s['step_ratio_max']:.1f}x). The bound counts only "
-            "bytes moved — weights and stored KV at the measured bandwidths — so a step "
-            "it undercounts spends its time on work it does not model"
+            f"{s['cases']} cases** (measured / bound over all cases {s['step_ratio_min']:.1f}x "
+            f"to {s['step_ratio_max']:.1f}x). The bound counts only bytes moved — weights and "
+            "stored KV at the measured bandwidths — so a step it undercounts spends its time "
+            "on work it does not model; per case:\n\n"
         )
-        flagged = [r for r in d["rows"] if r["step_off_by_more_than_2x"]]
-        why = []
-        lossy = sorted({r["lower_codec"] for r in flagged if r["lower_codec"] != "none"})
-        if lossy:
-            why.append(f"decoding {' / '.join(lossy)} blocks (compute, where the bound sees "
-                       "fewer bytes)")  # fmt: skip
-        if any(r["disk"] for r in flagged):
-            why.append("the disk tier's per-block reads and checksums")
-        if any(r["step_ratio"] < 0.5 for r in flagged):
-            why.append("(below 0.5x) traffic the bound assumes but the cache avoids")
-        text += ": " + "; ".join(why) if why else ": compute and per-operation overhead"
-        text += ". Read the bound as a floor, not a forecast, for those cases.\n"
+        for r in d["rows"]:
+            if r["step_off_by_more_than_2x"]:
+                case = f"{r['section']}: {r['case']}"
+                text += f"- {case} ({r['step_ratio']:.1f}x): {step_reason(r)}\n"
+        text += "\nRead the bound as a floor, not a forecast, for those cases.\n"
     else:
         text += (
             f"**Step time:** the planner's bound is within 2x of the measured step in all "
@@ -315,6 +390,30 @@ RENDERERS = {
 }
 
 
+def _header(report: dict[str, Any]) -> str:
+    """Which command(s) measured the report: a run of some sections merged into an
+    earlier report names every run."""
+    runs = report.get("runs") or [
+        {"command": report["command"], "date": report["date"], "seconds": report["seconds"]}
+    ]
+    first, later = runs[0], runs[1:]
+    text = (
+        f"Measured by `{first['command']}` ({report['scale']} scale) on {first['date']}, "
+        f"{first['seconds'] / 60:.1f} minutes"
+    )
+    for run in later:
+        text += (
+            f"; then {', '.join(run['sections'])} measured again by `{run['command']}` on "
+            f"{run['date']}, {run['seconds'] / 60:.1f} minutes"
+        )
+    what = "these runs (the machine table is the last one's)" if later else "this run"
+    return text + f". Every number and figure below comes from {what}; "
+
+
+def _failed(name: str, data: dict[str, Any]) -> str:
+    return f"section failed: {data['error']}\n\nCommand: `{data['command']}`\n"
+
+
 def render(report: dict[str, Any], captions: dict[str, tuple[str, str]]) -> str:
     """The whole report.md.
 
@@ -323,15 +422,13 @@ def render(report: dict[str, Any], captions: dict[str, tuple[str, str]]) -> str:
         captions: section -> (figure file, caption) of the figures drawn.
     """
     sections = report["sections"]
-    minutes = report["seconds"] / 60
     text = (
         "# kvstrata evidence report\n\n"
-        f"Measured by `{report['command']}` ({report['scale']} scale) on {report['date']}, "
-        f"{minutes:.1f} minutes. Every number and figure below comes from this run; the raw "
-        "data is [report.json](report.json). Compared variants ran interleaved (round-robin, "
-        "one warm-up round) and the tables quote medians. On a machine without a GPU the "
-        "device tier is host RAM: device bytes are what a GPU would hold, speeds are CPU "
-        "speeds.\n\n"
+        + _header(report)
+        + "the raw data is [report.json](report.json). Compared variants ran interleaved "
+        "(round-robin, one warm-up round) and the tables quote medians. On a machine without "
+        "a GPU the device tier is host RAM: device bytes are what a GPU would hold, speeds "
+        "are CPU speeds.\n\n"
     )
     text += machine(report)
     number = 0
@@ -352,7 +449,16 @@ def render(report: dict[str, Any], captions: dict[str, tuple[str, str]]) -> str:
                 text += _figure(name, file, caption, number, data)
             text += "\n"
         if name == "serving":
-            text += serving(sections.get("prefix"), sections.get("serve"))
+            ok = {}
+            for part in ("prefix", "serve"):
+                data = sections.get(part)
+                if data is not None and "error" in data:
+                    text += f"{part}: " + _failed(part, data) + "\n"
+                else:
+                    ok[part] = data
+            text += serving(ok.get("prefix"), ok.get("serve"))
+        elif "error" in sections[name]:
+            text += _failed(name, sections[name])
         else:
             text += RENDERERS[name](sections[name])
     return text

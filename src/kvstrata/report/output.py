@@ -21,10 +21,9 @@ def write(report: dict[str, Any], out: Path) -> list[Path]:
     Returns:
         The files written: report.json, the figures, report.md.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "report.json"]
-    written[0].write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
-    sections = report["sections"]
+    written = [write_json(report, out)]
+    # a failed section ({"error": ...}) has no figure: report.md says it failed
+    sections = {name: d for name, d in report["sections"].items() if "error" not in d}
     captions: dict[str, tuple[str, str]] = {}
     for name, (file, draw) in figures.FIGURES.items():
         if name in sections:
@@ -39,6 +38,16 @@ def write(report: dict[str, Any], out: Path) -> list[Path]:
     md.write_text(markdown.render(report, captions))
     written.append(md)
     return written
+
+
+def write_json(report: dict[str, Any], out: Path) -> Path:
+    """Write DIR/report.json (whole: a new file replaces the old one), created `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    tmp = out / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def _json_default(value: Any) -> Any:

@@ -1,14 +1,21 @@
 """`kvstrata plan` next to the measurement: for every cache the strategy and context
-sections ran, the planner's device / host / disk bytes and decode-step bound against
-the bytes the cache held and the step time measured.
+sections ran, the planner's device / staging / host / disk bytes and decode-step bound
+against the bytes the cache held and the step time measured.
 
 The planner is given this machine as it was measured: "device" bandwidth = a raw
 `copy_` in memory, host link = the host tier's read rate, disk link = the disk tier's
-read rate (bench tiers, page cache warm), memory = this machine's RAM. It applies one
-codec to every tier while the caches keep the device tier exact: it is asked once with
-codec "none" (the device bytes) and once with the lower tiers' codec (host / disk bytes,
-step bound). Bytes must agree to within one block per sequence per layer group; a
-step-time bound off by more than 2x is flagged.
+read rate (bench tiers, page cache warm), memory = this machine's RAM. Of each cache it is
+given the tokens, the block size and the device share the section asked for — not the
+cache's device budget — raised to the placement floor where the host codec is lossy (the
+sinks', the residual window's and the open block's blocks, which such a cache keeps on
+the device whatever the share: shown as its own column). With a disk tier it is also
+given the host tier's capacity from the cache's host_budget (it fills the host first,
+the cache splits the cold blocks half and half), so the host / disk split is the cache's
+and their sum the planner's. It applies one codec to every tier while the caches keep
+the device tier exact: it is asked once with codec "none" (device and staging bytes) and
+once with the lower tiers' codec (host / disk bytes, step bound). Bytes must agree to
+within one block per sequence per layer group; a step-time bound off by more than 2x is
+flagged.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ def case(
     variant: Any,
     cache_kwargs: dict[str, Any] | None,
     step_s: float,
+    asked: float,
 ) -> dict[str, Any]:
     """What the planner needs about one measured cache, and what was measured.
 
@@ -39,6 +47,8 @@ def case(
         variant: the timed `kvstrata.bench.decode.Variant` (its last cache's bytes).
         cache_kwargs: the TieredCache's CacheConfig fields; None for a DynamicCache.
         step_s: median seconds per decode step.
+        asked: the device share the section asked `kvstrata.budgets.placement` for
+            (1.0: everything on the device).
 
     Returns:
         A JSON-able dict.
@@ -47,10 +57,7 @@ def case(
     held = dict(variant.held or {})
     kwargs = cache_kwargs or {}
     stats = variant.stats or {}
-    block_bytes = {t: o["block_bytes"] for t, o in stats.get("tiers", {}).items()}
-    device_blocks = None
-    if cache_kwargs is not None:
-        device_blocks = kwargs["device_budget"] // block_bytes["device"]
+    groups = len(stats.get("groups", [])) or 1
     return {
         "section": section,
         "case": label,
@@ -58,11 +65,12 @@ def case(
         "tokens": tokens,
         "tiered": cache_kwargs is not None,
         "block_size": kwargs.get("block_size"),
-        "device_blocks": device_blocks,
+        "asked_resident": asked,
+        "floor_tokens": floor_tokens(kwargs) if asked < 1.0 else 0,
         "lower_codec": kwargs.get("host_codec", "none"),
         "host_budget": kwargs.get("host_budget", 0),
         "disk": kwargs.get("disk_dir") is not None,
-        "groups": len(stats.get("groups", [])) or 1,
+        "groups": groups,
         "measured": {
             "device": held.get("device", 0),
             "host": held.get("host", 0),
@@ -71,6 +79,23 @@ def case(
             "step_s": step_s,
         },
     }
+
+
+def floor_tokens(cache_kwargs: dict[str, Any]) -> int:
+    """Tokens per layer group an offloaded cache keeps on the device whatever the asked
+    share (`kvstrata.budgets.placement`'s rule, from the cache's config): with a lossy
+    host codec the sinks', the residual window's and the open block's blocks, else one
+    block."""
+    from kvstrata.codecs.registry import get_codec
+
+    if not cache_kwargs:
+        return 0
+    bs = cache_kwargs["block_size"]
+    codec = cache_kwargs.get("host_codec", "none")
+    if get_codec(codec).lossless:
+        return bs
+    sinks, residual = cache_kwargs["sink_tokens"], cache_kwargs["residual_tokens"]
+    return bs * (1 + -(-residual // bs) + -(-sinks // bs))
 
 
 def _hardware(bandwidth: dict[str, float], host_memory: int) -> Any:
@@ -104,9 +129,11 @@ def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int
         **{**c["geometry"], "sliding_layers": tuple(c["geometry"]["sliding_layers"])}
     )
     tokens, bs = c["tokens"], c["block_size"] or block_size
-    resident = 1.0
-    if c["tiered"]:
-        resident = min(1.0, c["device_blocks"] * bs / tokens)
+    asked, floor = c["asked_resident"], c["floor_tokens"]
+    resident = min(1.0, asked)
+    if floor >= resident * tokens:  # the floor, a whole number of blocks, wins:
+        # a share just under it, which the planner rounds up to exactly its blocks
+        resident = min(1.0, (floor - 0.5) / tokens)
     host_memory = machine_ram()
     if c["disk"]:  # the planner fills the host up to 80 % of its RAM, then the disk
         host_memory = math.ceil(c["host_budget"] / HOST_USABLE_FRACTION)
@@ -116,12 +143,12 @@ def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int
     on_device = plan(geometry, hardware, exact)
     lower = c["lower_codec"]
     below = on_device if lower == "none" else plan(geometry, hardware, replace(exact, codec=lower))
-    offloaded = resident < 1.0
+    offloaded = on_device.tiers.resident_tokens < tokens
     predicted = {
         "device": on_device.tiers.device_bytes,
         "host": below.tiers.host_bytes if offloaded else 0,
         "disk": below.tiers.disk_bytes if offloaded else 0,
-        "staging": on_device.tiers.staging_bytes,
+        "staging": on_device.tiers.staging_bytes if offloaded else 0,
         "step_s": below.bounds.tiered_s if offloaded else on_device.bounds.all_on_gpu_s,
     }
     measured = c["measured"]
@@ -137,7 +164,10 @@ def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int
         "section": c["section"],
         "case": c["case"],
         "tokens": tokens,
-        "resident_fraction": resident,
+        "asked_resident": asked,
+        "floor_tokens": floor,
+        "resident_fraction": on_device.tiers.resident_fraction,
+        "host_capacity_from_cache": c["disk"],
         "lower_codec": lower,
         "disk": c["disk"],
         "predicted": predicted,
@@ -157,6 +187,10 @@ def section(session: Session) -> dict[str, Any]:
     cases = [
         c for name in ("strategy", "context") for c in session.data.get(name, {}).get("cases", [])
     ]
+    if not cases:
+        failed = [n for n in ("strategy", "context") if "error" in session.data.get(n, {})]
+        why = f"{' and '.join(failed)} failed" if failed else "neither strategy nor context ran"
+        raise RuntimeError(f"no measured cache to compare ({why})")
     bandwidth = bandwidths(session)
     rows = [compare_case(c, bandwidth, session.scale.block_size) for c in cases]
     session.tick("planner: predicted vs measured")

@@ -5,9 +5,10 @@ Strategy: on the real model when it is installed (the embedded one otherwise), e
 strategy is a TieredCache placement (`kvstrata.budgets.placement`, as `kvstrata eval`
 builds them). Decode speed and bytes come from `kvstrata bench decode`'s method
 (`time_variants`: exact prefill replayed into fresh caches, greedy steps timed, all
-strategies round-robin, medians); ΔPPL and top-1 agreement from `kvstrata.evaluate.compare`
-(teacher-forced, one token per forward); greedy agreement from
-`kvstrata.agreement.greedy_agreement`.
+strategies round-robin, medians); ΔPPL and top-1 agreement as `kvstrata.evaluate.compare`
+computes them (teacher-forced, one token per forward, `kvstrata.evaluate.perplexity`), each
+cache watched for how many scored predictions attended over blocks in a lower tier; greedy
+agreement from `kvstrata.agreement.greedy_agreement`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ STRATEGIES: tuple[tuple[str, str, bool, bool], ...] = (
     ("offload + int4 + disk", "int4", True, True),
 )
 DYNAMIC = "DynamicCache (transformers)"
+SINK_TOKENS = 4  # kvstrata.budgets.placement's default sinks
 
 
 def load(session: Session) -> tuple[Any, Any]:
@@ -71,16 +73,93 @@ def _text(session: Session, tokenizer: Any, tokens: int, count: int) -> tuple[li
     return windows, None if byte_level else bytes_of
 
 
-def exact_span(block_size: int) -> int:
+def exact_span(block_size: int, residual_tokens: int, sink_tokens: int = SINK_TOKENS) -> int:
     """Tokens a placement's cache still holds exactly on the device whatever the codec:
-    the sinks' and the residual window's blocks (placement's defaults), which a lossy
-    placement keeps on the device at least. Predictions up to here see no lossy block,
-    so ΔPPL loses nothing when they are scored from one prefill forward."""
-    from kvstrata.config import CacheConfig
+    the sinks' and the residual window's blocks, which a lossy placement keeps on the
+    device at least. Predictions up to here see no lossy block, so ΔPPL loses nothing
+    when they are scored from one prefill forward."""
+    return block_size * (-(-residual_tokens // block_size) + -(-sink_tokens // block_size))
 
-    defaults = CacheConfig()
-    return block_size * (-(-defaults.residual_tokens // block_size)
-                         + -(-defaults.sink_tokens // block_size))  # fmt: skip
+
+class _LowerTierWatch:
+    """A cache factory for `kvstrata.evaluate.perplexity` that watches its caches: after
+    each forward (the progress callback) it notes whether a lower tier (host or disk)
+    holds blocks, so the next forward — one scored prediction — reads them back."""
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self._cache: Any = None
+        self._held = False
+        self.predictions = 0  # scored predictions that attended over lower-tier blocks
+        self.device_share = 1.0  # the last cache's share of blocks on the device
+
+    def make(self, tokens: int) -> Any:
+        self._cache, self._held = self._make(tokens), False
+        return self._cache
+
+    def after_forward(self, _forwards: int) -> None:
+        self.predictions += self._held
+        stats = self._cache.stats()
+        if not stats.get("initialized"):
+            return
+        used = {name: t["used_blocks"] for name, t in stats["tiers"].items()}
+        self._held = any(n for name, n in used.items() if name != "device")
+        total = sum(used.values())
+        self.device_share = used.get("device", 0) / total if total else 1.0
+
+
+def score(
+    model: Any,
+    windows: list,
+    configs: dict[str, dict[str, Any]],
+    *,
+    prefill: int,
+    bytes_of: Any,
+) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """ΔPPL and top-1 agreement of every TieredCache configuration against the exact
+    cache (DynamicCache), as `kvstrata.evaluate.compare` computes them, window-major.
+
+    Returns:
+        The exact run's `PplResult` and, per configuration, delta_ppl_pct,
+        top1_agreement, predictions, lower_tier_predictions (scored predictions whose
+        forward read blocks back from the host or disk tier: 0 means every prediction
+        saw only exact device blocks) and device_fraction (blocks on the device at the
+        end of the last window).
+    """
+    from kvstrata.evaluate import (
+        REFERENCE_ATTENTION,
+        PplResult,
+        exact_cache_factory,
+        perplexity,
+        tiered_cache_factory,
+        top1_agreement,
+    )
+
+    exact = PplResult(0.0, 0, 0, [])
+    results = {name: PplResult(0.0, 0, 0, []) for name in configs}
+    watches = {name: _LowerTierWatch(tiered_cache_factory(model, **kw))
+               for name, kw in configs.items()}  # fmt: skip
+    for window in windows:
+        n = len(window)
+        res = perplexity(model, window, exact_cache_factory(model), n, prefill=prefill,
+                         bytes_of=bytes_of)  # fmt: skip
+        exact = exact.merged(res)
+        for name, watch in watches.items():
+            res = perplexity(model, window, watch.make, n, prefill=prefill, bytes_of=bytes_of,
+                             progress=watch.after_forward)  # fmt: skip
+            results[name] = results[name].merged(res)
+    model.set_attn_implementation(REFERENCE_ATTENTION)  # as compare() leaves it
+    scored = {
+        name: {
+            "delta_ppl_pct": 100.0 * (res.ppl / exact.ppl - 1.0),
+            "top1_agreement": top1_agreement(exact.argmax_ids, res.argmax_ids),
+            "predictions": res.num_tokens,
+            "lower_tier_predictions": watches[name].predictions,
+            "device_fraction": watches[name].device_share,
+        }
+        for name, res in results.items()
+    }
+    return exact, scored
 
 
 def strategy_configs(
@@ -97,6 +176,8 @@ def strategy_configs(
             codec=codec,
             resident=scale.resident if offload else 1.0,
             block_size=scale.block_size,
+            residual_tokens=scale.residual_tokens,
+            sink_tokens=SINK_TOKENS,
             disk_dir=str(disk_dir) if disk else None,
         )
         for label, codec, offload, disk in STRATEGIES
@@ -110,7 +191,7 @@ def strategy(session: Session) -> dict[str, Any]:
     from kvstrata.agreement import greedy_agreement
     from kvstrata.bench import _timing
     from kvstrata.bench.decode import Variant, kvstrata_twin, prefill, time_variants
-    from kvstrata.evaluate import compare, tiered_cache_factory
+    from kvstrata.evaluate import tiered_cache_factory
     from kvstrata.report.predicted import case
 
     scale = session.scale
@@ -130,10 +211,8 @@ def strategy(session: Session) -> dict[str, Any]:
 
     windows, bytes_of = _text(session, tokenizer, scale.ppl_window, scale.ppl_windows)
     ppl_configs = strategy_configs(model, session, scale.ppl_window, session.workdir / "ppl")
-    exact_tokens = min(exact_span(scale.block_size), scale.ppl_window - 1)
-    ppl = compare(
-        model, windows, ppl_configs, scale.ppl_window, prefill=exact_tokens, bytes_of=bytes_of
-    )
+    exact_tokens = min(exact_span(scale.block_size, scale.residual_tokens), scale.ppl_window - 1)
+    exact, ppl = score(model, windows, ppl_configs, prefill=exact_tokens, bytes_of=bytes_of)
     session.tick("strategy: ΔPPL")
 
     prompts, _ = _text(session, tokenizer, scale.greedy_prompt_tokens, scale.greedy_prompts)
@@ -146,6 +225,7 @@ def strategy(session: Session) -> dict[str, Any]:
 
     geometry = geometry_of(model)
     reference = variants[0].results[0].tokens
+    asked = {label: scale.resident if offload else 1.0 for label, _, offload, _ in STRATEGIES}
     rows, cases = [], []
     for v in variants:
         med = _timing.median(times[v.key])
@@ -163,17 +243,22 @@ def strategy(session: Session) -> dict[str, Any]:
         }
         if v.label in configs:
             kwargs = configs[v.label]
-            res = ppl.configs[v.label]
+            res = ppl[v.label]
             agree = greedy.rows[v.label]
             row.update(
                 lower_codec=kwargs.get("host_codec", "none"),
                 disk=kwargs.get("disk_dir") is not None,
-                delta_ppl_pct=res.delta_ppl_pct,
-                top1_agreement=res.top1_agreement,
+                delta_ppl_pct=res["delta_ppl_pct"],
+                top1_agreement=res["top1_agreement"],
+                ppl_lower_tier_predictions=res["lower_tier_predictions"],
+                ppl_device_fraction=res["device_fraction"],
                 greedy_agreement=agree.agreement,
                 greedy_identical=f"{agree.identical_runs}/{len(agree.identical)}",
             )
-        cases.append(case("strategy", v.label, geometry, v, configs.get(v.label), med / steps))
+        kwargs = configs.get(v.label)
+        cases.append(
+            case("strategy", v.label, geometry, v, kwargs, med / steps, asked.get(v.label, 1.0))
+        )
         rows.append(row)
     return {
         "model": session.model,
@@ -183,10 +268,12 @@ def strategy(session: Session) -> dict[str, Any]:
         "steps": steps,
         "repeats": scale.repeats,
         "block_size": scale.block_size,
+        "residual_tokens": scale.residual_tokens,
+        "sink_tokens": SINK_TOKENS,
         "resident": scale.resident,
         "ppl": {"window": scale.ppl_window, "windows": scale.ppl_windows,
-                "prefill": exact_tokens, "exact_ppl": ppl.exact.ppl,
-                "predictions": ppl.exact.num_tokens},
+                "prefill": exact_tokens, "exact_ppl": exact.ppl,
+                "predictions": exact.num_tokens},
         "greedy": {"prompts": scale.greedy_prompts, "prompt_tokens": scale.greedy_prompt_tokens,
                    "new": new},
         "rows": rows,
@@ -208,19 +295,19 @@ def _device_fraction(stats: dict[str, Any] | None) -> float:
 def codecs(session: Session) -> dict[str, Any]:
     """Per codec: bits per element, encode / decode GB/s vs copy_ and the attention error
     of `kvstrata bench codecs`; ΔPPL and top-1 agreement with the codec on the host tier
-    (10 % on the device) on the embedded model, via `kvstrata.evaluate.compare`."""
+    (the scale's device share, raised to the placement floor) on the embedded model."""
     import torch
 
     from kvstrata.bench.codecs import bench_codec
     from kvstrata.budgets import placement
-    from kvstrata.evaluate import compare
+    from kvstrata.geometry import dtype_name
     from kvstrata.modelzoo import load_model
 
     scale = session.scale
     torch.set_num_threads(session.threads)
-    rows = []
+    rows, dtype = [], torch.float16
     for name in scale.codecs:
-        rows.append(bench_codec(name, torch.float16, scale.codec_size_mib, scale.repeats))
+        rows.append(bench_codec(name, dtype, scale.codec_size_mib, scale.repeats))
         session.tick(f"codecs: {name} speed and error")
     model, _ = load_model("tiny")
     model.set_attn_implementation("sdpa")
@@ -236,22 +323,27 @@ def codecs(session: Session) -> dict[str, Any]:
             unusable[name] = str(exc)
             continue
         configs[name] = placement(model, window, codec=name, resident=scale.resident,
-                                  block_size=block_size)  # fmt: skip
-    ppl = compare(model, windows, configs, window, prefill=exact_span(scale.block_size),
-                  bytes_of=bytes_of)  # fmt: skip
+                                  block_size=block_size, residual_tokens=scale.residual_tokens,
+                                  sink_tokens=SINK_TOKENS)  # fmt: skip
+    prefill = min(exact_span(scale.block_size, scale.residual_tokens), window - 1)
+    exact, ppl = score(model, windows, configs, prefill=prefill, bytes_of=bytes_of)
     session.tick("codecs: ΔPPL")
     for row in rows:
-        res = ppl.configs.get(row["codec"])
-        row["delta_ppl_pct"] = res.delta_ppl_pct if res else None
-        row["top1_agreement"] = res.top1_agreement if res else None
+        res = ppl.get(row["codec"], {})
+        row["delta_ppl_pct"] = res.get("delta_ppl_pct")
+        row["top1_agreement"] = res.get("top1_agreement")
+        row["ppl_lower_tier_predictions"] = res.get("lower_tier_predictions")
+        row["ppl_device_fraction"] = res.get("device_fraction")
         row["ppl_unavailable"] = unusable.get(row["codec"])
     return {
-        "dtype": "fp16",
+        "dtype": dtype_name(dtype),
         "size_mib": scale.codec_size_mib,
         "repeats": scale.repeats,
         "ppl_model": "tiny",
         "ppl_window": window,
-        "exact_ppl": ppl.exact.ppl,
+        "ppl_prefill": prefill,
+        "ppl_predictions": exact.num_tokens,
+        "exact_ppl": exact.ppl,
         "resident": scale.resident,
         "rows": rows,
         "command": session.section_command("codecs"),

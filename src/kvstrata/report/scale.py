@@ -14,6 +14,8 @@ class Scale:
         name: "smoke", "quick" or "full" (the flag that chose it).
         repeats: interleaved timed rounds of every timed comparison (medians).
         block_size: tokens per block of the decode, strategy and quality caches.
+        residual_tokens: the full-precision window a lossy placement keeps on the device
+            (with the sinks); smoke keeps it small so that scoring reads lossy blocks.
         resident: device share of the offloading strategies (seed: 5-20 %).
         strategy_context / strategy_steps: prompt tokens and timed decode steps of the
             strategy table's speed column.
@@ -33,6 +35,7 @@ class Scale:
     name: str
     repeats: int
     block_size: int
+    residual_tokens: int
     resident: float
     strategy_context: int
     strategy_steps: int
@@ -64,19 +67,19 @@ _CODECS = ("none", "fp8", "int8", "int4", "int4-g32", "int4-g128")
 
 SCALES: dict[str, Scale] = {
     "smoke": Scale(
-        name="smoke", repeats=1, block_size=64, resident=0.1,
-        strategy_context=320, strategy_steps=2, ppl_window=96, ppl_windows=1,
-        greedy_prompts=1, greedy_prompt_tokens=96, greedy_new=2,
-        resident_context=512, resident_fractions=(0.1, 1.0),
+        name="smoke", repeats=1, block_size=64, residual_tokens=64, resident=0.1,
+        strategy_context=320, strategy_steps=2, ppl_window=320, ppl_windows=1,
+        greedy_prompts=1, greedy_prompt_tokens=256, greedy_new=4,
+        resident_context=512, resident_fractions=(0.1, 0.5, 1.0),
         resident_codecs=("none", "int4"), decode_steps=2,
         contexts=(128, 256, 512), context_resident=128,
         tier_size_mib=1, tier_samples=8,
-        codecs=("none", "int8", "int4"), codec_size_mib=1, codec_ppl_window=96,
+        codecs=("none", "int8", "int4"), codec_size_mib=1, codec_ppl_window=320,
         prefix_tokens=128, prefix_suffix=8,
         serve_requests=2, serve_prompt_tokens=8, serve_max_tokens=2,
     ),
     "quick": Scale(
-        name="quick", repeats=5, block_size=64, resident=0.1,
+        name="quick", repeats=5, block_size=64, residual_tokens=128, resident=0.1,
         strategy_context=1024, strategy_steps=16, ppl_window=512, ppl_windows=2,
         greedy_prompts=3, greedy_prompt_tokens=512, greedy_new=32,
         resident_context=8192, resident_fractions=_FRACTIONS,
@@ -88,7 +91,7 @@ SCALES: dict[str, Scale] = {
         serve_requests=8, serve_prompt_tokens=128, serve_max_tokens=32,
     ),
     "full": Scale(
-        name="full", repeats=5, block_size=64, resident=0.1,
+        name="full", repeats=5, block_size=64, residual_tokens=128, resident=0.1,
         strategy_context=4096, strategy_steps=64, ppl_window=2048, ppl_windows=2,
         greedy_prompts=4, greedy_prompt_tokens=1024, greedy_new=128,
         resident_context=16384, resident_fractions=_FRACTIONS,

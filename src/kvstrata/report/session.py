@@ -10,6 +10,9 @@ from typing import Any
 
 from kvstrata.report.scale import Scale
 
+# --sections value that measures a section again: the planner needs the sections it compares
+SECTION_NEEDS = {"planner": "strategy,context,planner"}
+
 
 @dataclass
 class Session:
@@ -36,5 +39,6 @@ class Session:
     data: dict[str, Any] = field(default_factory=dict)
 
     def section_command(self, section: str) -> str:
-        """The command that measures one section alone."""
-        return f"{self.command} --sections {section}"
+        """The command that measures one section again (merged into the same --out); the
+        planner compares the strategy and context sections' caches, so it runs with them."""
+        return f"{self.command} --sections {SECTION_NEEDS.get(section, section)}"

@@ -30,6 +30,18 @@ def _model(session: Session, max_tokens: int) -> tuple[Any, Any]:
     return sdpa, kvstrata_twin(sdpa)
 
 
+def _describe(model: Any) -> tuple[str, str]:
+    """The sweeps' model in words, and its dtype ("fp32")."""
+    from kvstrata.geometry import dtype_name
+
+    cfg = model.config
+    dtype = dtype_name(next(model.parameters()).dtype)
+    return (
+        f"bench decode's {cfg.num_hidden_layers}-layer Llama (hidden {cfg.hidden_size}, "
+        f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim}, {dtype}, random init)"
+    ), dtype
+
+
 def _tiered(model: Any, kwargs: dict[str, Any]) -> Any:
     from kvstrata.integrations.hf import TieredCache
 
@@ -99,8 +111,10 @@ def resident(session: Session) -> dict[str, Any]:
             tokens_identical=all(r.tokens.equal(reference) for r in v.results),
         )
         rows.append(row)
+    model, dtype = _describe(sdpa)
     return {
-        "model": "bench decode's 4-layer Llama (hidden 256, 2 KV heads x 64, fp32, random init)",
+        "model": model,
+        "dtype": dtype,
         "context": ctx,
         "steps": steps,
         "repeats": scale.repeats,
@@ -143,7 +157,7 @@ def context(session: Session) -> dict[str, Any]:
     scale = session.scale
     steps, bs = scale.decode_steps, scale.block_size
     sdpa, twin = _model(session, max(scale.contexts) + steps + bs)
-    variants, configs = [], {}
+    variants, configs, asked = [], {}, {}
 
     def dynamic() -> Any:
         return DynamicCache(config=sdpa.config)
@@ -154,7 +168,7 @@ def context(session: Session) -> dict[str, Any]:
         for label, codec in CONTEXT_CACHES.items():
             kwargs = placement(sdpa, ctx + steps, codec=codec, resident=share, block_size=bs)
             key = f"{codec}@{ctx}"
-            configs[key] = kwargs
+            configs[key], asked[key] = kwargs, share
             variants.append(
                 Variant(key, label, ctx, twin, lambda kw=kwargs: _tiered(sdpa, kw), [])
             )  # fmt: skip
@@ -164,11 +178,12 @@ def context(session: Session) -> dict[str, Any]:
     geometry = geometry_of(sdpa)
     rows = [_row(v, times[v.key], steps) for v in variants]
     cases = [
-        case("context", f"{v.label} @ {v.context}", geometry, v, configs.get(v.key), row["step_s"])
+        case("context", f"{v.label} @ {v.context}", geometry, v, configs.get(v.key),
+             row["step_s"], asked.get(v.key, 1.0))
         for v, row in zip(variants, rows, strict=True)
-    ]
+    ]  # fmt: skip
     return {
-        "model": "bench decode's 4-layer Llama (hidden 256, 2 KV heads x 64, fp32, random init)",
+        "model": _describe(sdpa)[0],
         "kv": "random K/V replayed into each cache (no prefill: bytes and time do not "
         "depend on the values)",
         "contexts": list(scale.contexts),

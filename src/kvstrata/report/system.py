@@ -44,10 +44,12 @@ def block_size(session: Session) -> dict[str, Any]:
     sweep = bench_sweep(args, workdir)
     session.tick("block size: sweep")
     first = sweep[0]
+    tiers = [k for k in first if isinstance(first[k], dict)]
     return {
         "token_bytes": first["block_bytes"] // first["block_size"],
+        "dtype": first["dtype"],
         "size_mib": args.size_mib,
-        "samples": max(8, args.samples // 4),
+        "samples": min(r[t]["samples"] for r in sweep for t in tiers),
         "repeats": args.repeats,
         "page_cache": "warm (reads of the disk tier come from the page cache)",
         "throughput": throughput,
