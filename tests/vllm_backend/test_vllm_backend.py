@@ -11,6 +11,8 @@ processes), run once and shared by the tests that read it:
                  (checksums rewritten: the blocks are valid, their values wrong)   -> (e)
     lossy        host int8, disk int4-g32 + zstd, 64-token kvstrata blocks (two vLLM
                  blocks each)                                                -> (d)
+    evicting     a host tier of 4 blocks (a prompt has 9) and a disk tier of 8: both
+                 evict while P1, P2, then P1 and P2 again run                -> (f)
 """
 
 from __future__ import annotations
@@ -175,3 +177,33 @@ def test_d_lossy_host_codec_runs_and_reports_agreement(
             f"{agreement:.1%} ({len(pairs)} tokens); bytes per block raw {sizes['raw']}, "
             f"host int8 {sizes['host']}, disk int4-g32+zstd {sizes['disk']:.0f} (64 tokens)"
         )
+
+
+@pytest.fixture(scope="module")
+def evicting(tiny_llama: Path, engine_factory: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    block = NUM_LAYERS * 2 * NUM_KV_HEADS * VLLM_BLOCK * HEAD_DIM * 4  # lossless: 32 KiB
+    disk = tmp_path_factory.mktemp("disk-evicting")
+    engine = engine_factory(
+        tiny_llama, disk_dir=str(disk), host_budget=f"{4 * block}", disk_budget=f"{8 * block}"
+    )
+    try:
+        p1, _ = engine.generate([P1])  # stores the first 4 of its 9 blocks (all that fit)
+        engine.settle()
+        p2, _ = engine.generate([P2])  # P2's evict P1's host copies (on disk: 8 of 8)
+        engine.settle()
+        warm1, cached1 = engine.generate([P1])  # 4 disk hits; its new blocks evict P2's
+        engine.settle()
+        warm2, cached2 = engine.generate([P2])  # gone from both tiers: recomputed
+    finally:
+        stats = engine.close()
+    return {"cold": p1 + p2, "warm": warm1 + warm2, "warm_cached": cached1 + cached2,
+            "stats": stats}  # fmt: skip
+
+
+def test_f_eviction_on_both_tiers_keeps_the_tokens_exact(evicting: dict, first_run: dict) -> None:
+    assert evicting["cold"] == first_run["cold"] and evicting["warm"] == first_run["cold"]
+    assert evicting["warm_cached"] == [4 * VLLM_BLOCK, 0]
+    stats = evicting["stats"]
+    assert stats["slots"] == {"host": 4, "disk": 8} and stats["hits_disk"] == 4
+    assert stats["evicted_host"] > 0 and stats["evicted_disk"] > 0 and stats["store_refused"] > 0
+    assert stats["disk_degraded"] == 0 and stats["disk_read_timeouts"] == 0

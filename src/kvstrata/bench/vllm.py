@@ -81,6 +81,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rounds = args.repeats + 1  # + the warm-up round
     prompts = _prompts(model_dir, rounds, args.prompt_tokens)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvstrata-vllm-"))
+    root.mkdir(parents=True, exist_ok=True)  # the stats file's directory must exist
     stats_file = root / "stats.json"
     block_tokens = args.block_size
     num_blocks = args.prompt_tokens // block_tokens

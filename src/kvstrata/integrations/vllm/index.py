@@ -5,7 +5,8 @@ host copy, a disk copy, or both (the disk is written through: a block stored on 
 host is also written to disk, so the disk index is complete even after a crash):
 
     host copy:  allocated --(worker stored it)--> ready     (pinned while loading)
-    disk copy:  allocated --(writer thread wrote it)--> ready
+                allocated --(writer thread read it from disk: `reading`)--> ready
+    disk copy:  allocated --(writer thread wrote it: `writing`)--> ready
 
 Eviction uses kvstrata's policies (policies/eviction.py) on every copy that may go:
 per tier, the evictable copies are kept sorted by the policy's keep-key, so the
@@ -39,6 +40,8 @@ class Entry:
     disk_slot: int | None = None
     disk_ready: bool = False
     writing: bool = False  # the host copy is being written to disk
+    reading: bool = False  # the disk copy is being read into the host slot
+    doomed: bool = False  # dropped (reset) once its disk I/O in flight has ended
     pins: int = 0
     last_access: int = 0
     access_count: int = 0
@@ -46,9 +49,11 @@ class Entry:
 
     def evictable(self, tier: str) -> bool:
         """Whether this copy may be dropped now."""
+        if self.doomed or self.reading or self.writing:
+            return False  # I/O in flight uses both copies' slots
         if tier == "host":
-            return self.host_ready and self.pins == 0 and not self.writing
-        return self.disk_ready and not self.writing
+            return self.host_ready and self.pins == 0
+        return self.disk_ready
 
 
 class BlockIndex:

@@ -7,21 +7,32 @@ they share without talking to each other.
 One kvstrata block is one vLLM offload chunk (`blocks_per_chunk` vLLM blocks) of one
 KV cache group: every layer of the group, K and V. vLLM's key for it (a block hash
 chained over the prompt, plus the group index) does not name the model, so every key
-is hashed again with a *namespace* — model and weights, dtype, layout, codecs — and
-the disk tier lives in a subdirectory of `disk_dir` named after it: two models never
-share a directory or a block by accident.
+is hashed again with a *namespace* — model and weights, dtype, layout, codecs, and
+what vLLM's config says changes K and V (revision, quantization, rope settings,
+hf_overrides: `model_identity`) — and the disk tier lives in a subdirectory of
+`disk_dir` named after it: two models never share a directory or a block by accident.
+
+The scheduler process has no vLLM config to read (vLLM hands an OffloadingSpec only
+the model's name and dtype, and sets its "current config" in the worker process
+only), so the worker computes the identity and publishes it in the header of the
+host arena both map (region.py); the scheduler names its plan with it (`named`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from kvstrata.budgets import lower_slots
 from kvstrata.codecs.base import Codec
@@ -39,7 +50,9 @@ KEY_BYTES = 16
 #   "opaque":   any other backend: the page is copied as bytes (lossless codecs only)
 PAGE_LAYOUTS = ("cpu-hnd", "opaque")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_SAMPLE = 1 << 16  # bytes hashed at each end of a weight file
+_READ_CHUNK = 8 << 20  # bytes read at a time when hashing a weight file
+DIGEST_CACHE = "weights-digests.json"  # in disk_dir: weight file digests by path, size, mtime
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,10 @@ class BackendPlan:
 
     `layout` is the kvstrata block (one chunk); `page_shape` is one vLLM block's page
     of one layer as the worker reads it: (heads, 2, tokens, dim) in `layout.dtype`.
+    `arena_digest` names what both processes must agree on (layout, codecs, slots):
+    the host arena's header carries it. `digest` adds the model identity (see
+    `model_identity`; empty until `named`): it namespaces every key and names the
+    disk tier's subdirectory.
     """
 
     layout: BlockLayout
@@ -75,6 +92,8 @@ class BackendPlan:
     disk_slots: int
     namespace: dict[str, Any] = field(repr=False)
     digest: str = ""
+    arena_digest: str = ""
+    disk_root: str | None = None
     disk_path: str | None = None
     region_path: str = ""
 
@@ -86,9 +105,25 @@ class BackendPlan:
         h.update(vllm_key)
         return h.digest()
 
+    def named(self, identity: dict[str, Any]) -> BackendPlan:
+        """This plan with the model identity in its namespace (digest, disk_path)."""
+        namespace = {**self.namespace, "identity": identity}
+        digest = _digest(namespace, b"kvstrata.ns")
+        disk_path = None
+        if self.disk_root is not None:
+            disk_path = str(Path(self.disk_root) / f"{_slug(namespace['model'])}-{digest[:16]}")
+        return replace(self, namespace=namespace, digest=digest, disk_path=disk_path)
 
-def make_plan(options: VllmOptions, side: VllmSide, geometry: KVGeometry) -> BackendPlan:
-    """The plan of one engine, or ConfigError / UnsupportedModelError (one line)."""
+
+def make_plan(
+    options: VllmOptions,
+    side: VllmSide,
+    geometry: KVGeometry,
+    identity: dict[str, Any] | None = None,
+) -> BackendPlan:
+    """The plan of one engine, or ConfigError / UnsupportedModelError (one line).
+    `identity` (model_identity) names the model; without it the plan is what the
+    scheduler knows before it has read the identity the worker published."""
     if side.world_size != 1:
         raise UnsupportedModelError(
             f"kvstrata's vLLM backend runs one worker per engine; this engine has "
@@ -122,10 +157,13 @@ def make_plan(options: VllmOptions, side: VllmSide, geometry: KVGeometry) -> Bac
     disk_codec = None
     if cache.disk_dir is not None:
         disk_codec = _codec(cache.disk_codec, "disk_codec", layout, side.page_layout)
+    host_slots = lower_slots(cache.host_budget, host_codec.block_nbytes(layout), "host_budget")
+    disk_slots = 0
+    if disk_codec is not None:
+        disk_slots = lower_slots(cache.disk_budget, disk_codec.block_nbytes(layout), "disk_budget")
     namespace = {
         "backend": f"vllm/{NAMESPACE_VERSION}",
         "model": options.model_key or side.model_name,
-        "weights": "" if options.model_key else weights_fingerprint(side.model_name),
         "dtype": name,
         "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim, tokens],
         "vllm_block": n,
@@ -134,27 +172,27 @@ def make_plan(options: VllmOptions, side: VllmSide, geometry: KVGeometry) -> Bac
         "disk_codec": disk_codec.name if disk_codec else "",
         "disk_compress": cache.disk_compress,
     }
-    text = json.dumps(namespace, sort_keys=True, separators=(",", ":"))
-    digest = hashlib.blake2b(text.encode(), digest_size=16, person=b"kvstrata.ns").hexdigest()
-    disk_path = None
-    disk_slots = 0
-    if cache.disk_dir is not None and disk_codec is not None:
-        disk_path = str(Path(cache.disk_dir) / f"{_slug(namespace['model'])}-{digest[:16]}")
-        disk_slots = lower_slots(cache.disk_budget, disk_codec.block_nbytes(layout), "disk_budget")
-    return BackendPlan(
+    arena_digest = _digest({**namespace, "slots": host_slots}, b"kvstrata.arena")
+    plan = BackendPlan(
         layout=layout,
         page_shape=(heads, 2, n, dim),
         page_layout=side.page_layout,
         blocks_per_chunk=side.blocks_per_chunk,
         host_codec=host_codec,
         disk_codec=disk_codec,
-        host_slots=lower_slots(cache.host_budget, host_codec.block_nbytes(layout), "host_budget"),
+        host_slots=host_slots,
         disk_slots=disk_slots,
         namespace=namespace,
-        digest=digest,
-        disk_path=disk_path,
-        region_path=region_path(side.engine_id, digest),
+        arena_digest=arena_digest,
+        disk_root=cache.disk_dir if disk_codec is not None else None,
+        region_path=region_path(side.engine_id, arena_digest),
     )
+    return plan.named(identity or {})
+
+
+def _digest(namespace: dict[str, Any], person: bytes) -> str:
+    text = json.dumps(namespace, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16, person=person).hexdigest()
 
 
 def _codec(name: str, field: str, layout: BlockLayout, page_layout: str) -> Codec:
@@ -183,31 +221,175 @@ def model_geometry(model_name: str) -> KVGeometry:
     return KVGeometry.from_hf_config(config, name=model_name)
 
 
-def weights_fingerprint(model_name: str) -> str:
-    """A short digest naming the weights: for a local directory, every weight file's
-    name, size and first and last 64 KiB; for a hub model, the snapshot (commit)
-    vLLM loaded from the cache; "" when neither is known."""
+# -- model identity -------------------------------------------------------------------------
+def model_identity(options: VllmOptions, model_name: str, vllm_config: Any = None) -> dict:
+    """What names the model's K and V beyond the arena's layout, computed by the worker
+    (the process that has vLLM's config) and published to the scheduler in the host
+    arena's header:
+
+    - from vLLM's ModelConfig (when `vllm_config` is given): the revision, the
+      quantization method and config, the model dtype, `hf_overrides`, and a digest of
+      the resolved Hugging Face config (rope scaling / theta, overrides as applied,
+      the config.json's quantization_config: anything there that changes K or V);
+    - with a disk tier (blocks outlive the process) and no `model_key`: the weights
+      (`weights_fingerprint`), so that new weights under the same name never meet the
+      old blocks. Without a disk tier nothing outlives the engine, and the weights are
+      not read.
+
+    Raises:
+        ConfigError: with a disk tier, weights that cannot be identified (neither a
+            local path nor in the Hugging Face cache): set model_key to name them.
+    """
+    identity: dict[str, Any] = {}
+    revision = download_dir = None
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None:
+        revision = getattr(model_config, "revision", None)
+        download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+        identity.update(
+            quantization=getattr(model_config, "quantization", None),
+            quantization_config=_jsonable(getattr(model_config, "quantization_config", None)),
+            model_dtype=str(getattr(model_config, "dtype", "")).removeprefix("torch."),
+            hf_overrides=_jsonable(getattr(model_config, "hf_overrides", None)),
+            hf_config=config_digest(getattr(model_config, "hf_config", None)),
+        )
+    if options.model_key is not None:  # the user names the weights
+        return identity
+    if revision is not None:
+        identity["revision"] = revision
+    if options.cache.disk_dir is not None:
+        cache_file = Path(options.cache.disk_dir) / DIGEST_CACHE
+        weights = weights_fingerprint(model_name, revision, download_dir, cache_file)
+        if not weights:
+            raise ConfigError.field(
+                "model_key",
+                None,
+                f"kvstrata cannot identify the weights of {model_name!r} (not a local path, "
+                "not in the Hugging Face cache), and blocks on disk must never outlive a "
+                "change of weights: set model_key to a name that changes with the weights",
+            )
+        identity["weights"] = weights
+    return identity
+
+
+def config_digest(hf_config: Any) -> str:
+    """A digest of a Hugging Face config as vLLM resolved it ("" for None), without
+    the fields that name where it came from."""
+    if hf_config is None:
+        return ""
+    data = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    data = {
+        k: v
+        for k, v in data.items()
+        if not k.startswith("_") and k not in ("transformers_version", "name_or_path")
+    }
+    return _digest(data, b"kvstrata.cfg")
+
+
+def _jsonable(value: Any) -> Any:
+    """A stable, JSON-able form of a config value (a callable by its qualified name)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def weights_fingerprint(
+    model_name: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    cache_file: Path | None = None,
+) -> str:
+    """A digest naming the weights, "" when they cannot be found:
+
+    - a local directory (or one weight file): XXH3-128 of every weight file's name
+      and whole contents; the digest of a file is kept in `cache_file` (a small JSON
+      next to the disk tiers) by path, size and mtime, so a restart reads it back
+      instead of reading the weights again;
+    - a Hugging Face hub id: the commit of the snapshot vLLM loaded, for `revision`
+      (a branch, tag or commit; "main" when None) in the hub cache (`download_dir`
+      when vLLM was given one).
+    """
     path = Path(model_name)
-    h = hashlib.blake2b(digest_size=8, person=b"kvstrata.wts")
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if path.is_dir() or path.is_file():
+        files = [path] if path.is_file() else _weight_files(path)
+        if not files:
+            return ""
+        cache = _DigestCache(cache_file)
+        h = hashlib.blake2b(digest_size=16, person=b"kvstrata.wts")
         for file in files:
-            size = file.stat().st_size
-            h.update(f"{file.name}:{size}".encode())
-            with open(file, "rb") as f:
-                h.update(f.read(_SAMPLE))
-                f.seek(max(0, size - _SAMPLE))
-                h.update(f.read(_SAMPLE))
-        return h.hexdigest()
+            rel = file.name if path.is_file() else file.relative_to(path).as_posix()
+            h.update(f"{rel}:{cache.digest(file)}\n".encode())
+        cache.save()
+        return "files:" + h.hexdigest()
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(model_name, "config.json")
+        found = try_to_load_from_cache(
+            model_name, "config.json", cache_dir=download_dir, revision=revision
+        )
     except (ImportError, ValueError, OSError):  # not a hub id, or no hub library
         return ""
     if isinstance(found, str):
-        return Path(found).parent.name  # .../snapshots/<commit>/config.json
+        return "hub:" + Path(found).parent.name  # .../snapshots/<commit>/config.json
     return ""
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+
+
+class _DigestCache:
+    """path -> (size, mtime_ns, XXH3-128 of the contents), kept in a JSON file."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.changed = False
+        if path is not None:
+            with contextlib.suppress(OSError, ValueError):
+                loaded = json.loads(path.read_text(encoding="utf-8"))
+                if isinstance(loaded, dict):
+                    self.entries = loaded
+
+    def digest(self, file: Path) -> str:
+        real = file.resolve()
+        st = real.stat()
+        key = str(real)
+        entry = self.entries.get(key)
+        if (
+            isinstance(entry, dict)
+            and entry.get("size") == st.st_size
+            and entry.get("mtime_ns") == st.st_mtime_ns
+            and isinstance(entry.get("digest"), str)
+        ):
+            return entry["digest"]
+        h = xxhash.xxh3_128()
+        with open(real, "rb") as f:
+            while chunk := f.read(_READ_CHUNK):
+                h.update(chunk)
+        digest = h.hexdigest()
+        self.entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
+        self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if self.path is None or not self.changed:
+            return
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as exc:  # the cache only saves time
+            log.warning("kvstrata: cannot write %s: %s", self.path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def region_path(engine_id: str, digest: str) -> str:

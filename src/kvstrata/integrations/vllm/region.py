@@ -6,69 +6,278 @@ allocates and evicts the slots, reads them to write the disk tier, and writes bl
 it promotes from disk. So the host tier's arenas live in one file in shared memory
 (/dev/shm), mapped by both:
 
-    [ header 4 KiB: magic, plan digest ][ arena k.<field> ][ arena v.<field> ] ...
+    [ header 4 KiB: magic, JSON line ][ arena k.<field> ][ arena v.<field> ] ...
     arena = [num_layers, num_kv_heads, num_slots * rows, cols] (kvstrata.layout), each
     starting on a 64-byte boundary, in sorted field order
 
-Whichever process comes second removes the file's name once it has mapped it, so
-nothing is left in /dev/shm after start-up (the first also removes it when it
-closes, in case the second never came). The digest in the header makes two
-processes that planned different arenas fail at once instead of reading garbage.
+Roles. vLLM builds the worker before the scheduler (EngineCore initializes the KV
+caches, which creates the worker, then builds its Scheduler, which creates the
+manager), so the worker is the *creator* and the manager only *opens*:
+
+- the creator removes any file left under the name (a crashed start; also, under any
+  name, an arena whose creator is no longer running), creates a new
+  one with O_EXCL, reserves its memory (posix_fallocate: a /dev/shm smaller than the
+  arena is a one-line ConfigError at start-up, never a SIGBUS later) and writes the
+  header: the plan's arena digest, its pid, a random nonce and the model identity
+  (plan.model_identity, which only the worker can read from vLLM's config);
+- the opener (the manager) refuses a missing file, a header of another plan, and a
+  file whose creator is not this engine's worker: the creator must be alive and be
+  this process (vLLM's "uni" executor; the nonce must then be the one this process
+  published) or a child of it (the "mp" executor: the worker process is a child of
+  EngineCore, the scheduler's process). A stale file is never adopted. The opener
+  then removes the file's name, so nothing is left in /dev/shm after start-up (the
+  creator also removes it when it closes, in case the manager never came).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
+import logging
 import mmap
 import os
+import secrets
+from typing import Any
 
 import torch
 
 from kvstrata.codecs.base import Codec
-from kvstrata.errors import KvstrataError
+from kvstrata.errors import ConfigError, KvstrataError
 from kvstrata.layout import KINDS, BlockLayout
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import MemoryTier
+from kvstrata.units import format_bytes
 
+log = logging.getLogger(__name__)
 HEADER_BYTES = 4096
-MAGIC = b"kvstrata-vllm-host-1\n"
+MAGIC = b"kvstrata-vllm-host-2\n"
 ALIGN = 64
+PREFIX = "kvstrata-vllm-"  # plan.region_path's file names
+# path -> nonce of the region this process created under it (the "uni" executor runs
+# the worker in the scheduler's process: the opener checks the nonce against this)
+_CREATED: dict[str, str] = {}
 
 
 class SharedRegion:
-    """A file of `nbytes` (plus the header) mapped MAP_SHARED; see the module docstring."""
+    """A file of `nbytes` (plus the header) mapped MAP_SHARED; see the module docstring.
 
-    def __init__(self, path: str, nbytes: int, digest: str) -> None:
+    Args:
+        path: the file (BackendPlan.region_path).
+        nbytes: bytes of the arenas.
+        digest: the plan's arena digest, written (creator) or checked (opener).
+        create: True in the worker (creator), False in the manager (opener).
+        identity: what the creator publishes for the opener (JSON-able dict).
+
+    Raises:
+        ConfigError: the arena does not fit in the shared-memory filesystem (creator).
+        KvstrataError: no arena to open, an arena of another plan, or a stale one.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        nbytes: int,
+        digest: str,
+        *,
+        create: bool,
+        identity: dict[str, Any] | None = None,
+    ) -> None:
         self.path = path
-        size = HEADER_BYTES + nbytes
+        self.created = create
+        self.size = HEADER_BYTES + nbytes
+        fd = self._create(nbytes) if create else self._open()
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            self.created = True
-        except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
-            self.created = False
-        try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._ino = os.fstat(fd).st_ino
+            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
-        header = MAGIC + digest.encode() + b"\n"
-        have = self._map[: len(header)]
-        if have.strip(b"\0") and have != header:
-            raise KvstrataError(
-                f"{path} holds another host arena ({have!r}, this process planned "
-                f"{header!r}): the scheduler and the worker disagree on the kvstrata settings"
-            )
-        self._map[: len(header)] = header
-        if not self.created:
+        if create:
+            self.nonce = secrets.token_hex(16)
+            self.identity = identity or {}
+            self._write_header(digest)
+            _CREATED[path] = self.nonce
+        else:
+            header = self._read_header(digest)
+            self.nonce, self.identity = header["nonce"], header.get("identity", {})
             self.unlink()  # both processes have it mapped: its name is no longer needed
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER_BYTES)
 
+    # -- creator ---------------------------------------------------------------------------
+    def _create(self, nbytes: int) -> int:
+        sweep_stale(os.path.dirname(self.path))
+        for _ in range(3):
+            if os.path.lexists(self.path):
+                log.warning("kvstrata: removed a stale host arena %s (left by an earlier start)",
+                            self.path)  # fmt: skip
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:  # another creator in between: try once more
+                continue
+        else:
+            raise KvstrataError(
+                f"cannot create the host arena {self.path}: another engine with the same "
+                "engine_id keeps creating it; give each engine its own engine_id"
+            )
+        try:
+            reserve(fd, self.size, nbytes, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            raise
+        return fd
+
+    def _write_header(self, digest: str) -> None:
+        line = json.dumps(
+            {"digest": digest, "pid": os.getpid(), "nonce": self.nonce, "identity": self.identity},
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+        header = MAGIC + line + b"\n"
+        if len(header) > HEADER_BYTES:
+            raise KvstrataError(
+                f"the model identity is too long for the host arena's header ({len(header)} "
+                f"bytes > {HEADER_BYTES}): set model_key"
+            )
+        self._map[: len(header)] = header
+
+    # -- opener ----------------------------------------------------------------------------
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise KvstrataError(
+                f"no host arena at {self.path}: vLLM's worker creates it before the scheduler "
+                "opens it; kvstrata's vLLM backend needs the worker in the scheduler's "
+                "process or a child of it (executor 'uni' or 'mp')"
+            ) from None
+        have = os.fstat(fd).st_size
+        if have < self.size:
+            os.close(fd)
+            raise KvstrataError(
+                f"the host arena {self.path} has {have} bytes, this process planned "
+                f"{self.size}: the scheduler and the worker disagree on the kvstrata settings"
+            )
+        return fd
+
+    def _read_header(self, digest: str) -> dict[str, Any]:
+        raw = bytes(self._map[:HEADER_BYTES]).split(b"\0", 1)[0]
+        header: dict[str, Any] = {}
+        if raw.startswith(MAGIC):
+            with contextlib.suppress(ValueError):
+                header = json.loads(raw[len(MAGIC) :])
+        if not isinstance(header, dict) or not {"digest", "pid", "nonce"} <= header.keys():
+            raise KvstrataError(f"{self.path} is not a kvstrata host arena of this version")
+        if header["digest"] != digest:
+            raise KvstrataError(
+                f"{self.path} holds another host arena (plan {header['digest']}, this process "
+                f"planned {digest}): the scheduler and the worker disagree on the kvstrata "
+                "settings"
+            )
+        pid, nonce = header["pid"], header["nonce"]
+        ours = pid == os.getpid() and _CREATED.get(self.path) == nonce
+        child = pid != os.getpid() and _alive(pid) and _parent(pid) in (os.getpid(), None)
+        if not (ours or child):
+            raise KvstrataError(
+                f"{self.path} is a stale host arena (created by process {pid}, which is not "
+                "this engine's worker): kvstrata never adopts it; the worker replaces it "
+                "when it starts (remove the file, or give each engine its own engine_id)"
+            )
+        return header
+
+    # -- both ------------------------------------------------------------------------------
     def unlink(self) -> None:
-        """Remove the file's name (the mappings stay valid); a no-op when it is gone."""
+        """Remove the file's name when it is still this region's file (the mappings
+        stay valid); a no-op when it is gone or replaced."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            if os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+
+
+def sweep_stale(base: str) -> list[str]:
+    """Remove the host arenas in `base` whose creator is gone (a crashed start under
+    another engine_id: its reserved memory would stay taken until a reboot). A file
+    whose header names a live process, or cannot be read yet, is left alone."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PREFIX) and n.endswith(".host")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(HEADER_BYTES).split(b"\0", 1)[0]
+            pid = json.loads(raw[len(MAGIC) :])["pid"] if raw.startswith(MAGIC) else None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(pid, int) and not _alive(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+                log.warning("kvstrata: removed %s, left by process %d (no longer running)",
+                            path, pid)  # fmt: skip
+    return removed
+
+
+def reserve(fd: int, size: int, nbytes: int, path: str) -> None:
+    """Give the file `size` bytes of real memory now (a shared-memory file that
+    outgrows /dev/shm is a SIGBUS on first touch): ENOSPC is a ConfigError on
+    host_budget; a filesystem without fallocate gets a plain (sparse) size."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is not None:
+        try:
+            fallocate(fd, 0, size)
+            return
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise _no_room(path, nbytes) from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+    os.ftruncate(fd, size)
+
+
+def _no_room(path: str, nbytes: int) -> ConfigError:
+    base = os.path.dirname(path)
+    try:
+        st = os.statvfs(base)
+        free = format_bytes(st.f_bavail * st.f_frsize)
+    except OSError:
+        free = "unknown"
+    return ConfigError.field(
+        "host_budget",
+        format_bytes(nbytes),
+        f"the host arena does not fit in {base} ({free} free): lower host_budget, or "
+        f"enlarge {base} (e.g. docker run --shm-size=..., or a larger tmpfs)",
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _parent(pid: int) -> int | None:
+    """The parent pid of `pid` (Linux /proc), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def arena_bytes(layout: BlockLayout, num_slots: int, codec: Codec) -> int:
@@ -111,15 +320,28 @@ class SharedHostTier(MemoryTier):
         num_slots: host slots (BackendPlan.host_slots).
         codec: the host codec.
         path: the region's file (BackendPlan.region_path).
-        digest: the plan digest written into, and checked against, the header.
+        digest: the plan's arena digest (BackendPlan.arena_digest), written into, and
+            checked against, the header.
+        create: True in the worker (creates the file), False in the manager (opens it).
+        identity: the model identity the worker publishes (create=True only).
     """
 
     def __init__(
-        self, layout: BlockLayout, num_slots: int, codec: Codec, path: str, digest: str
+        self,
+        layout: BlockLayout,
+        num_slots: int,
+        codec: Codec,
+        path: str,
+        digest: str,
+        *,
+        create: bool,
+        identity: dict[str, Any] | None = None,
     ) -> None:
         super().__init__("host", layout, 0, codec, "cpu")  # empty arenas, replaced below
         Tier.__init__(self, "host", layout, num_slots, codec)
-        self.region = SharedRegion(path, arena_bytes(layout, num_slots, codec), digest)
+        self.region = SharedRegion(
+            path, arena_bytes(layout, num_slots, codec), digest, create=create, identity=identity
+        )
         offset = 0
         self.arenas = {}
         for key, shape, dtype in _arena_shapes(layout, num_slots, codec):

@@ -1,8 +1,9 @@
 """The OffloadingSpec vLLM loads by name: `KvstrataOffloadingSpec`.
 
 vLLM builds one spec per process from `kv_connector_extra_config`: the scheduler
-process asks it for the manager, the worker process for the worker. Both derive the
-same BackendPlan, so they agree on the host arena they share.
+process asks it for the manager, the worker process for the worker (first). Both
+derive the same BackendPlan, so they agree on the host arena they share; the worker,
+which can read vLLM's config, adds the model identity and publishes it there.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvstrata.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.manager import KvstrataOffloadingManager
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry
+from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry, model_identity
 
 
 class KvstrataOffloadingSpec(OffloadingSpec):
@@ -53,6 +54,7 @@ class KvstrataOffloadingSpec(OffloadingSpec):
             world_size=config.parallel.world_size,
             page_layout="cpu-hnd" if current_platform.is_cpu() else "opaque",
         )
+        self.model_name = config.model.name
         self.plan = make_plan(self.options, side, model_geometry(config.model.name))
         self._manager: KvstrataOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -71,8 +73,10 @@ class KvstrataOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             from kvstrata.integrations.vllm.worker import KvstrataOffloadingWorker
 
-            _check_heads(self.plan.layout.num_kv_heads, self.plan.page_layout)
-            self._worker = KvstrataOffloadingWorker(self.plan, kv_caches)
+            vllm_config = _current_vllm_config()
+            _check_heads(vllm_config, self.plan.layout.num_kv_heads, self.plan.page_layout)
+            identity = model_identity(self.options, self.model_name, vllm_config)
+            self._worker = KvstrataOffloadingWorker(self.plan, kv_caches, identity)
         return self._worker
 
     @classmethod
@@ -80,11 +84,16 @@ class KvstrataOffloadingSpec(OffloadingSpec):
         return {}
 
 
-def _check_heads(num_kv_heads: int, page_layout: str) -> None:
-    """The worker process knows vLLM's own view of the model: check the plan's heads."""
+def _current_vllm_config() -> Any:
+    """vLLM's config: set while the worker process builds its KV caches (never in the
+    scheduler process, which is why the worker publishes the model identity)."""
     from vllm.config import get_current_vllm_config_or_none
 
-    vllm_config = get_current_vllm_config_or_none()
+    return get_current_vllm_config_or_none()
+
+
+def _check_heads(vllm_config: Any, num_kv_heads: int, page_layout: str) -> None:
+    """The worker process knows vLLM's own view of the model: check the plan's heads."""
     if vllm_config is None or page_layout != "cpu-hnd":
         return
     heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)

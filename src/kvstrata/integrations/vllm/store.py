@@ -8,6 +8,12 @@ is complete and which stays pinned until vLLM has loaded it (or the step ends). 
 block only on disk is first read back into a host slot — which verifies its XXH3
 checksums — and a block that fails (corrupt, missing, unreadable) is dropped and
 answered "miss": vLLM recomputes it, and never sees a failed load.
+
+The scheduler never hangs on the disk: its calls run on a writer thread, and the
+scheduler waits only for a read (READ_TIMEOUT_S: past it the lookup is a miss) or a
+drain (DRAIN_TIMEOUT_S, CLOSE_TIMEOUT_S). When
+the disk tier fails as a whole (a slot cannot be freed, an unexpected error) it is
+logged once and the store goes on from the host tier alone (`degraded`).
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from kvstrata.errors import TierIOError
-from kvstrata.integrations.vllm.disk_writer import DiskWriter
+from kvstrata.integrations.vllm.disk_writer import DiskWriter, make_room
 from kvstrata.integrations.vllm.index import BlockIndex, Entry
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import BackendPlan
@@ -32,35 +40,50 @@ HIT, PENDING, MISS = "hit", "pending", "miss"
 COUNTERS = (
     "lookups", "hits_host", "hits_disk", "misses", "pending", "corrupt_refused", "stored",
     "disk_written", "disk_write_errors", "evicted_host", "evicted_disk", "store_refused",
-    "found_on_disk",
+    "found_on_disk", "disk_read_timeouts", "disk_degraded",
 )  # fmt: skip
+# The scheduler never waits on the disk longer than this (seconds); a timed-out read is
+# a miss (the block reaches the host when the read ends), the rest is logged.
+READ_TIMEOUT_S = 10.0
+DRAIN_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 60.0
 
 
 class OffloadStore:
     """Blocks by key on a shared host tier and an optional disk tier.
 
     Args:
-        plan: the engine's BackendPlan (layout, codecs, slots, paths).
+        plan: the engine's BackendPlan (layout, codecs, slots, paths); named here with
+            the model identity the worker published in the host arena's header.
         options: the validated settings (disk flags, stats file).
     """
 
     def __init__(self, plan: BackendPlan, options: VllmOptions) -> None:
-        self.plan = plan
         self.options = options
         self.index = BlockIndex(options.cache.policy)
         self.host = SharedHostTier(
-            plan.layout, plan.host_slots, plan.host_codec, plan.region_path, plan.digest
+            plan.layout,
+            plan.host_slots,
+            plan.host_codec,
+            plan.region_path,
+            plan.arena_digest,
+            create=False,
         )
+        self.plan = plan.named(self.host.region.identity)
         self.disk: DiskWriter | None = None
+        self.degraded = False  # the disk tier failed: host only from then on
         self._writes: dict[int, list[Entry]] = {}  # disk writes in flight, by token
+        self._reads: dict[bytes, tuple[Future, Entry]] = {}  # reads that timed out
         self._tokens = itertools.count()
         self._leased: dict[bytes, str] = {}  # this step's hits -> tier they came from
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.evicted_vllm_keys: list[tuple[str, bytes]] = []  # (tier, key) for vLLM events
         self._dirty = True
         self._closed = False
-        if plan.disk_path is not None:
-            self.disk = DiskWriter(plan, options)
+        self.removed_namespaces: list[str] = []  # other namespaces make_room removed
+        if self.plan.disk_path is not None:
+            self.removed_namespaces = make_room(self.plan, options.cache.disk_budget)
+            self.disk = DiskWriter(self.plan, options)
             for slot, key in sorted(self.disk.keyed_slots().items()):
                 entry = self.index.add(key, None)
                 entry.disk_slot, entry.disk_ready = slot, True
@@ -76,13 +99,13 @@ class OffloadStore:
         entry = self.index.get(key)
         if key in self._leased:
             return HIT
-        if entry is None:
+        if entry is None or entry.reading or entry.doomed:
             return self._count(MISS)
         if entry.host_slot is not None and not entry.host_ready:
             return self._count(PENDING)
         tier = "host"
         if not entry.host_ready:
-            if not entry.disk_ready or not self._promote(entry):
+            if not entry.disk_ready or self.degraded or not self._promote(entry):
                 return self._count(MISS)
             tier = "disk"
         entry.pins += 1
@@ -134,38 +157,67 @@ class OffloadStore:
 
     def _promote(self, entry: Entry) -> bool:
         """Read a disk-only block into a host slot, verifying its checksums. False (and
-        the block dropped) when it cannot be read; False when no host slot is free."""
+        the block dropped) when it cannot be read; False when no host slot is free;
+        False when the read does not finish within READ_TIMEOUT_S (the host slot stays
+        reserved until it does, then the block is on the host)."""
+        assert self.disk is not None and entry.disk_slot is not None
         slots = self._host_slots(1, {entry.key})
         if slots is None:
             return False
-        entry.host_slot = slots[0]
-        try:
-            self.disk.read_into(self.host, entry.disk_slot, slots[0])
-        except TierIOError as exc:
-            log.warning("kvstrata: a disk block was not served, it is recomputed: %s", exc)
-            self.counters["corrupt_refused"] += 1
-            self._drop(entry, "host")
-            self._drop(entry, "disk")
-            return False
-        entry.host_ready = True
+        entry.host_slot, entry.reading = slots[0], True
         self.index.refresh(entry)
-        return True
+        future = self.disk.read_into(self.host, entry.disk_slot, slots[0])
+        try:
+            future.result(READ_TIMEOUT_S)
+        except TimeoutError:
+            self.counters["disk_read_timeouts"] += 1
+            log.warning(
+                "kvstrata: a disk read took over %s s: the block is recomputed", READ_TIMEOUT_S
+            )
+            self._reads[entry.key] = (future, entry)
+            return False
+        except Exception as exc:  # reported by _read_done
+            return self._read_done(entry, exc)
+        return self._read_done(entry, None)
+
+    def _read_done(self, entry: Entry, error: BaseException | None) -> bool:
+        """Apply a finished read: the block is on the host, or dropped."""
+        entry.reading = False
+        if error is None and not entry.doomed:
+            entry.host_ready = True
+            self.index.refresh(entry)
+            return True
+        if isinstance(error, TierIOError):
+            log.warning("kvstrata: a disk block was not served, it is recomputed: %s", error)
+            self.counters["corrupt_refused"] += 1
+        elif error is not None:
+            self._degrade(f"reading a block failed: {error!r}")
+        self._drop(entry, "host")
+        self._drop(entry, "disk")
+        return False
 
     # -- stores --------------------------------------------------------------------------
     def prepare_store(
         self, keys: Sequence[bytes], vllm_keys: Sequence[bytes]
     ) -> tuple[list[bytes], list[int]] | None:
-        """(keys to store, their host slots) for the keys not stored yet, or None when
-        the host tier has no room (every copy pinned)."""
+        """(keys to store, their host slots) for the keys not stored yet — the first
+        ones that fit when the host tier cannot take them all (vLLM stores the rest
+        never: a prefix stored is what a later lookup can use) — or None when no host
+        slot can be had (every copy pinned)."""
         self._reap()
         new = [(k, v) for k, v in zip(keys, vllm_keys, strict=True) if k not in self.index.entries]
         new = list(dict(new).items())  # a key offered twice is stored once
         if not new:
             return [], []
-        slots = self._host_slots(len(new), set(keys))
-        if slots is None:
-            self.counters["store_refused"] += 1
+        protect = set(keys)
+        room = self.host.num_free + len(self.index.victims("host", len(new), protect))
+        if room < len(new):
+            self.counters["store_refused"] += len(new) - room
+            new = new[:room]
+        if not new:
             return None
+        slots = self._host_slots(len(new), protect)
+        assert slots is not None
         for (key, vllm_key), slot in zip(new, slots, strict=True):
             entry = self.index.add(key, vllm_key)
             entry.host_slot = slot
@@ -177,7 +229,7 @@ class OffloadStore:
         stored: list[Entry] = []
         for key in keys:
             entry = self.index.get(key)
-            if entry is None or entry.host_slot is None or entry.host_ready:
+            if entry is None or entry.host_slot is None or entry.host_ready or entry.reading:
                 continue
             if success:
                 entry.host_ready = True
@@ -187,7 +239,7 @@ class OffloadStore:
                 self._drop(entry, "host")
         self.counters["stored"] += len(stored)
         self._dirty = True
-        if stored and self.disk is not None:
+        if stored and self.disk is not None and not self.degraded:
             self._write_through(stored)
         return [e.vllm_key for e in stored if e.vllm_key is not None]
 
@@ -197,7 +249,7 @@ class OffloadStore:
         shortfall = len(entries) - self.disk.num_free
         if shortfall > 0:
             for victim in self.index.victims("disk", shortfall, {e.key for e in entries}):
-                self._drop(victim, "disk")
+                self._drop(victim, "disk")  # the frees are queued, never waited for
         entries = entries[: self.disk.num_free]  # the rest stay on the host only
         slots = self.disk.allocate(len(entries))
         if not slots:
@@ -205,17 +257,21 @@ class OffloadStore:
         for entry, slot in zip(entries, slots, strict=True):
             entry.disk_slot, entry.writing = slot, True
             self.index.refresh(entry)
-        token = id(entries)
+        token = next(self._tokens)
         self._writes[token] = entries
         self.disk.write(
             self.host, [e.host_slot for e in entries], slots, [e.key for e in entries], token
         )
 
     def _reap(self) -> None:
-        """Apply the disk writes that finished (on the writer thread)."""
+        """Apply the disk calls that finished (on the writer thread): writes, failed
+        frees, reads that had timed out."""
         if self.disk is None:
             return
         for token, error in self.disk.finished():
+            if token is None:  # a slot's index row could not be dropped
+                self._degrade(f"freeing a disk slot failed: {error}")
+                continue
             entries = self._writes.pop(token)
             if error is not None:
                 log.warning("kvstrata: blocks were not written to disk: %s", error)
@@ -224,12 +280,36 @@ class OffloadStore:
                 self.counters["disk_written"] += len(entries)
             for entry in entries:
                 entry.writing = False
-                if error is None:
+                if error is None and not self.degraded:
                     entry.disk_ready = True
                     self.index.refresh(entry)
                 else:
                     self._drop(entry, "disk")
+                if entry.doomed:
+                    self._drop(entry, "host")
+                    self._drop(entry, "disk")
             self._dirty = True
+        for key, (future, entry) in list(self._reads.items()):
+            if future.done():
+                del self._reads[key]
+                self._read_done(entry, future.exception())
+                self._dirty = True
+
+    def _degrade(self, reason: str) -> None:
+        """The disk tier failed: log it once and serve from the host tier only (the
+        disk copies are forgotten, no disk call is made again but closing)."""
+        if self.degraded:
+            return
+        self.degraded = True
+        self.counters["disk_degraded"] = 1
+        log.error(
+            "kvstrata: the disk tier %s failed (%s); serving from the host tier only from now on",
+            self.plan.disk_path,
+            reason,
+        )
+        for entry in list(self.index.on("disk")):
+            if not entry.writing:  # a write in flight is forgotten when it finishes
+                self._drop(entry, "disk")
 
     # -- room ----------------------------------------------------------------------------
     def _host_slots(self, count: int, protect: set[bytes]) -> list[int] | None:
@@ -245,7 +325,8 @@ class OffloadStore:
         return self.host.allocate(count)
 
     def _drop(self, entry: Entry, tier: str) -> None:
-        """Drop one copy of a block (and the entry when it was the last)."""
+        """Drop one copy of a block (and the entry when it was the last). A disk slot
+        is freed without waiting (not at all once the disk tier is degraded)."""
         if tier == "host":
             if entry.host_slot is None:
                 return
@@ -254,8 +335,12 @@ class OffloadStore:
         else:
             if entry.disk_slot is None:
                 return
-            self.disk.free(entry.disk_slot)
-            entry.disk_slot, entry.disk_ready = None, False
+            slot, entry.disk_slot, entry.disk_ready = entry.disk_slot, None, False
+            if self.disk is not None and not self.degraded:
+                try:
+                    self.disk.free(slot)
+                except TierIOError as exc:  # defensive: frees are queued, never raised here
+                    self._degrade(f"freeing a disk slot failed: {exc}")
         self.counters[f"evicted_{tier}"] += 1
         if entry.vllm_key is not None:
             self.evicted_vllm_keys.append((tier, entry.vllm_key))
@@ -271,26 +356,38 @@ class OffloadStore:
 
     # -- lifecycle -----------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop every block, host and disk (vLLM's reset_prefix_cache with the connector)."""
+        """Drop every block, host and disk (vLLM's reset_prefix_cache with the connector).
+        A block with disk I/O in flight (past DRAIN_TIMEOUT_S) is dropped when it ends."""
         self.drain()
         for entry in list(self.index.entries.values()):
             entry.pins = 0
+            if entry.writing or entry.reading:
+                entry.doomed = True
+                self.index.refresh(entry)
+                continue
             self._drop(entry, "host")
             self._drop(entry, "disk")
         self._leased.clear()
 
-    def drain(self) -> None:
-        """Wait for the disk writes in flight and apply them."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the disk calls in flight (up to `timeout`, default DRAIN_TIMEOUT_S)
+        and apply them; False when they did not finish in time."""
+        done = True
         if self.disk is not None:
-            self.disk.drain()
+            done = self.disk.drain(DRAIN_TIMEOUT_S if timeout is None else timeout)
+            if not done:
+                log.warning("kvstrata: the disk writes did not finish within the timeout")
         self._reap()
+        return done
 
     def close(self) -> None:
         """Finish the disk writes, close the disk tier (its index is committed), remove
-        the shared file's name, write the stats (idempotent)."""
+        the shared file's name, write the stats (idempotent). Never waits on the disk
+        longer than CLOSE_TIMEOUT_S."""
         if self.disk is not None and not self._closed:
-            self.drain()
-            self.disk.close()
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            self.drain(CLOSE_TIMEOUT_S)
+            self.disk.close(max(0.0, deadline - time.monotonic()))
         self._closed = True
         self.host.close()
         self.write_stats()

@@ -12,6 +12,7 @@ that hold complete, verified blocks.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,9 +37,13 @@ class KvstrataOffloadingWorker(OffloadingWorker):
     Args:
         plan: the engine's BackendPlan (the scheduler derived the same one).
         kv_caches: vLLM's canonical KV caches (one byte tensor per layer).
+        identity: the model identity (plan.model_identity), published to the
+            scheduler in the host arena's header.
     """
 
-    def __init__(self, plan: BackendPlan, kv_caches: CanonicalKVCaches) -> None:
+    def __init__(
+        self, plan: BackendPlan, kv_caches: CanonicalKVCaches, identity: dict[str, Any]
+    ) -> None:
         if len(kv_caches.group_data_refs) != 1:
             raise UnsupportedModelError(
                 f"kvstrata's vLLM backend offloads one KV cache group; this model has "
@@ -47,8 +52,15 @@ class KvstrataOffloadingWorker(OffloadingWorker):
         refs = kv_caches.group_data_refs[0]
         self.plan = plan
         self.pages = Pages([kv_caches.tensors[r.tensor_idx].tensor for r in refs], plan)
+        # vLLM builds the worker first: it creates the arena, the scheduler opens it
         self.host = SharedHostTier(
-            plan.layout, plan.host_slots, plan.host_codec, plan.region_path, plan.digest
+            plan.layout,
+            plan.host_slots,
+            plan.host_codec,
+            plan.region_path,
+            plan.arena_digest,
+            create=True,
+            identity=identity,
         )
         self._finished: list[TransferResult] = []
 
