@@ -6,12 +6,14 @@ stand-in kernels that compute in the real kernels' documented layouts."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from kvstrata import device_attention as da
 from kvstrata.attention import _math_attention, merge_all, pack_gqa, reference_attention
+from kvstrata.errors import ConfigError
 
 
 def _qkv(heads=2, rows=3, keys=100, dim=16, seed=0):
@@ -131,11 +133,32 @@ def test_selection_skips_failing_and_wrong_kernels(monkeypatch):
     assert (chosen.name, chosen.lse_factor) == ("efficient", 1.0)
     del kernels["efficient"]
     assert da.select_kernel(cpu, torch.float32, 16, 16, kernels).name == "math"
+    # forced: a kernel that fails its check is an error naming the variable, not math
     monkeypatch.setenv(da.ENV_FORCE, "flashinfer")
-    assert da.select_kernel(cpu, torch.float32, 16, 16, kernels).name == "math"  # it fails
-    monkeypatch.setenv(da.ENV_FORCE, "nope")
-    with pytest.raises(RuntimeError, match="KVSTRATA_ATTENTION='nope': not installed"):
+    with pytest.raises(
+        ConfigError, match=r"^KVSTRATA_ATTENTION='flashinfer' is invalid: this kernel fails"
+    ) as err:
         da.select_kernel(cpu, torch.float32, 16, 16, kernels)
+    assert "\n" not in str(err.value) and "unset it" in str(err.value)
+    monkeypatch.setenv(da.ENV_FORCE, "math")
+    assert da.select_kernel(cpu, torch.float32, 16, 16, kernels).name == "math"
+    monkeypatch.setenv(da.ENV_FORCE, "nope")
+    with pytest.raises(ConfigError, match="KVSTRATA_ATTENTION='nope' is invalid: not installed"):
+        da.select_kernel(cpu, torch.float32, 16, 16, kernels)
+    del kernels["flashinfer"]
+    monkeypatch.setenv(da.ENV_FORCE, "flashinfer")
+    with pytest.raises(ConfigError, match=r'pip install "kvstrata\[flashinfer\]"'):
+        da.select_kernel(cpu, torch.float32, 16, 16, kernels)
+
+
+def test_kernel_errors_warn_once_and_are_counted(monkeypatch):
+    monkeypatch.setattr(da, "fallbacks", {})
+    with pytest.warns(RuntimeWarning, match=r"the efficient attention kernel raised .*misaligned"):
+        da._fell_back("efficient", RuntimeError("misaligned view\nmore"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second time: counted, no warning
+        da._fell_back("efficient", RuntimeError("misaligned view"))
+    assert da.fallbacks == {"efficient": 2}
 
 
 def test_kernel_name_off_cuda_and_installed_kernels():

@@ -17,12 +17,74 @@ from kvstrata.cli import main
 
 
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
+def quick_run(tmp_path_factory):
+    """The quick CPU run, and a copy of the report each time it was saved."""
     out = tmp_path_factory.mktemp("gpu") / "report.json"
     argv = ["bench", "gpu", "--quick", "--device", "cpu", "--dtype", "fp32",
             "--contexts", "256", "--fractions", "1,0.25", "--out", str(out)]  # fmt: skip
-    code = main(argv)
-    return code, json.loads(out.read_text())
+    saves = []
+    real = gpu.write_report
+
+    def write(path, report):
+        real(path, report)
+        saves.append(json.loads(out.read_text()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu, "write_report", write)
+        code = main(argv)
+    return code, json.loads(out.read_text()), saves
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_run):
+    return quick_run[:2]
+
+
+def test_report_is_saved_after_every_section_and_row(quick_run):
+    """A run killed by a timeout keeps what it measured: the report is rewritten after
+    each section and each measured row (atomically), the last write is the report."""
+    _, report, saves = quick_run
+    sections = [tuple(k for k in ("environment", "links", "memory", "decode") if k in r)
+                for r in saves]  # fmt: skip
+    assert sections[0] == ("environment",) and sections[-1][-1] == "decode"
+    partial = [r["decode"]["rows"] for r in saves if r.get("decode", {}).get("partial")]
+    assert [len(rows) for rows in partial] == [1, 2, 3, 4]  # one save per row
+    assert saves[-1] == report and "partial" not in report["decode"]
+
+
+def test_mark_timed_out_keeps_the_saved_report(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(JUNIT)
+    out = tmp_path / "report.json"
+    gpu.mark_timed_out(str(out), str(junit), "tests", "bench")  # nothing saved yet
+    report = json.loads(out.read_text())
+    assert report["timed_out"] is True and report["ok"] is False
+    assert report["timed_out_in"] == ["tests", "bench"] and report["tests"]["tests"] == 3
+    gpu.write_report(out, {"scenario": "gpu", "ok": True, "links": {"x": 1}})
+    gpu.mark_timed_out(str(out), str(tmp_path / "missing.xml"))
+    report = json.loads(out.read_text())
+    assert report["links"] == {"x": 1} and report["timed_out_in"] == ["bench"]
+    assert report["ok"] is False and "error" in report["tests"]
+
+
+def test_fused_dequant_must_cover_a_cuda_run(monkeypatch):
+    from kvstrata.codecs import triton_dequant
+
+    report = {
+        "tests": {"skipped_tests": [{"test": "t::test_fused_dequant_gives_the_tokens[int8]"}]},
+        "decode": {"rows": [
+            {"context": 256, "resident_fraction": 0.25, "codec": "int4", "fused_dequant": 0},
+            {"context": 256, "resident_fraction": 0.25, "codec": "int8", "fused_dequant": 12},
+            {"context": 256, "resident_fraction": 0.25, "codec": "none", "fused_dequant": 0},
+        ]},
+    }  # fmt: skip
+    monkeypatch.setattr(triton_dequant, "available", lambda: False)
+    monkeypatch.setattr(triton_dequant, "disabled", "RuntimeError: no kernel image")
+    problems = gpu.fused_dequant_problems(torch.device("cuda"), report)
+    assert len(problems) == 4, problems
+    assert "kvstrata[cuda]" in problems[0] and "no kernel image" in problems[1]
+    assert "skipped" in problems[2] and "int4: the fused kernel never ran" in problems[3]
+    assert gpu.fused_dequant_problems(torch.device("cpu"), report) == []
 
 
 def test_quick_cpu_run_reports_every_section(quick_report):
@@ -48,7 +110,7 @@ def test_quick_cpu_run_reports_every_section(quick_report):
     assert int4["link_bytes_per_step"] / raw["link_bytes_per_step"] == pytest.approx(4.5 / 32)
     for r in (raw, int4):
         assert r["pcie_bound_s"] > 0 and 0 <= r["hidden_fraction"] <= 1
-        assert r["fused_dequant"] is False  # no GPU (and no interpreter) here
+        assert r["fused_dequant"] == 0  # kernel launches: no GPU (and no interpreter) here
 
 
 def test_memory_section_with_stand_in_statistics():

@@ -25,6 +25,7 @@ from kvstrata.codecs.registry import get_codec
 from kvstrata.device_streams import copy_direction, streams_for
 from kvstrata.layout import BlockLayout
 from kvstrata.staging import Stager, StagingGuards
+from kvstrata.tiers import memory
 from kvstrata.tiers.memory import MemoryTier
 from kvstrata.transfer import TransferEngine
 
@@ -58,11 +59,15 @@ class SimStream:
         self.name = name
         self.clock = 0.0
         self.last_waited: SimEvent | None = None
+        self.syncs = 0  # host waits for the whole stream
 
     def wait_event(self, event: SimEvent) -> None:
         assert event.t is not None, f"{self.name} waits for an event never recorded"
         self.clock = max(self.clock, event.t)
         self.last_waited = event
+
+    def synchronize(self) -> None:
+        self.syncs += 1
 
 
 class SimStreams:
@@ -291,6 +296,91 @@ def test_guards_poll_without_waiting_and_drain_with_a_sync():
     with guards.loading(0, "host->device", 64):
         assert sim.h2d.clock == 7.0 and sim.h2d.last_waited.t == 7.0
     engine.close()
+
+
+def test_stager_close_waits_for_the_copy_stream(sim):
+    """A stale prefetch may still be writing a staging buffer (or reading a host arena)
+    on the copy stream: closing the stager waits for it, and for the worker."""
+    stager = Stager({"host": _host()}, LAYOUT, torch.device("cpu"), 16, "device")
+    stager.prefetch((1, "host", 4, 2))
+    stager.close()
+    assert sim.h2d.syncs == 1
+    with pytest.raises(RuntimeError):  # the worker pool is shut down
+        stager.engine.submit(lambda: None, link="x", nbytes=0)
+
+
+# -- device -> host writes (demotions) on the d2h copy stream ---------------------------------
+def test_device_to_host_writes_run_on_the_d2h_stream_after_the_compute_stream(monkeypatch):
+    """A GPU tensor written into a host arena: its copies are issued on the d2h stream,
+    after an event recorded on the compute stream (which produced the data), one per
+    run; the arena's readers wait for the event after them — CPU readers on the host
+    (then it is cleared), device readers on their stream (no host wait)."""
+    sim = SimStreams()
+    monkeypatch.setattr(memory, "streams_for", lambda device: sim)
+    tier = MemoryTier("host", LAYOUT, 8, get_codec("none"))
+    issued = []
+    real = memory.copy_async
+
+    def spy(dst, src):
+        issued.append((sim.current.name, sim.d2h.last_waited.t))
+        real(dst, src)
+
+    monkeypatch.setattr(memory, "copy_async", spy)
+    sim.main.clock = 3.0
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(LAYOUT.raw_shape("k", 3), generator=gen)
+    tier._scatter_from_device("k.data", [5, 6, 1], LAYOUT.block_size, k, None)
+    assert issued == [("d2h", 3.0), ("d2h", 3.0)]  # two runs: slots 5-6, slot 1
+    bs = LAYOUT.block_size
+    arena = tier.arenas["k.data"]
+    assert torch.equal(arena[:, :, 5 * bs : 7 * bs], k[:, :, : 2 * bs])
+    assert torch.equal(arena[:, :, bs : 2 * bs], k[:, :, 2 * bs :])
+    # one event per copy stream: the latest (a stream runs in order)
+    first = tier._device_writes[sim.d2h][1]
+    sim.main.clock = 5.0
+    tier._scatter_from_device("k.data", [0], bs, k[:, :, :bs], None)
+    (streams, last), = tier._device_writes.values()  # fmt: skip
+    assert streams is sim and last is not first and sim.d2h.last_waited.t == 5.0
+    tier._order_device_reads()  # a device-side reader: its stream waits, the host does not
+    assert sim.main.last_waited is last and sim.host_syncs == 0
+    ko = torch.empty(LAYOUT.raw_shape("k", 1))
+    vo = torch.empty(LAYOUT.raw_shape("v", 1))
+    tier.read_blocks([0], ko, vo)  # a CPU reader waits on the host
+    assert sim.host_syncs == 1 and tier._device_writes == {}
+    assert torch.equal(ko, k[:, :, :bs])
+
+
+def test_cpu_readers_and_writers_wait_for_pending_device_writes(monkeypatch):
+    sim = SimStreams()
+    monkeypatch.setattr(memory, "streams_for", lambda device: sim)
+    tier = MemoryTier("host", LAYOUT, 4, get_codec("none"))
+    k = torch.randn(LAYOUT.raw_shape("k", 1))
+    for reader in (
+        lambda: tier.layer_view(0, 0, 1),  # attention in place on the CPU
+        lambda: tier.read_encoded([0]),
+        lambda: tier.write_blocks([0], k, k),  # a CPU write into a maybe-reused slot
+    ):
+        tier._scatter_from_device("k.data", [0], LAYOUT.block_size, k, None)
+        syncs = sim.host_syncs
+        reader()
+        assert sim.host_syncs == syncs + 1 and tier._device_writes == {}
+
+
+def test_slices_of_strided_arena_views_are_contiguous_pairs():
+    """Host <-> device copies of an arena run go slice by slice: every (layer, head)
+    slice is contiguous on both sides (one DMA each), and together they are the copy."""
+    arena = torch.zeros(2, 3, 40, 8)
+    dst = arena.narrow(2, 8, 16)  # a run of slots: heads apart by the whole arena
+    src = torch.randn(2, 3, 32, 8).narrow(2, 4, 16)
+    pairs = memory._slice_pairs(dst, src)
+    assert len(pairs) == 6
+    assert all(d.is_contiguous() and s.is_contiguous() for d, s in pairs)
+    for d, s in pairs:
+        d.copy_(s)
+    assert torch.equal(dst, src)
+    whole = torch.empty(2, 3, 16, 8)
+    assert memory._slice_pairs(whole, torch.empty(2, 3, 16, 8)) is None  # one copy does
+    assert memory._slice_pairs(dst, src.transpose(-1, -2).contiguous().transpose(-1, -2)) is None
 
 
 def test_streams_for_and_copy_direction():

@@ -11,11 +11,16 @@ merge exactly as on the CPU (`attention.merge_all`). Kernels, first usable wins:
                  attention` with compute_log_sumexp): always there with CUDA torch
     math         plain torch (`attention._math_attention`): soft-capping, odd shapes
 
-flash-attn and flashinfer are optional (the `flash` extra); `KVSTRATA_ATTENTION=<name>`
-forces one. Each kernel is checked once per (device, dtype, head dims) against the
-math path on a small strided input before it is used: a kernel that fails, or whose
-LSE is not the natural-log LSE of the same scores (flashinfer has used base 2), is
-rescaled when the base is the only difference, and otherwise skipped. The adapters
+flash-attn and flashinfer are optional: `pip install "kvstrata[flash-attn]"` or
+`"kvstrata[flashinfer]"` (the fused dequant's Triton is `"kvstrata[cuda]"`).
+`KVSTRATA_ATTENTION=<name>` forces one: a forced kernel that is not installed, or that
+fails its check, is an error rather than a silent fallback. Each kernel is checked
+once per (device, dtype, head dims) against the math path on a small strided input
+before it is used: a kernel whose LSE is not the natural-log LSE of the same scores
+(flashinfer has used base 2) is rescaled when the base is the only difference; one
+that fails or disagrees is skipped. A checked kernel that still raises on some input
+(e.g. a view whose alignment it refuses) falls back to the math path for that call,
+with a warning the first time (per kernel) and a count in `fallbacks`. The adapters
 (layouts, LSE padding) are tested on the CPU with stand-in kernels.
 """
 
@@ -23,16 +28,20 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvstrata.attention import _math_attention, partial_attention
+from kvstrata.errors import ConfigError
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple]
 KERNEL_ORDER = ("flash_attn", "flashinfer", "efficient", "math")
 ENV_FORCE = "KVSTRATA_ATTENTION"
+# where the optional kernels come from
+EXTRAS = {"flash_attn": "kvstrata[flash-attn]", "flashinfer": "kvstrata[flashinfer]"}
 
 
 # -- adapters: each takes q [H, M, D], k [H, T, D], v [H, T, Dv] and returns (out, lse) ---
@@ -170,8 +179,9 @@ def select_kernel(
     names = [n for n in KERNEL_ORDER if n in available]
     if forced is not None:
         if forced not in available:
-            raise RuntimeError(
-                f"{ENV_FORCE}={forced!r}: not installed here; available: {', '.join(names)}"
+            extra = f'pip install "{EXTRAS[forced]}", or ' if forced in EXTRAS else ""
+            raise ConfigError.field(
+                ENV_FORCE, forced, f"not installed here; {extra}use one of: {', '.join(names)}"
             )
         names = [forced]
     chosen = Checked("math", _math_kernel)
@@ -180,6 +190,12 @@ def select_kernel(
         if factor is not None:
             chosen = Checked(name, available[name], factor)
             break
+        if forced is not None:
+            raise ConfigError.field(
+                ENV_FORCE, forced, f"this kernel fails or disagrees with the math path on "
+                f"{device} {dtype} (head dims {dim}/{dim_v}); unset it to pick the first "
+                f"kernel that passes, or choose another of: {', '.join(available)}",
+            )  # fmt: skip
     if kernels is None:
         _checked[key] = chosen
     return chosen
@@ -208,12 +224,30 @@ def lse_attention(
     chosen = select_kernel(q.device, q.dtype, q.shape[-1], v.shape[-1])
     try:
         out, lse = chosen.kernel(q, k, v, scale)
-    except RuntimeError:  # e.g. a view whose alignment the kernel refuses: math path
+    except RuntimeError as err:  # e.g. a view whose alignment the kernel refuses
+        _fell_back(chosen.name, err)
         return _math_attention(q, k, v, scale, None, None)
     lse = lse.float()
     if chosen.lse_factor != 1.0:
         lse = lse * chosen.lse_factor
     return out.to(q.dtype), lse
+
+
+fallbacks: dict[str, int] = {}  # kernel name -> calls that fell back to the math path
+
+
+def _fell_back(name: str, err: Exception) -> None:
+    """Count a call of kernel `name` that raised; warn the first time."""
+    count = fallbacks[name] = fallbacks.get(name, 0) + 1
+    if count == 1:
+        first = str(err).splitlines()[0] if str(err) else ""
+        warnings.warn(
+            f"kvstrata: the {name} attention kernel raised on an input it was checked for "
+            f"({type(err).__name__}: {first}); such calls use the math path "
+            f"(counted in kvstrata.device_attention.fallbacks)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def kernel_name(device: torch.device, dtype: torch.dtype, dim: int, dim_v: int) -> str:

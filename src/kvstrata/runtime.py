@@ -162,7 +162,7 @@ class AttentionRuntime:
 
     def close(self) -> None:
         if self.stager is not None:
-            self.stager.engine.close()
+            self.stager.close()
 
     # -- the step's read plans ------------------------------------------------------------
     def begin_step(self, num_new: dict[int, int]) -> None:
@@ -558,9 +558,12 @@ def _causal_new(
     num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this step's queries over this step's keys (square),
-    returned packed ([Hkv, R*Q, Dv], [Hkv, R*Q])."""
+    returned packed ([Hkv, R*Q, Dv], [Hkv, R*Q]). On the CPU and CUDA an LSE-returning
+    fused kernel (memory linear in Q: the math path's [Hq, Q, Q] scores would take
+    16 GiB at a 32k-token prompt); soft-capping and Dv != D take the math path."""
     hq, nq, _ = q.shape
     r = hq // num_kv_heads
+    out = None
     if softcap is None and q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
         kx = k.repeat_interleave(r, dim=0) if r > 1 else k
         vx = v.repeat_interleave(r, dim=0) if r > 1 else v
@@ -568,7 +571,26 @@ def _causal_new(
             q[None], kx[None], vx[None], 0.0, True, scale=scale
         )
         out, lse = out[0], lse[0]
-    else:
+    elif softcap is None and q.is_cuda and k.shape[-1] == v.shape[-1]:
+        kx = k.repeat_interleave(r, dim=0) if r > 1 else k
+        vx = v.repeat_interleave(r, dim=0) if r > 1 else v
+        try:  # compute_log_sumexp=True, dropout 0, is_causal=True
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q[None], kx[None], vx[None], None, True, 0.0, True, scale=scale
+            )[:2]
+            out, lse = out[0], lse[0, :, :nq]  # its LSE is padded to a multiple of 32
+        except RuntimeError as err:  # e.g. a head dim it does not support
+            import warnings
+
+            why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+            warnings.warn(
+                f"kvstrata: memory-efficient causal attention failed ({why}); using the "
+                f"math path ([Hq, Q, Q] fp32 scores: {hq * nq * nq * 4:,} bytes)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            out = None
+    if out is None:
         allowed = torch.ones(nq, nq, dtype=torch.bool, device=q.device).tril()
         out, lse = masked_attention(q, k, v, scale, allowed, softcap)
     return out.reshape(num_kv_heads, r * nq, -1), lse.reshape(num_kv_heads, r * nq)

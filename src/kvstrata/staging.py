@@ -225,6 +225,24 @@ class Stager:
             self.guards = StagingGuards(self.streams, self.engine, len(self.buffers))
             self.engine.add_stats_hook(self.guards.drain)
             self.fields = self._field_buffers(device)
+            # Allocated on the compute stream, written on the copy stream: when freed,
+            # the caching allocator must not hand them out again before the copy
+            # stream's work issued by then is done (once per buffer is enough).
+            for t in self._device_tensors():
+                if t.is_cuda:
+                    t.record_stream(self.streams.h2d)
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        tensors = [t for pair in self.buffers for t in pair]
+        return tensors + [t for per in self.fields.values() for f in per for t in f.values()]
+
+    def close(self) -> None:
+        """Finish the loads in flight: the worker's, and on a device those issued on the
+        copy stream (a stale prefetch may still be writing a staging buffer or reading
+        a host arena); neither may outlive the cache."""
+        self.engine.close()
+        if self.streams is not None:
+            self.streams.h2d.synchronize()
 
     def _field_buffers(self, device: torch.device) -> dict[str, list[dict[str, torch.Tensor]]]:
         blocks = self.tokens_per_buffer // self.layout.block_size
@@ -248,9 +266,7 @@ class Stager:
     @property
     def nbytes(self) -> int:
         """Device bytes of the staging buffers (and encoded field buffers)."""
-        tensors = [t for pair in self.buffers for t in pair]
-        tensors += [t for per_buf in self.fields.values() for f in per_buf for t in f.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._device_tensors())
 
     def chunks(self, run: Run, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Chunks of a cold run clipped to tokens [lo, hi): (first_slot, count, base)."""

@@ -17,21 +17,30 @@ its section and fails the run, the others still run):
    link, next to DynamicCache at the same context; per variant the bytes that
    crossed PCIe per step, the step time against its PCIe bound (those bytes /
    the measured pinned H2D GB/s), the stall / hidden fractions of the staging loads,
-   the attention kernel and whether the fused Triton dequant ran. Greedy tokens are
+   the attention kernel and how many times the fused Triton dequant ran
+   (`fused_dequant`: kernel launches, counted). Greedy tokens are
    compared with DynamicCache's: the share that agree and the length of the equal
    prefix (once they diverge the rest differs; bf16 and int4 need not be identical —
    exactness in fp32 is what the gpu-marked tests check).
 
+On CUDA the run is not ok unless the fused dequant was usable throughout: Triton
+installed, the kernel never disabled, its gpu-marked tests not skipped, and every
+variant with an int8 / int4 / fp8 host codec decoded by it at least once.
+
 Model: a Llama slice (8 layers, hidden 2048, 16 query / 8 KV heads of 128, vocab 259:
 32 KiB of bf16 KV per token, 2 GiB at 64k), random init. --budget-s bounds the run:
-measurements not started by then are listed as skipped. `--quick --device cpu`
-runs the whole harness at toy sizes on the CPU (the tests do, to keep it working).
+measurements not started by then are listed as skipped. With --out the report is
+rewritten (temporary file, then rename) after every section and every measured row,
+so a run killed by a timeout keeps what it measured (scripts/gpu_check.sh then marks
+it with `mark_timed_out`). `--quick --device cpu` runs the whole harness at toy sizes
+on the CPU (the tests do, to keep it working).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -302,6 +311,7 @@ def memory(
     prefills: Callable,
     budget: Budget,
     probe: Any = None,
+    on_row: Callable[[list], None] | None = None,
 ) -> dict[str, Any]:
     from kvstrata.integrations.hf import TieredCache, enable
 
@@ -345,6 +355,8 @@ def memory(
         })  # fmt: skip
         del cache
         probe.release()
+        if on_row is not None:
+            on_row(rows)
     peaks = [r["peak_kv_bytes"] for r in rows]
     flat = bool(peaks) and max(peaks) - min(peaks) <= FLAT_TOLERANCE_BYTES
     return {
@@ -369,6 +381,7 @@ def decode(
     prefills: Callable,
     h2d_gbs: float,
     budget: Budget,
+    on_row: Callable[[list], None] | None = None,
 ) -> dict[str, Any]:
     from transformers import DynamicCache
 
@@ -421,6 +434,8 @@ def decode(
             "context": ctx, "variant": "DynamicCache", "resident_fraction": 1.0,
             "codec": None, "tok_per_s": ref["tok_per_s"], "step_s": ref["step_s"],
         })  # fmt: skip
+        if on_row is not None:
+            on_row(rows)
         tiered = enable(sdpa)  # the same module, now on "kvstrata" attention
         try:
             for frac in s["fractions"]:
@@ -441,7 +456,9 @@ def decode(
                             device_budget=-(-resident // bs) * bs * per_token,
                             host_budget=(ctx + 4 * bs) * per_token, host_codec=codec,
                         )  # fmt: skip
+                    runs0 = triton_dequant.runs
                     r = timed(lambda kw=kw: TieredCache(sdpa.config, **kw), tiered)
+                    fused_runs = triton_dequant.runs - runs0
                     same = r.pop("tokens") == ref["tokens"]
                     row = {
                         "context": ctx, "variant": "TieredCache", "resident_fraction": frac,
@@ -453,34 +470,59 @@ def decode(
                         bound = r["link_bytes_per_step"] / (h2d_gbs * 1e9)
                         row["pcie_bound_s"] = bound
                         row["link_efficiency"] = bound / r["step_s"]
-                    staging_out = torch.empty(1, 1, s["head_dim"], dtype=model.dtype, device=device)
-                    row["fused_dequant"] = lossy and triton_dequant.can_decode(
-                        get_codec(codec), staging_out
-                    )
+                    row["fused_dequant"] = fused_runs  # kernel launches during this variant
                     rows.append(row)
+                    if on_row is not None:
+                        on_row(rows)
         finally:
             sdpa.set_attn_implementation("sdpa")
     return {"rows": rows}
 
 
 # -- the report ---------------------------------------------------------------------------------
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every section; see the module docstring."""
+def measure(
+    args: argparse.Namespace, save: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Run every section; see the module docstring. `save(report)` is called after
+    every section and measured row (the report so far)."""
     device = _device(args)
     s = _settings(args)
     budget = Budget(args.budget_s)
     report: dict[str, Any] = {"scenario": NAME, "ok": True, "quick": args.quick}
     report["settings"] = {k: (str(v) if k == "dtype" else v) for k, v in s.items()}
+
+    def checkpoint() -> None:
+        report["skipped"] = list(budget.skipped)
+        report["elapsed_s"] = budget.elapsed
+        if save is not None:
+            save(report)
+
+    measured: dict[str, list] = {}  # a section's rows so far
+
+    def rows_so_far(name: str) -> Callable[[list], None]:
+        def on_row(rows: list) -> None:
+            measured[name] = list(rows)
+            report[name] = {"rows": measured[name], "partial": True}
+            checkpoint()
+
+        return on_row
+
+    def section(name: str, fn: Callable[[], Any]) -> None:
+        _section(report, name, fn)
+        if "error" in report[name] and measured.get(name):  # keep what it measured
+            report[name]["rows"] = measured[name]
+        checkpoint()
+
     if args.tests_junit:
-        _section(report, "tests", lambda: junit_summary(args.tests_junit))
+        section("tests", lambda: junit_summary(args.tests_junit))
         tests = report["tests"]
         if "error" in tests or tests["failures"] or tests["errors"] or not tests["tests"]:
             report["ok"] = False
         elif tests["skipped"] == tests["tests"] and device.type == "cuda":
             report["ok"] = False  # nothing ran: e.g. the tests' process saw no GPU
             report["tests"]["note"] = "every test was skipped"
-    _section(report, "environment", lambda: environment(device, s))
-    _section(report, "links", lambda: links(device, s, args.link))
+    section("environment", lambda: environment(device, s))
+    section("links", lambda: links(device, s, args.link))
     pinned = (report["links"].get("pinned") or {}) if "error" not in report["links"] else {}
     pageable = report["links"].get("pageable") or {}
     h2d = (pinned.get("h2d") or pageable.get("h2d") or {}).get("gbs", 0.0)
@@ -493,29 +535,100 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             cached[ctx] = _prefill(model, ctx)
         return cached[ctx]
 
-    _section(report, "memory", lambda: memory(model, device, s, prefills, budget))
+    section(
+        "memory", lambda: memory(model, device, s, prefills, budget, None, rows_so_far("memory"))
+    )
     mem = report["memory"]
     if "rows" in mem and not mem["flat"]:
         report["ok"] = False
-    _section(report, "decode", lambda: decode(model, device, s, prefills, h2d, budget))
+    section(
+        "decode", lambda: decode(model, device, s, prefills, h2d, budget, rows_so_far("decode"))
+    )
+    from kvstrata import device_attention
     from kvstrata.codecs import triton_dequant
 
     if "error" not in report["environment"]:  # a kernel that failed during the run
         report["environment"]["fused_dequant_disabled"] = triton_dequant.disabled
-    report["skipped"] = budget.skipped
-    report["elapsed_s"] = budget.elapsed
+        report["environment"]["fused_dequant_runs"] = triton_dequant.runs
+        report["environment"]["attention_fallbacks"] = dict(device_attention.fallbacks)
+    problems = fused_dequant_problems(device, report)
+    if problems:
+        report["ok"] = False
+        report["fused_dequant_problems"] = problems
+    checkpoint()
     return report
 
 
+def fused_dequant_problems(device: torch.device, report: dict[str, Any]) -> list[str]:
+    """On CUDA, why the fused Triton dequant did not cover the run (empty: it did):
+    not installed, disabled after a failure, its tests skipped, or a variant with a
+    quantized host codec that never launched it."""
+    from kvstrata.codecs import triton_dequant
+    from kvstrata.codecs.registry import get_codec
+
+    if device.type != "cuda":
+        return []
+    problems = []
+    if not triton_dequant.available():
+        problems.append("Triton is not installed (pip install 'kvstrata[cuda]')")
+    if triton_dequant.disabled:
+        problems.append(f"the kernel was disabled: {triton_dequant.disabled}")
+    tests = report.get("tests") or {}
+    skipped = [
+        t["test"]
+        for t in tests.get("skipped_tests", [])
+        if "fused" in t["test"] or "triton" in t["test"]
+    ]
+    if skipped:
+        problems.append(f"{len(skipped)} fused dequant tests skipped, e.g. {skipped[0]}")
+    for row in (report.get("decode") or {}).get("rows", []):
+        codec = row.get("codec")
+        if codec in (None, "none") or row.get("fused_dequant", 0) > 0:
+            continue
+        if triton_dequant.kernel_codec(get_codec(codec)):
+            problems.append(
+                f"decode @ {row['context']}, {row['resident_fraction']:.0%} resident, {codec}: "
+                "the fused kernel never ran"
+            )
+    return problems
+
+
+def write_report(path: str | Path, report: dict[str, Any]) -> None:
+    """Write the JSON report atomically: a temporary file next to it, then a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def mark_timed_out(out: str, junit: str | None = None, *parts: str) -> None:
+    """What scripts/gpu_check.sh runs when a timeout killed the tests or the benchmark
+    (`parts`: "tests", "bench"): the report as last saved (every finished section and
+    measured row), or a new one, with the tests' summary, "timed_out": true and
+    "ok": false."""
+    try:
+        report = json.loads(Path(out).read_text())
+    except (OSError, ValueError):
+        report = {"scenario": NAME}
+    if junit and "tests" not in report:
+        try:
+            report["tests"] = junit_summary(junit)
+        except Exception as err:  # killed before pytest wrote it
+            report["tests"] = {"error": f"{type(err).__name__}: {err}"}
+    report.update(ok=False, timed_out=True, timed_out_in=list(parts) or ["bench"])
+    write_report(out, report)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Measure, write/print the report. Exit 1 when a section failed, a test failed
-    or the device KV peak was not flat."""
-    report = measure(args)
-    text = json.dumps(report, indent=2, default=str)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    """Measure, write/print the report. Exit 1 when a section failed, a test failed,
+    the device KV peak was not flat or (on CUDA) the fused dequant did not cover the
+    run."""
+    save = (lambda report: write_report(args.out, report)) if args.out else None
+    report = measure(args, save)
     if args.json:
-        print(text)
+        print(json.dumps(report, indent=2, default=str))
     else:
         print_summary(report)
+    for problem in report.get("fused_dequant_problems", []):
+        print(f"kvstrata bench gpu: fused dequant: {problem}", file=sys.stderr)
     return 0 if report["ok"] else 1

@@ -186,7 +186,24 @@ class ApplyPlacement:
             dst.write_encoded(dst_slots, src.read_encoded(src_slots))
             return
         n = len(src_slots)
-        k = torch.empty(self.layout.raw_shape("k", n), dtype=self.layout.dtype)
-        v = torch.empty(self.layout.raw_shape("v", n), dtype=self.layout.dtype)
+        # Blocks leaving a GPU are decoded and re-encoded there: only encoded bytes cross
+        # (a memory tier's write encodes where the data is; others get the fields here).
+        gpu = getattr(src, "device", None)
+        gpu = gpu if gpu is not None and gpu.type == "cuda" else None
+        k = torch.empty(self.layout.raw_shape("k", n), dtype=self.layout.dtype, device=gpu)
+        v = torch.empty(self.layout.raw_shape("v", n), dtype=self.layout.dtype, device=gpu)
         src.read_blocks(src_slots, k, v)
-        dst.write_blocks(dst_slots, k, v)
+        if gpu is None or getattr(dst, "device", None) is not None:
+            dst.write_blocks(dst_slots, k, v)
+            return
+        encoded = {}
+        for kind, raw in (("k", k), ("v", v)):
+            specs = dst.codec.fields(kind, self.layout)
+            lead = raw.shape[:-2]
+            fields = {
+                f: torch.empty((*lead, n * s.rows, s.cols), dtype=s.dtype, device=gpu)
+                for f, s in specs.items()
+            }
+            dst.codec.encode(kind, raw, fields)
+            encoded.update({f"{kind}.{f}": t.cpu() for f, t in fields.items()})
+        dst.write_encoded(dst_slots, encoded)

@@ -21,7 +21,9 @@ mantissa; subnormals when the exponent is 0) rather than through a float8 load, 
 the same kernel runs on GPUs without fp8 conversions and in Triton's interpreter.
 The e4m3fn NaN code never occurs: the encoder saturates at +-448.
 
-Used on CUDA when `triton` is importable (the `cuda` extra). On the CPU the kernel
+Used on CUDA when `triton` is importable (`pip install "kvstrata[cuda]"`). `runs`
+counts the kernel's launches in this process (what `kvstrata bench gpu` reports as
+fused_dequant), `disabled` says why it was switched off. On the CPU the kernel
 runs in Triton's interpreter (`TRITON_INTERPRET=1`, numpy), which is how the tests
 check it against the reference without a GPU (tests/test_triton_dequant.py).
 """
@@ -51,7 +53,7 @@ _TILE = 4096  # elements per program: BLOCK_R rows x BLOCK_D (power of two >= D)
 
 
 def available() -> bool:
-    """Triton is installed (the `cuda` extra)."""
+    """Triton is installed (`kvstrata[cuda]`)."""
     return triton is not None or importlib.util.find_spec("triton") is not None
 
 
@@ -123,6 +125,7 @@ def _dequant(data, scale, zero, out, num_rows, dim,
 
 _kernels: dict[bool, object] = {}
 disabled: str | None = None  # why the kernel is off in this process (it failed once)
+runs = 0  # launches of the kernel in this process (each decoded one kind of one chunk)
 
 
 def _kernel():
@@ -149,13 +152,18 @@ def _mode(codec: Codec, kind: str, out: torch.Tensor, scale: torch.Tensor) -> tu
     return -1, 0
 
 
+def kernel_codec(codec: Codec) -> bool:
+    """The kernel decodes this codec's blocks (int8, int4 of any group, fp8)."""
+    return isinstance(codec, Int8Codec | Int4Codec | Fp8Codec)
+
+
 def can_decode(codec: Codec, out: torch.Tensor) -> bool:
     """Whether `decode` would run the kernel for this codec and output."""
     return (
         disabled is None
         and (out.is_cuda or (interpreting() and out.device.type == "cpu"))
         and out.dtype in _OUT_DTYPES
-        and isinstance(codec, Int8Codec | Int4Codec | Fp8Codec)
+        and kernel_codec(codec)
         and _import_triton()
     )
 
@@ -211,6 +219,8 @@ def decode(codec: Codec, kind: str, enc: dict[str, torch.Tensor], out: torch.Ten
     except Exception as err:  # e.g. a Triton / driver without this GPU: torch ops instead
         _disable(err)
         return False
+    global runs
+    runs += 1
     return True
 
 

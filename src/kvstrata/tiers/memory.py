@@ -11,27 +11,38 @@ arena, never a Python loop per block.
 
 Pinned host arenas: with CUDA the host tier's arenas are page-locked once, at
 construction, so copies to and from the device are DMA transfers that run
-asynchronously on a copy stream (`non_blocking=True`) at the link's full rate. When
-the OS refuses to lock that much memory the tier falls back to pageable arenas
-(correct, but such copies are synchronous and slower) and says so in `pinned`.
+asynchronously on a copy stream (`non_blocking=True`) at the link's full rate. Each
+arena is ordinary pageable memory of exactly its size, registered with
+`cudaHostRegister` (`pinned_empty`; torch's pinned allocator would round it up to a
+power of two: a 70 GiB budget would lock 128 GiB) and unregistered before it is
+freed. When CUDA refuses to lock that much memory the tier falls back to pageable
+arenas (correct, but such copies are synchronous and slower) and says so in `pinned`.
 
 Writes from a GPU into a host tier: quantizing codecs encode where the data is (on
-the GPU: only the encoded bytes cross PCIe), and the copies into the arena run
-asynchronously on the caller's stream. A non-blocking copy to the host returns before
-the bytes have landed, so nothing on the CPU may read them until then: the tier
-records an event after such writes and its CPU-side reads wait for it (device-side
-readers are ordered on the stream: the stager's copy stream waits for the compute
-stream, see kvstrata.staging).
+the GPU: only the encoded bytes cross PCIe), then the copies into the arena run on
+the device's d2h copy stream, after an event recorded on the caller's (compute)
+stream: one asynchronous DMA per (run, layer, head) slice, since each slice of an
+arena run is contiguous where the run as a whole is not (see `copy_async`). A
+non-blocking copy to the host returns before the bytes have landed, so the tier keeps
+the last event recorded after such writes on each copy stream: its CPU-side reads
+wait for all of them (`_await_device_writes`), its device-side reads order the
+reader's stream after them without blocking the host (`_order_device_reads`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import warnings
+import weakref
+from typing import Any
 
+import numpy as np
 import torch
 
 from kvstrata.codecs.base import Codec, NoneCodec
+from kvstrata.device_streams import DeviceEvent, DeviceStreams, streams_for
 from kvstrata.layout import KINDS, BlockLayout, FieldSpec
 from kvstrata.slots import slot_runs
 from kvstrata.tiers.base import Encoded, Tier
@@ -66,14 +77,17 @@ class MemoryTier(Tier):
         self.field_specs = {kind: codec.fields(kind, layout) for kind in KINDS}
         self.arenas: dict[str, torch.Tensor] = {}
         self.pinned = pin_memory
-        self._device_write: torch.cuda.Event | None = None  # see _note_device_write
+        # copy stream -> (its DeviceStreams, the event after the last GPU -> arena copy
+        # issued on it): see _scatter_from_device. Empty without CUDA.
+        self._device_writes: dict[Any, tuple[DeviceStreams, DeviceEvent]] = {}
+        self._copy_streams: dict[torch.device, DeviceStreams] = {}
         try:
             self._allocate(num_slots, pin_memory)
         except RuntimeError as err:
             if not pin_memory:
                 raise
-            # cudaHostAlloc refused (locked-memory limit, or no driver): pageable arenas
-            # still work, only their device copies are synchronous.
+            # cudaHostRegister refused (locked-memory limit, or no driver): pageable
+            # arenas still work, only their device copies are synchronous.
             warnings.warn(
                 f"{name} tier: could not pin {num_slots * self.block_bytes:,} bytes of host "
                 f"memory ({str(err).splitlines()[0]}); using pageable memory: transfers to "
@@ -94,8 +108,10 @@ class MemoryTier(Tier):
         for kind, specs in self.field_specs.items():
             for fname, spec in specs.items():
                 shape = (layout.num_layers, layout.num_kv_heads, num_slots * spec.rows, spec.cols)
-                self.arenas[f"{kind}.{fname}"] = torch.empty(
-                    shape, dtype=spec.dtype, device=self.device, pin_memory=pin_memory
+                self.arenas[f"{kind}.{fname}"] = (
+                    pinned_empty(shape, spec.dtype)
+                    if pin_memory
+                    else torch.empty(shape, dtype=spec.dtype, device=self.device, pin_memory=False)
                 )
 
     # -- index helpers -------------------------------------------------------------------
@@ -109,6 +125,8 @@ class MemoryTier(Tier):
         self, layer: int, first_slot: int, num_slots: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a run of consecutive slots of one layer: [Hkv, n*bs, D] views."""
+        if self._device_writes:  # a CPU reader (attention in place): the bytes must be there
+            self._await_device_writes()
         bs = self.layout.block_size
         lo, hi = first_slot * bs, (first_slot + num_slots) * bs
         return self.k_arena[layer, :, lo:hi], self.v_arena[layer, :, lo:hi]
@@ -164,19 +182,29 @@ class MemoryTier(Tier):
         self.codec.encode(kind, raw, enc)
         return [(fname, spec, enc[fname]) for fname, spec in specs.items()]
 
-    def _note_device_write(self, src: torch.Tensor) -> None:
-        """After copies from a GPU tensor into this host tier's arenas (asynchronous):
-        an event that CPU-side reads of the arenas wait for."""
-        if src.is_cuda and self.device.type == "cpu":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(src.device))
-            self._device_write = event
-
     def _await_device_writes(self) -> None:
-        """Block until copies from a GPU into the arenas have landed (CPU readers)."""
-        event, self._device_write = self._device_write, None
-        if event is not None:
+        """Block until every copy from a GPU into the arenas has landed (CPU readers and
+        writers: a late DMA would otherwise overwrite what they write)."""
+        if not self._device_writes:
+            return
+        pending = list(self._device_writes.values())
+        self._device_writes.clear()
+        for _, event in pending:
             event.synchronize()
+
+    def _order_device_reads(self) -> None:
+        """A device-side reader of the arenas (a copy into a GPU tensor, issued on the
+        caller's current stream: the compute stream, or the stager's copy stream) runs
+        after the pending copies from a GPU; the host does not wait."""
+        for streams, event in self._device_writes.values():
+            streams.compute().wait_event(event)
+
+    def _streams_of(self, device: torch.device) -> DeviceStreams:
+        streams = self._copy_streams.get(device)
+        if streams is None:
+            streams = self._copy_streams[device] = streams_for(device)
+            assert streams is not None, f"{device} has no copy streams"
+        return streams
 
     def _copy_runs(
         self,
@@ -210,13 +238,46 @@ class MemoryTier(Tier):
         self, key: str, slots: list[int], rows: int, data: torch.Tensor, layer: int | None = None
     ) -> None:
         """Arena rows of `slots` (all layers, or one `layer`) <- data, from any device."""
+        if data.is_cuda and self.device.type == "cpu":
+            self._scatter_from_device(key, slots, rows, data, layer)
+            return
+        if self._device_writes:  # a CPU write after pending GPU writes (a reused slot)
+            self._await_device_writes()
         if not self._copy_runs(key, slots, rows, data, layer, into_arena=True):
-            idx = self._rows_index(slots, rows)
-            arena = self.arenas[key] if layer is None else self.arenas[key][layer]
-            # .to() blocks for a device -> host copy: index_copy_ reads it at once
-            src = _indexable(data.to(self.device))
-            _indexable(arena).index_copy_(2 if layer is None else 1, idx, src)
-        self._note_device_write(data)
+            self._index_scatter(key, slots, rows, data, layer)
+
+    def _index_scatter(
+        self, key: str, slots: list[int], rows: int, data: torch.Tensor, layer: int | None
+    ) -> None:
+        idx = self._rows_index(slots, rows)
+        arena = self.arenas[key] if layer is None else self.arenas[key][layer]
+        # .to() blocks for a device -> host copy: index_copy_ reads it at once
+        src = _indexable(data.to(self.device))
+        _indexable(arena).index_copy_(2 if layer is None else 1, idx, src)
+
+    def _scatter_from_device(
+        self, key: str, slots: list[int], rows: int, data: torch.Tensor, layer: int | None
+    ) -> None:
+        """`_scatter` of a GPU tensor into this host tier, without blocking the host or
+        the compute stream: on the device's d2h copy stream, after an event recorded
+        on the caller's (compute) stream, which produced `data`, one non-blocking copy
+        per slice into the pinned arena. The event recorded after them is what the
+        arena's readers wait for. `data` must not be overwritten by later work on the
+        compute stream (callers pass temporaries: encoded fields, gathered blocks);
+        the caching allocator is told not to reuse its memory before the copies ran."""
+        streams = self._streams_of(data.device)
+        ready = streams.event()
+        ready.record(streams.compute())
+        d2h = streams.d2h
+        with streams.use(d2h):
+            d2h.wait_event(ready)
+            if not self._copy_runs(key, slots, rows, data, layer, into_arena=True):
+                self._index_scatter(key, slots, rows, data, layer)  # many runs: blocking
+            if data.is_cuda:
+                data.record_stream(d2h)
+            done = streams.event()
+            done.record(d2h)
+        self._device_writes[d2h] = (streams, done)
 
     def _gather(
         self, key: str, slots: list[int], rows: int, layer: int | None = None
@@ -253,8 +314,11 @@ class MemoryTier(Tier):
     ) -> None:
         if not slots:
             return
-        if k_out.device.type == "cpu" or not self.zero_copy:  # CPU-side reads or decode
-            self._await_device_writes()
+        if self._device_writes:
+            if k_out.device.type == "cpu" or not self.zero_copy:  # CPU-side reads or decode
+                self._await_device_writes()
+            else:
+                self._order_device_reads()
         for kind, out in (("k", k_out), ("v", v_out)):
             if self.zero_copy:
                 self._copy_out(f"{kind}.data", slots, out, layer)
@@ -277,8 +341,11 @@ class MemoryTier(Tier):
         cross PCIe compressed, to be decoded on the device where they are used."""
         if not slots:
             return
-        if any(t.device.type == "cpu" for t in outs.values()):
-            self._await_device_writes()
+        if self._device_writes:
+            if any(t.device.type == "cpu" for t in outs.values()):
+                self._await_device_writes()
+            else:
+                self._order_device_reads()
         for kind, specs in self.field_specs.items():
             for fname, spec in specs.items():
                 key = f"{kind}.{fname}"
@@ -312,26 +379,34 @@ class MemoryTier(Tier):
 
 
 def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src, non_blocking=True), with host -> device copies of strided views
-    split into their 2-D [rows, cols] slices (one per layer and head).
+    """dst.copy_(src, non_blocking=True), with copies between the host and a device of
+    strided views split into their 2-D [rows, cols] slices (one per layer and head).
 
-    torch copies a non-contiguous CPU tensor to a GPU through a contiguous pageable
-    temporary: a CPU memcpy, then a transfer that blocks the host. A run of slots in
-    an arena is such a view (heads apart by the whole arena), but each head's rows are
-    contiguous, so slice by slice every copy is one asynchronous DMA from the pinned
-    arena (Hkv copies per field and run; still no Python loop per block)."""
-    if (
-        dst.device.type != "cpu"
-        and src.device.type == "cpu"
-        and dst.dim() > 2
-        and not (dst.is_contiguous() and src.is_contiguous())
-        and _rows_contiguous(dst)
-        and _rows_contiguous(src)
-    ):
-        for index in itertools.product(*map(range, dst.shape[:-2])):
-            dst[index].copy_(src[index], non_blocking=True)
-        return
+    torch copies a non-contiguous tensor across the link through a contiguous pageable
+    temporary: a CPU memcpy, and a transfer that blocks the host (to the host, it also
+    synchronises the stream). A run of slots in an arena is such a view (heads apart by
+    the whole arena), but each head's rows are contiguous, so slice by slice every copy
+    is one asynchronous DMA to or from the pinned arena (Hkv copies per field and run;
+    still no Python loop per block). Host-to-host copies are never split."""
+    if (dst.device.type == "cpu") != (src.device.type == "cpu") and dst.dim() > 2:
+        pairs = _slice_pairs(dst, src)
+        if pairs is not None:
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
+            return
     dst.copy_(src, non_blocking=True)
+
+
+def _slice_pairs(
+    dst: torch.Tensor, src: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The contiguous [rows, cols] slices of dst and src, pairwise; None when one copy
+    does (both contiguous) or the slices are not contiguous."""
+    if (dst.is_contiguous() and src.is_contiguous()) or not (
+        _rows_contiguous(dst) and _rows_contiguous(src)
+    ):
+        return None
+    return [(dst[i], src[i]) for i in itertools.product(*map(range, dst.shape[:-2]))]
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -347,6 +422,79 @@ def _indexable(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return t.view(torch.uint8)
     return t
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor, page-locked for DMA with CUDA devices.
+
+    Pageable memory of exactly its size, registered with `cudaHostRegister` (torch's
+    pinned allocator rounds every allocation up to a power of two: a 2 GiB + 8 MiB
+    arena would lock 4 GiB). A finalizer unregisters it before the memory is freed,
+    once no tensor or view uses it any more.
+
+    Raises:
+        RuntimeError: CUDA refused (or there is no CUDA runtime); nothing stays locked.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # numpy owns the memory: its finalizer runs before the buffer is freed, and no
+    # sooner than the last tensor viewing it is gone (they hold a reference to it)
+    buf = np.empty(nbytes, dtype=np.uint8)
+    tensor = torch.from_numpy(buf).view(dtype).view(shape)
+    try:
+        cudart = torch.cuda.cudart()
+    except Exception as err:  # a CPU-only torch raises AssertionError here
+        raise RuntimeError(f"no CUDA runtime: {err}") from err
+    ptr = buf.ctypes.data
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        _drain_cuda_error(cudart)
+        raise RuntimeError(f"cudaHostRegister: {_cuda_error_string(cudart, err)}")
+    weakref.finalize(buf, _host_unregister, cudart, ptr).atexit = False
+    return tensor
+
+
+def _host_unregister(cudart: Any, ptr: int) -> None:
+    """Finalizer of a pinned arena's memory, just before it is freed: no copy may still
+    be reading or writing it (the device finishes its work), then it is unlocked."""
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+    if int(cudart.cudaHostUnregister(ptr)) != 0:
+        _drain_cuda_error(cudart)
+
+
+def _cuda_error_string(cudart: Any, err: Any) -> str:
+    try:
+        return str(cudart.cudaGetErrorString(err))
+    except Exception:  # the binding takes its own enum type only
+        return f"cudaError {int(err)}"
+
+
+def _drain_cuda_error(cudart: Any) -> None:
+    """A failed CUDA runtime call leaves its error pending in this thread, and the next
+    checked CUDA call (an unrelated kernel launch) would raise it: consume it. torch
+    binds cudaGetLastError in recent versions; else every libcudart mapped in this
+    process is asked through ctypes (best effort)."""
+    get_last = getattr(cudart, "cudaGetLastError", None)
+    if get_last is not None:
+        with contextlib.suppress(Exception):
+            get_last()
+        return
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {
+                line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                for line in maps
+                if "libcudart" in line and len(line.split(None, 5)) == 6
+            }
+    except OSError:
+        return
+    for path in sorted(paths):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(path).cudaGetLastError()
 
 
 class DeviceTier(MemoryTier):
