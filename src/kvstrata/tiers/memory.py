@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import mmap
 import warnings
 import weakref
 from typing import Any
@@ -440,7 +441,9 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     # numpy owns the memory: its finalizer runs before the buffer is freed, and no
     # sooner than the last tensor viewing it is gone (they hold a reference to it)
-    buf = np.empty(nbytes, dtype=np.uint8)
+    # mmap: page-aligned and whole pages of its own (cudaHostRegister locks pages; an
+    # arena sharing a page with another allocation could not be registered twice)
+    buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     tensor = torch.from_numpy(buf).view(dtype).view(shape)
     try:
         cudart = torch.cuda.cudart()

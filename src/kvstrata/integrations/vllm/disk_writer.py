@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # builtin only from 3.11
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -189,7 +190,7 @@ class DiskWriter:
         """Wait until every call submitted so far has finished; False on timeout."""
         try:
             self.call(lambda: None, timeout)
-        except TimeoutError:
+        except FutureTimeout:
             return False
         return True
 
@@ -212,7 +213,7 @@ class DiskWriter:
         self._stop()
         try:
             future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
+        except FutureTimeout:
             log.warning("kvstrata: the disk tier did not close within %s s", timeout)
             return False
         except TierIOError as exc:

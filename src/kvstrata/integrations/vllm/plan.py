@@ -248,9 +248,11 @@ def model_identity(options: VllmOptions, model_name: str, vllm_config: Any = Non
         download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
         identity.update(
             quantization=getattr(model_config, "quantization", None),
-            quantization_config=_jsonable(getattr(model_config, "quantization_config", None)),
+            # digests, not the values: a quantization config's module lists can be long,
+            # and the identity must fit the arena header
+            quantization_config=_value_digest(getattr(model_config, "quantization_config", None)),
             model_dtype=str(getattr(model_config, "dtype", "")).removeprefix("torch."),
-            hf_overrides=_jsonable(getattr(model_config, "hf_overrides", None)),
+            hf_overrides=_value_digest(getattr(model_config, "hf_overrides", None)),
             hf_config=config_digest(getattr(model_config, "hf_config", None)),
         )
     if options.model_key is not None:  # the user names the weights
@@ -284,6 +286,11 @@ def config_digest(hf_config: Any) -> str:
         if not k.startswith("_") and k not in ("transformers_version", "name_or_path")
     }
     return _digest(data, b"kvstrata.cfg")
+
+
+def _value_digest(value: Any) -> str:
+    """A digest of a config value's stable JSON form ("" for None)."""
+    return "" if value is None else _digest(_jsonable(value), b"kvstrata.val")
 
 
 def _jsonable(value: Any) -> Any:

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # builtin only from 3.11
 from typing import Any
 
 from kvstrata.errors import TierIOError
@@ -159,8 +160,12 @@ class OffloadStore:
         """Read a disk-only block into a host slot, verifying its checksums. False (and
         the block dropped) when it cannot be read; False when no host slot is free;
         False when the read does not finish within READ_TIMEOUT_S (the host slot stays
-        reserved until it does, then the block is on the host)."""
+        reserved until it does, then the block is on the host), and without reading
+        while such a late read is still outstanding (a stuck disk stalls no lookup
+        twice and reserves at most one host slot)."""
         assert self.disk is not None and entry.disk_slot is not None
+        if self._reads:  # a read that timed out is still stuck: never queue behind it
+            return False
         slots = self._host_slots(1, {entry.key})
         if slots is None:
             return False
@@ -169,7 +174,7 @@ class OffloadStore:
         future = self.disk.read_into(self.host, entry.disk_slot, slots[0])
         try:
             future.result(READ_TIMEOUT_S)
-        except TimeoutError:
+        except FutureTimeout:
             self.counters["disk_read_timeouts"] += 1
             log.warning(
                 "kvstrata: a disk read took over %s s: the block is recomputed", READ_TIMEOUT_S
