@@ -48,7 +48,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this host's PID namespace)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -74,7 +75,7 @@ def _holder(fd: int) -> str:
         return (
             f"this process (pid {pid}, host {host}; another DiskTier or store on it is still open)"
         )
-    if here and not _alive(int(pid)):
+    if here and not pid_alive(int(pid)):
         return ""
     return f"process {pid} on host {host or '?'}"
 

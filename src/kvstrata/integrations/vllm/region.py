@@ -46,6 +46,7 @@ from kvstrata.codecs.base import Codec
 from kvstrata.errors import ConfigError, KvstrataError
 from kvstrata.layout import KINDS, BlockLayout
 from kvstrata.tiers.base import Tier
+from kvstrata.tiers.disk_lock import pid_alive
 from kvstrata.tiers.memory import MemoryTier
 from kvstrata.units import format_bytes
 
@@ -184,7 +185,7 @@ class SharedRegion:
             )
         pid, nonce = header["pid"], header["nonce"]
         ours = pid == os.getpid() and _CREATED.get(self.path) == nonce
-        child = pid != os.getpid() and _alive(pid) and _parent(pid) in (os.getpid(), None)
+        child = pid != os.getpid() and pid_alive(pid) and _parent(pid) in (os.getpid(), None)
         if not (ours or child):
             raise KvstrataError(
                 f"{self.path} is a stale host arena (created by process {pid}, which is not "
@@ -219,7 +220,7 @@ def sweep_stale(base: str) -> list[str]:
             pid = json.loads(raw[len(MAGIC) :])["pid"] if raw.startswith(MAGIC) else None
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if isinstance(pid, int) and not _alive(pid):
+        if isinstance(pid, int) and not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 removed.append(path)
@@ -258,16 +259,6 @@ def _no_room(path: str, nbytes: int) -> ConfigError:
         f"the host arena does not fit in {base} ({free} free): lower host_budget, or "
         f"enlarge {base} (e.g. docker run --shm-size=..., or a larger tmpfs)",
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
 
 
 def _parent(pid: int) -> int | None:
