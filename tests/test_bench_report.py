@@ -355,3 +355,25 @@ def test_bench_all_leaves_the_report_out(monkeypatch, capsys):
     monkeypatch.setattr(cli_bench, "_scenarios", lambda: {"other": other, "report": bench_report})
     assert cli_bench._run_all(argparse.Namespace()) == 0
     assert ran == ["other"]
+
+
+def test_a_failing_remeasure_keeps_the_earlier_data(smoke, monkeypatch, tmp_path, capsys):
+    out, report = smoke
+    merged = tmp_path / "merged"
+    shutil.copytree(out, merged)
+    real = bench_report._measurers()
+
+    def boom(session):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(bench_report, "_measurers", lambda: {**real, "block_size": boom})
+    argv = ["bench", "report", "--smoke", "--model", "tiny", "--out", str(merged)]
+    assert main([*argv, "--sections", "block_size"]) == 1
+    err = capsys.readouterr().err
+    assert "section block_size failed: RuntimeError: disk full (the earlier run's" in err
+    again = json.loads((merged / "report.json").read_text())
+    assert again["sections"]["block_size"] == report["sections"]["block_size"]
+    assert again["runs"][-1]["sections"] == [] and again["runs"][-1]["failed"] == ["block_size"]
+    md = (merged / "report.md").read_text()
+    assert "then no section measured again" in md and "block_size failed there" in md
+    assert (merged / "block_size.png").exists() and "section failed" not in md

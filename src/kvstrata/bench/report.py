@@ -251,8 +251,10 @@ def measure(
     model, note = choose_model(args.model) if "strategy" in sections else (args.model, "")
     machine = describe(args.threads)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    # "sections": those this run measured (appended as each finishes); "errors": why
+    # the others failed
     run_entry: dict[str, Any] = {"command": _command(args), "date": date, "seconds": 0.0,
-                                 "sections": sections, "failed": []}  # fmt: skip
+                                 "sections": [], "failed": [], "errors": {}}  # fmt: skip
     runs = [*_runs(previous), run_entry]
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-report-"))
     measurers = _measurers()
@@ -283,12 +285,17 @@ def measure(
                     session.data[name] = measurers[name](session)
                 except Exception as exc:  # the other sections still run
                     run_entry["failed"].append(name)
-                    session.data[name] = {
-                        "error": _one_line(exc),
-                        "traceback": traceback.format_exc(),
-                        "command": session.section_command(name),
-                    }
-                _mark_stale_planner(session.data, sections, name)
+                    run_entry["errors"][name] = _one_line(exc)
+                    earlier = session.data.get(name)
+                    if not earlier or "error" in earlier:  # never lose an earlier measurement
+                        session.data[name] = {
+                            "error": _one_line(exc),
+                            "traceback": traceback.format_exc(),
+                            "command": session.section_command(name),
+                        }
+                else:
+                    run_entry["sections"].append(name)
+                    _mark_stale_planner(session.data, sections, name)
                 if save is not None:
                     save(report())
     finally:
@@ -329,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
     merged = f" (merged into the report of {report['runs'][0]['date']})" if previous else ""
     print(f"kvstrata bench report: {report['seconds'] / 60:.1f} min; wrote "
           f"{', '.join(str(f) for f in files)}{merged}")  # fmt: skip
+    kept = " (the earlier run's data is kept)" if previous else ""
     for name in report["failed"]:
         print(f"kvstrata bench report: section {name} failed: "
-              f"{report['sections'][name]['error']}", file=sys.stderr)  # fmt: skip
+              f"{report['runs'][-1]['errors'][name]}{kept}", file=sys.stderr)  # fmt: skip
     return 1 if report["failed"] else 0

@@ -402,10 +402,13 @@ def _header(report: dict[str, Any]) -> str:
         f"{first['seconds'] / 60:.1f} minutes"
     )
     for run in later:
+        again = ", ".join(run["sections"]) or "no section"
         text += (
-            f"; then {', '.join(run['sections'])} measured again by `{run['command']}` on "
+            f"; then {again} measured again by `{run['command']}` on "
             f"{run['date']}, {run['seconds'] / 60:.1f} minutes"
         )
+        if run.get("failed"):
+            text += f" ({', '.join(run['failed'])} failed there; earlier data of it stays)"
     what = "these runs (the machine table is the last one's)" if later else "this run"
     return text + f". Every number and figure below comes from {what}; "
 
