@@ -3,8 +3,12 @@ a larger initializer_range so the models are not blind to old context)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
+
+from kvstrata.modelzoo import build_byte_tokenizer, tiny_code_config
 
 COMMON = dict(
     vocab_size=97,
@@ -74,3 +78,24 @@ def tiny_model(family: str, attn: str = "sdpa", seed: int = 0, **overrides) -> t
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     return model
+
+
+def make_tiny_model_dir(path: Path) -> Path:
+    """A 2-layer byte-level Llama with the real tokenizer and a held-out listing.
+
+    initializer_range 0.3: default-init tiny models barely look at old context, which
+    would make any cache look exact (DESIGN.md testing notes)."""
+    torch.manual_seed(0)
+    config = tiny_code_config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        initializer_range=0.3,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    build_byte_tokenizer().save_pretrained(path)
+    (path / "heldout_files.txt").write_text("json/encoder.py\nno/such/file.py\njson/decoder.py\n")
+    return path

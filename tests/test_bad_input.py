@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from kvstrata.cli import main
 from kvstrata.config import CacheConfig
 from kvstrata.errors import ConfigError
 from kvstrata.integrations.hf import TieredCache
-from test_evaluate import make_tiny_model_dir
 
 INF, NAN = float("inf"), float("nan")
 DISK = {"disk_dir": "/tmp/kvstrata-bad-input-never-created", "disk_budget": "1MiB"}
@@ -253,18 +251,6 @@ def test_budgets_name_the_field_at_construction(kwargs, field, says):
 
 
 # -- CLI -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-bad-input-model"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def _cli(capsys, argv: list[str], *names: str) -> str:
     code = main(argv)
     out, err = capsys.readouterr()

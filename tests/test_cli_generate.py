@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
-import torch
 
 import kvstrata.modelzoo
 from kvstrata.cli import main
 from kvstrata.cli.eval import lossless_failures
 from kvstrata.evaluate import Comparison, ConfigResult, PplResult
-from test_evaluate import make_tiny_model_dir
 
 PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def restore_threads():
-    """The commands pick one thread for tiny models; give other modules theirs back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cli-model"))
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

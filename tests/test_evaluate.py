@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from transformers import DynamicCache
 
 from kvstrata.errors import ConfigError
@@ -25,46 +24,13 @@ from kvstrata.evaluate import (
     top1_agreement,
     window_perplexity,
 )
-from kvstrata.modelzoo import EOS_ID, build_byte_tokenizer, load_model, tiny_code_config
+from kvstrata.modelzoo import EOS_ID, load_model
 
 CONTEXT = 64
 BLOCK = 16
 
 
-def make_tiny_model_dir(path: Path) -> Path:
-    """A 2-layer byte-level Llama with the real tokenizer and a held-out listing.
-
-    initializer_range 0.3: default-init tiny models barely look at old context, which
-    would make any cache look exact (DESIGN.md testing notes)."""
-    torch.manual_seed(0)
-    config = tiny_code_config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        initializer_range=0.3,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    build_byte_tokenizer().save_pretrained(path)
-    (path / "heldout_files.txt").write_text("json/encoder.py\nno/such/file.py\njson/decoder.py\n")
-    return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Token-by-token forwards of a tiny model are dispatch-bound: one thread is faster
-    and steadier on a shared machine (restored afterwards for other test modules)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-eval-model"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

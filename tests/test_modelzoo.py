@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_models import make_tiny_model_dir
 from kvstrata.errors import ConfigError
 from kvstrata.modelzoo import (
     DEFAULT_MODEL_NAME,
@@ -17,7 +18,6 @@ from kvstrata.modelzoo import (
     load_model,
     load_tokenizer,
 )
-from test_evaluate import make_tiny_model_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,20 +30,8 @@ from kvstrata.needle import (
     needle_sweep,
 )
 from kvstrata.prompts import read_prompt_file
-from test_evaluate import make_tiny_model_dir
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-needle-model"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,6 @@ DIST = "kvstrata-test-tinygguf"
 GGUF = "tiny.Q0.gguf"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> tuple[Path, dict]:
     """A site directory holding an installed distribution that ships a tiny GGUF file,

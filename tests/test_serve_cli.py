@@ -16,20 +16,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvstrata.cli import build_parser, main
 from kvstrata.cli.serve import weight_bytes
 from kvstrata.hardware import machine_ram
 from kvstrata.modelzoo import load_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def restore_threads():
-    """serve picks one thread for the tiny model; give other modules theirs back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_help_names_the_vllm_aliases(capsys):

@@ -70,15 +70,6 @@ def stop(server: uvicorn.Server, thread: threading.Thread) -> None:
     assert not thread.is_alive()
 
 
-@pytest.fixture(scope="module")
-def torch_one_thread() -> Iterator[None]:
-    # One thread per forward: on a small, shared CPU more threads only contend.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_engine() -> Engine:
     model, tokenizer = load_model("default")
     return Engine(
@@ -93,7 +84,7 @@ def make_engine() -> Engine:
 
 
 @pytest.fixture(scope="module")
-def served(torch_one_thread) -> Iterator[Served]:
+def served(one_thread) -> Iterator[Served]:
     engine = make_engine()
     server, thread, url = serve_in_thread(build_app(engine))
     try:
@@ -467,7 +458,7 @@ def test_malformed_json_and_unknown_routes(served):
     assert greedy(served.client(), "import os", 2)
 
 
-def test_stopping_the_server_or_the_engine_answers_503(torch_one_thread):
+def test_stopping_the_server_or_the_engine_answers_503(one_thread):
     engine = make_engine()
     body = {"model": "tiny", "prompt": "import os", "max_tokens": 2}
     # What `kvstrata serve` does when its shutdown grace period is over: open requests
