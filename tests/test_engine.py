@@ -375,3 +375,32 @@ def test_an_unreadable_block_is_recomputed_never_served(monkeypatch):
         calls["fail_at"] = None
         assert engine.generate([ps[0]], sp)[0].token_ids == want[0].token_ids
         assert engine.stats()["live_blocks"] == 0
+
+
+def test_running_out_of_blocks_preempts_one_request_and_loses_none(monkeypatch):
+    """A step that runs out of blocks before the store placed it (nothing to undo)
+    preempts the newest request; every request still finishes with the tokens of an
+    undisturbed run — none is ended for it."""
+    from kvstrata.errors import OutOfBlocksError
+    from kvstrata.store import KVStore
+
+    ps, sp = prompts(4, seed=5), SamplingParams(max_tokens=10)
+    real = KVStore.extend
+    calls = {"n": 0, "fail_at": None}
+
+    def extend(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise OutOfBlocksError("injected: no free block in any tier")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVStore, "extend", extend)
+    kwargs = dict(block_size=BS, device_budget="64KiB", host_budget="8MiB")
+    with Engine(tiny_model("llama"), **kwargs) as engine:
+        want = engine.generate(ps, sp)
+        calls["fail_at"] = calls["n"] + 6  # mid-generation, all four running
+        got = engine.generate(ps, sp)
+        assert engine.metrics.value("kvstrata_preemptions_total") >= 1
+        assert engine.stats()["live_blocks"] == 0
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

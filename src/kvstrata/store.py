@@ -232,6 +232,11 @@ class KVStore(OneThread):
             except KvstrataError as err:
                 seq.failed = f"a failed forward could not be undone ({err})"
 
+    def failure(self, seq_id: int) -> str | None:
+        """Why a sequence is unusable (a step that could not be undone), else None."""
+        seq = self._seqs.get(seq_id)
+        return None if seq is None else seq.failed
+
     def _usable(self, seq_id: int) -> _Sequence:
         seq = self._seqs.get(seq_id)
         if seq is None:

@@ -409,12 +409,14 @@ class Engine:
         return True
 
     def _undo(self, batch: list[tuple[Request, int]], why: str) -> None:
-        """Undo a failed step; a request whose sequence cannot be restored ends."""
-        seq_ids = [r.seq_id for r, _ in batch]
-        undone = set(self.store.abort_step(seq_ids))
+        """Undo a failed step; a request whose sequence cannot be restored ends. (A step
+        that failed before the store placed it, e.g. out of blocks, has nothing to undo:
+        its requests go on.)"""
+        self.store.abort_step([r.seq_id for r, _ in batch])
         for req, _ in batch:
-            if req.seq_id not in undone and req.id in self.sched.requests:
-                self._finish(req, "abort", f"{why}; its KV could not be restored")
+            failure = self.store.failure(req.seq_id)
+            if failure is not None and req.id in self.sched.requests:
+                self._finish(req, "abort", f"{why}; its KV could not be restored ({failure})")
 
     def _accept(self, req: Request, token: int, now: float) -> None:
         if req.first_token_at is None:
