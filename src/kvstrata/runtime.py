@@ -172,7 +172,8 @@ class AttentionRuntime:
         self._plans.clear()
         self._lone = None
         self._step_no += 1
-        if len(self._last) > 4 * max(1, len(num_new)):  # sequences that left: forget them
+        # sequences that left: forget them (each keeps at most 2 plans per group)
+        if len(self._last) > 4 * len(self.store.groups) * max(1, len(num_new)):
             self._last = {k: v for k, v in self._last.items() if k[1] in num_new}
 
     def _read_plan(self, group: int, seq_id: int, start: int, end: int, native: bool) -> ReadPlan:
@@ -429,10 +430,12 @@ class AttentionRuntime:
         if not self.native or rows > NATIVE_MAX_ROWS or num < 2:
             return [], None
         gi, local = self.store.layer_map[layer]
+        # once per step and group: the runs are fixed once the step's tokens are placed
+        # (layer 0), and begin_step clears the plans
         key = ("batch", gi, tuple(seq_ids))
         batch = self._plans.get(key)
-        if batch is None or any(self.manager.runs((sid, gi)) is not runs for sid, runs in batch[3]):
-            done, descs, strides, nparts, runs_of = [], [], [], [], []
+        if batch is None:
+            done, descs, strides, nparts = [], [], [], []
             for i, sid in enumerate(seq_ids):
                 total = self.store.num_tokens(sid)
                 if self.step_tokens.get(sid) != 1:
@@ -445,14 +448,13 @@ class AttentionRuntime:
                 descs.append(plan.native.at(0))
                 strides.append(plan.native.at(1) - plan.native.at(0))
                 nparts.append(plan.native.num_parts)
-                runs_of.append((sid, plan.runs))
             batch = self._plans[key] = (
                 done,
-                (np.array(descs, dtype=np.uint64), np.array(strides, dtype=np.uint64)),
+                np.array(descs, dtype=np.uint64),
+                np.array(strides, dtype=np.uint64),
                 np.array(nparts, dtype=np.intc),
-                runs_of,
             )
-        done, (base, stride), nparts, _ = batch
+        done, base, stride, nparts = batch
         if len(done) < 2:
             return [], None
         qd = q[done] if len(done) < num else q
