@@ -526,3 +526,31 @@ def test_other_namespaces_are_removed_to_fit_the_disk_budget(tmp_path: Path) -> 
         assert store.removed_namespaces == [str(held_dir)] and foreign.exists()
     finally:
         store.close()
+
+
+def test_blocks_written_but_never_keyed_are_freed_at_open(tmp_path: Path) -> None:
+    """A crash between a block's write and its key leaves a written slot nothing can
+    find: the disk tier drops unkeyed rows when it reopens, so the next start has that
+    slot free again instead of losing it from the budget for good."""
+    store, worker = _store(tmp_path)
+    try:
+        _put(store, worker, [b"a", b"b"], seed=0)
+        disk = store.disk
+        orphan = disk.slots.free_slots()[0]
+
+        def crash_before_the_key() -> None:  # what `DiskWriter.write` does, minus put_keys
+            disk.tier.allocator.take([orphan])
+            k = torch.zeros(store.plan.layout.raw_shape("k", 1))
+            disk.tier.write_blocks([orphan], k, k)
+
+        disk.call(crash_before_the_key)
+        total = store.plan.disk_slots
+    finally:
+        store.close()
+    store, worker = _store(tmp_path)  # a restarted scheduler
+    try:
+        assert store.stats()["found_on_disk"] == 2
+        assert store.disk.slots.num_free == total - 2  # the two keyed blocks only
+        assert store.lookup(b"a") == HIT
+    finally:
+        store.close()

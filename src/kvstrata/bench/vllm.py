@@ -77,7 +77,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.modelzoo import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    warning = _busy_warning()
+    warning = _timing.load_warning(os.cpu_count() or 1)  # vLLM uses every core
     rounds = args.repeats + 1  # + the warm-up round
     prompts = _prompts(model_dir, rounds, args.prompt_tokens)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvstrata-vllm-"))
@@ -184,17 +184,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_block": _codec_bytes(model_dir, block_tokens, final),
         "machine_warning": warning,
     }
-
-
-def _busy_warning() -> str | None:
-    """A note when the machine was busy before the run (vLLM's CPU worker uses every core)."""
-    load, cores = _timing.machine_load()
-    if load <= _timing.LOAD_MARGIN:
-        return None
-    return (
-        f"machine busy: load average {load:.2f} on {cores} cores before the run, and vLLM "
-        "uses every core: timings are slowed and noisy, compare ratios only"
-    )
 
 
 def _layout(model_dir: Path, block_tokens: int) -> Any:
