@@ -33,7 +33,7 @@ from kvstrata.integrations.vllm.plan import (
     model_identity,
     weights_fingerprint,
 )
-from kvstrata.integrations.vllm.region import HEADER_BYTES, MAGIC, SharedHostTier
+from kvstrata.integrations.vllm.region import HEADER_BYTES, MAGIC
 from kvstrata.integrations.vllm.store import HIT, MISS, PENDING, OffloadStore
 from kvstrata.layout import BlockLayout
 from kvstrata.tiers.disk import DiskTier
@@ -283,15 +283,7 @@ class Worker:
     """The worker's side of the shared host arena (what worker.py writes and reads)."""
 
     def __init__(self, plan: BackendPlan, identity: dict | None = None) -> None:
-        self.host = SharedHostTier(
-            plan.layout,
-            plan.host_slots,
-            plan.host_codec,
-            plan.region_path,
-            plan.arena_digest,
-            create=True,
-            identity=identity or {},
-        )
+        self.host = plan.host_tier(create=True, identity=identity or {})
         self.layout = plan.layout
 
     def write(self, slots: list[int], seed: int) -> torch.Tensor:

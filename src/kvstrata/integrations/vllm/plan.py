@@ -114,6 +114,16 @@ class BackendPlan:
             disk_path = str(Path(self.disk_root) / f"{_slug(namespace['model'])}-{digest[:16]}")
         return replace(self, namespace=namespace, digest=digest, disk_path=disk_path)
 
+    def host_tier(self, *, create: bool, identity: dict[str, Any] | None = None) -> Any:
+        """The shared host arena of this plan: created by the worker (with the model
+        identity it publishes), opened by the scheduler."""
+        from kvstrata.integrations.vllm.region import SharedHostTier
+
+        return SharedHostTier(
+            self.layout, self.host_slots, self.host_codec, self.region_path,
+            self.arena_digest, create=create, identity=identity,
+        )  # fmt: skip
+
 
 def make_plan(
     options: VllmOptions,

@@ -34,7 +34,6 @@ from kvstrata.integrations.vllm.disk_writer import DiskWriter, make_room
 from kvstrata.integrations.vllm.index import BlockIndex, Entry
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import BackendPlan
-from kvstrata.integrations.vllm.region import SharedHostTier
 
 log = logging.getLogger(__name__)
 HIT, PENDING, MISS = "hit", "pending", "miss"
@@ -62,14 +61,7 @@ class OffloadStore:
     def __init__(self, plan: BackendPlan, options: VllmOptions) -> None:
         self.options = options
         self.index = BlockIndex(options.cache.policy)
-        self.host = SharedHostTier(
-            plan.layout,
-            plan.host_slots,
-            plan.host_codec,
-            plan.region_path,
-            plan.arena_digest,
-            create=False,
-        )
+        self.host = plan.host_tier(create=False)
         self.plan = plan.named(self.host.region.identity)
         self.disk: DiskWriter | None = None
         self.degraded = False  # the disk tier failed: host only from then on

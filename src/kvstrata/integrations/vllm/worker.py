@@ -28,7 +28,6 @@ from kvstrata.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.manager import HostSlotsSpec
 from kvstrata.integrations.vllm.pages import Pages
 from kvstrata.integrations.vllm.plan import BackendPlan
-from kvstrata.integrations.vllm.region import SharedHostTier
 
 
 class KvstrataOffloadingWorker(OffloadingWorker):
@@ -53,15 +52,7 @@ class KvstrataOffloadingWorker(OffloadingWorker):
         self.plan = plan
         self.pages = Pages([kv_caches.tensors[r.tensor_idx].tensor for r in refs], plan)
         # vLLM builds the worker first: it creates the arena, the scheduler opens it
-        self.host = SharedHostTier(
-            plan.layout,
-            plan.host_slots,
-            plan.host_codec,
-            plan.region_path,
-            plan.arena_digest,
-            create=True,
-            identity=identity,
-        )
+        self.host = plan.host_tier(create=True, identity=identity)
         self._finished: list[TransferResult] = []
 
     def _spec_blocks(self, spec: GPULoadStoreSpec, num_slots: int) -> tuple[torch.Tensor, int]:
