@@ -225,6 +225,20 @@ class KVGeometry:
         data = _config_data(config, where)
         model_type = str(data.get("model_type") or "unknown")
         num_layers = _get_int(data, ("num_hidden_layers", "n_layer", "num_layers"), where)
+        # Gemma-3n style: the last layers reuse the K/V of earlier ones and cache none
+        shared = data.get("num_kv_shared_layers") or 0
+        if shared:
+            if (
+                isinstance(shared, bool)
+                or not isinstance(shared, int)
+                or not (0 < shared < num_layers)
+            ):
+                raise ConfigError.field(
+                    f"{where}: num_kv_shared_layers", shared, f"an integer in [0, {num_layers})"
+                )
+            num_layers -= shared
+            if isinstance(data.get("layer_types"), list):
+                data = {**data, "layer_types": data["layer_types"][:num_layers]}
         num_heads = _get_int(data, ("num_attention_heads", "n_head", "num_heads"), where)
         num_kv_heads = _get_int(
             data, ("num_key_value_heads", "multi_query_group_num"), where, num_heads
@@ -461,6 +475,8 @@ def load_geometry(spec: str) -> KVGeometry:
 
 # layer types whose KV a block cache holds (softmax attention over past keys)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# per-layer config fields that change the shape of a layer's K/V
+_SHAPE_FIELDS = ("head_dim", "num_key_value_heads", "v_head_dim")
 
 
 def _config_data(config: Any, where: str) -> dict:
@@ -495,3 +511,19 @@ def check_cacheable(config: Any, name: str = "") -> None:
             f"model_type={model_type!r} has layers of type {other}: TieredCache serves "
             "softmax-attention layers only (no linear-attention / SSM state caches)"
         )
+    if data.get("kv_lora_rank") is not None:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} caches a compressed MLA latent that its attention "
+            "expands over the whole history (kv_b_proj): TieredCache serves models whose "
+            "attention reads the cached K/V directly (the planner does size MLA caches)"
+        )
+    per_layer = data.get("per_layer_config")
+    if isinstance(per_layer, dict):
+        for layer, fields in sorted(per_layer.items()):
+            for name in _SHAPE_FIELDS:
+                if isinstance(fields, dict) and fields.get(name, data.get(name)) != data.get(name):
+                    raise UnsupportedModelError(
+                        f"model_type={model_type!r}: layer {int(layer)} has {name}="
+                        f"{fields[name]} where the others have {data.get(name)}: TieredCache "
+                        "stores one K/V shape for every layer"
+                    )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from kvstrata.errors import UnsupportedModelError
 from kvstrata.integrations.hf_layers import _TieredLayer
 from kvstrata.runtime import write_layer, write_plan
 from kvstrata.store import KVStore
@@ -38,13 +39,27 @@ class PackedKV:
 
     def kvstrata_attend(
         self,
+        layer_idx: int,
         query: torch.Tensor,
         scaling: float | None,
         sliding_window: int | None,
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, None]:
-        return self.step.attend(self, query, scaling, sliding_window, softcap, sinks)
+        return self.step.attend(self, layer_idx, query, scaling, sliding_window, softcap, sinks)
+
+
+def _check_kv_shape(store: KVStore, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The model's K/V have the shape the store was built with from its config."""
+    layout = store.layout
+    want = (layout.num_kv_heads, layout.head_dim, layout.num_kv_heads, layout.dim_v)
+    got = (k.shape[1], k.shape[-1], v.shape[1], v.shape[-1])
+    if got != want:
+        raise UnsupportedModelError(
+            f"model_type={store.geometry.model_type!r}: the model's K/V have (kv heads, "
+            f"k dim, v heads, v dim) = {got} but its config describes {want}: the engine "
+            "sizes its store from the config (TieredCache, which reads the K/V, can serve it)"
+        )
 
 
 class StepCache(Cache):
@@ -57,9 +72,11 @@ class StepCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, model_layers: int | None = None) -> None:
         self.store = store
-        self.num_layers = store.geometry.num_layers
+        self.num_layers = store.geometry.num_layers  # layers that cache K/V
+        # the step ends after this layer's attention (later layers may reuse K/V)
+        self.last_attention_layer = max(model_layers or 0, self.num_layers) - 1
         sliding = [store.groups[g].is_sliding for g, _ in store.layer_map]
         super().__init__(layers=[_TieredLayer(self, i, s) for i, s in enumerate(sliding)])
         self.seq_ids: list[int] = []
@@ -102,6 +119,7 @@ class StepCache(Cache):
                 f"{tuple(key_states.shape)}"
             )
         if layer_idx == 0:
+            _check_kv_shape(store, key_states, value_states)
             writes = store.extend(self.seq_ids, self.counts, self.token_ids)
             self._writes = [write_plan(store.runtime, w, 1) for w in writes]
         group, local = store.layer_map[layer_idx]
@@ -112,6 +130,7 @@ class StepCache(Cache):
     def attend(
         self,
         kv: PackedKV,
+        calling_layer: int,
         query: torch.Tensor,
         scaling: float | None,
         sliding_window: int | None,
@@ -119,7 +138,8 @@ class StepCache(Cache):
         sinks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, None]:
         """Each sequence's queries over its own blocks; [1, T, Hq, Dv] like every
-        transformers attention function returns."""
+        transformers attention function returns. `calling_layer` is the layer whose
+        attention this is: `kv`'s own, or a later one that reuses its K/V."""
         runtime = self.store.runtime
         _, hq, total, dim = query.shape
         scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
@@ -159,7 +179,7 @@ class StepCache(Cache):
             )
             out[0, s:e].copy_(o.transpose(0, 1))
         runtime.prefetch_next_layer(layer, self.seq_ids)
-        if layer == self.num_layers - 1:
+        if calling_layer == self.last_attention_layer:
             self.store.step_done(self.seq_ids)
         return out, None
 

@@ -99,7 +99,9 @@ class TieredCache(Cache):
         self.store = store
         self.cache_config = store.config
         self.model_config = config
-        self.num_layers = store.geometry.num_layers
+        self.num_layers = store.geometry.num_layers  # layers that cache K/V
+        # the step ends after this layer's attention (later layers may reuse K/V)
+        self.last_attention_layer = _num_hidden_layers(config, self.num_layers) - 1
         self.salt = salt
         sliding = [store.groups[g].is_sliding for g, _ in store.layer_map]
         super().__init__(layers=[_TieredLayer(self, i, s) for i, s in enumerate(sliding)])
@@ -176,8 +178,15 @@ class TieredCache(Cache):
         batch, heads, num_new, _ = key_states.shape
         if layer_idx == 0 and self._in_forward and self._forward_start is None:
             self._forward_start = {s: store.num_tokens(s) for s in self.seq_ids}
+        if value_states.shape[:3] != key_states.shape[:3]:
+            raise UnsupportedModelError(
+                f"model_type={getattr(self.model_config, 'model_type', '?')!r}: layer "
+                f"{layer_idx} gives keys of shape {tuple(key_states.shape)} and values of "
+                f"shape {tuple(value_states.shape)}: TieredCache needs the same batch, "
+                "heads and tokens in both"
+            )
         if layer_idx == 0:
-            shape = (key_states.dtype, heads, key_states.shape[-1], value_states.shape[-1])
+            shape = _kv_shape(key_states, value_states)
             if shape != self._built_for:  # builds the store, or checks its layout
                 store.build(*shape, num_sequences=batch, native=self.native_attention)
                 self._built_for = shape
@@ -202,6 +211,13 @@ class TieredCache(Cache):
             writes = store.extend(self.seq_ids, num_new, tokens)
             self._writes = [write_plan(store.runtime, w, batch) for w in writes]
             self._mask_key = None  # a new forward: its padding mask is analysed afresh
+        elif _kv_shape(key_states, value_states) != self._built_for:
+            raise UnsupportedModelError(
+                f"model_type={getattr(self.model_config, 'model_type', '?')!r}: layer "
+                f"{layer_idx} gives K/V of (dtype, kv heads, k dim, v dim) = "
+                f"{_kv_shape(key_states, value_states)} where layer 0 gave "
+                f"{self._built_for}: TieredCache stores one K/V shape for every layer"
+            )
         group, local = store.layer_map[layer_idx]
         write_layer(self._writes[group], local, key_states, value_states)
         handle = TieredKV(self, layer_idx, key_states, value_states)
@@ -357,6 +373,18 @@ def _free_sequences(store: KVStore, seq_ids: list[int]) -> None:
     store.release(list(seq_ids), defer=True)
 
 
+def _num_hidden_layers(config: Any, default: int) -> int:
+    try:
+        layers = getattr(config, "num_hidden_layers", None)
+    except Exception:  # a config that refuses global access to a field
+        layers = None
+    return layers if isinstance(layers, int) and layers >= default else default
+
+
+def _kv_shape(k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return (k.dtype, k.shape[1], k.shape[-1], v.shape[-1])
+
+
 def _config_dtype(config: Any) -> torch.dtype:
     """The KV dtype a config names (transformers config or KVGeometry), else float32."""
     from kvstrata.geometry import DTYPES, dtype_name
@@ -385,9 +413,13 @@ def kvstrata_attention(
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered as "kvstrata" (transformers AttentionInterface).
     Also serves the engine's packed steps (a handle with `kvstrata_attend`)."""
+    # the calling layer; a layer that shares another's K/V (Gemma-3n) passes its handle
+    layer_idx = getattr(module, "layer_idx", None)
+    if not isinstance(layer_idx, int):
+        layer_idx = getattr(key, "layer_idx", -1)
     packed = getattr(key, "kvstrata_attend", None)
     if packed is not None:
-        return packed(query, scaling, sliding_window, softcap, s_aux)
+        return packed(layer_idx, query, scaling, sliding_window, softcap, s_aux)
     if not isinstance(key, TieredKV):
         raise UnsupportedModelError(
             "attn_implementation='kvstrata' needs a kvstrata.TieredCache: pass "
@@ -396,7 +428,7 @@ def kvstrata_attention(
     cache = key.cache
     try:
         return _attention(
-            cache, key, query, attention_mask, scaling, sliding_window, softcap, s_aux
+            cache, key, layer_idx, query, attention_mask, scaling, sliding_window, softcap, s_aux
         )
     except BaseException:  # e.g. a corrupt block: the step is undone, nothing half-applied
         cache.abort_step()
@@ -406,6 +438,7 @@ def kvstrata_attention(
 def _attention(
     cache: TieredCache,
     key: TieredKV,
+    layer_idx: int,
     query: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None,
@@ -433,7 +466,7 @@ def _attention(
         )
         out[b].copy_(o.transpose(0, 1))
     runtime.prefetch_next_layer(key.layer_idx, cache.seq_ids)
-    if key.layer_idx == cache.num_layers - 1:
+    if layer_idx == cache.last_attention_layer:
         cache.step_done()
     return out, None
 

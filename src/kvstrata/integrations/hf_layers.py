@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvstrata.errors import UnsupportedModelError
+
 if TYPE_CHECKING:
     from kvstrata.integrations.hf import TieredCache
 
@@ -29,6 +31,40 @@ class TieredKV:
     def shape(self) -> torch.Size:  # some callers look at key_states.shape[-2]
         b, h, _, d = self.new_k.shape
         return torch.Size((b, h, self.cache.get_seq_length(), d))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.new_k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.new_k.device
+
+    def __getattr__(self, name: str):
+        # Only reached for what a TieredKV does not have: a model whose attention code
+        # treats the cached keys as a tensor (key.repeat, key.transpose, ...) is told so
+        # in one line instead of an AttributeError deep inside its forward.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise CachedKVUsedAsTensorError(self, f"key_states.{name}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        handle = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        name = getattr(func, "__name__", str(func))
+        raise CachedKVUsedAsTensorError(handle, f"torch.{name}(key_states, ...)")
+
+
+class CachedKVUsedAsTensorError(UnsupportedModelError, AttributeError):
+    """A model's own code used the handle `TieredCache.update` returns as a tensor."""
+
+    def __init__(self, handle: TieredKV, use: str) -> None:
+        model_type = getattr(handle.cache.model_config, "model_type", "?")
+        super().__init__(
+            f"model_type={model_type!r} uses the cached K/V as tensors ({use}) outside "
+            "the attention function: TieredCache keeps the history in its tiers and serves "
+            "only models whose attention reads K/V through transformers' AttentionInterface"
+        )
 
 
 class _TieredLayer(CacheLayerMixin):
