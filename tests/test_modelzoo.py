@@ -77,11 +77,17 @@ def test_config_not_json(model_dir):
 
 
 def test_unsupported_model_type(model_dir):
-    _edit_config(model_dir, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    _edit_config(model_dir, model_type="t5", architectures=["T5ForConditionalGeneration"])
     message = _load_error(model_dir)
-    assert message.startswith(f"{model_dir / 'config.json'}: model_type='gpt2' is not supported")
-    assert "llama (LlamaForCausalLM)" in message
-    assert "gemma2 (Gemma2ForCausalLM)" in message
+    assert message.startswith(f"{model_dir / 'config.json'}: model_type='t5' is not supported")
+    assert "not a causal language model" in message and "llama, mistral" in message
+
+
+def test_uncacheable_model_is_refused_before_loading(model_dir):
+    _edit_config(model_dir, layer_types=["full_attention", "linear_attention"])
+    message = _load_error(model_dir)
+    assert message.startswith(f"{model_dir / 'config.json'}: model_type='llama' has layers")
+    assert "linear_attention" in message
 
 
 def test_unsupported_architecture(model_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -221,7 +222,7 @@ def test_unknown_model_name():
     names = ", ".join(model_names())
     assert names.startswith("smollm2, ") and names.endswith(", tiny")
     assert str(err.value) == (
-        f"model='smollm3' is invalid: not a model name ({names}) nor a local directory"
+        f"model='smollm3' is invalid: not a model name ({names}), local directory nor .gguf file"
     )
 
 
@@ -261,3 +262,32 @@ def test_chat_generation_from_stdin_prints_only_the_answer(converted, monkeypatc
     assert raw.startswith(prompt)  # a completion echoes its prompt
     assert not chat.startswith("the cat")  # a chat answer comes alone
     assert chat != raw[len(prompt) :]  # the template changed what the model saw
+
+
+def test_a_gguf_file_path_converts_once_into_the_cache(site, monkeypatch, tmp_path, capsys):
+    """`--model path/to/x.gguf`: any GGUF file, converted like a named model; the cache
+    entry follows the file's bytes (a changed file converts anew)."""
+    root, tensors = site
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    gguf = tmp_path / "my model.gguf"
+    shutil.copy(root / "kvstrata_test_tinygguf" / GGUF, gguf)
+    target = resolve_model_dir(str(gguf))
+    assert target.parent == tmp_path / "cache" / "models"
+    assert target.name.startswith(f"gguf-my-model-{gguf.stat().st_size}-")
+    assert json.loads((target / MANIFEST).read_text())["source"]["path"] == str(gguf)
+    assert resolve_model_dir(str(gguf)) == target  # read from the cache the second time
+    model, _ = load_model(str(gguf))
+    name = "model.layers.0.self_attn.k_proj.weight"
+    assert model.state_dict()[name].shape == (16, 32)
+    # a file with other bytes is another model
+    data = bytearray(gguf.read_bytes())
+    data[-1] ^= 0xFF
+    gguf.write_bytes(bytes(data))
+    assert resolve_model_dir(str(gguf)) != target
+    # not a GGUF file: one line naming the field and the file, exit 2 from the CLI
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(fake), "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"model='{fake}' is invalid: a GGUF file" in err

@@ -18,6 +18,8 @@ and zero-point bytes are counted exactly as the tiers store them.
 from __future__ import annotations
 
 import json
+import math
+import struct
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
@@ -166,6 +168,24 @@ def _estimate_params(data: dict[str, Any], geometry: KVGeometry) -> int | None:
     return embeddings + geometry.num_layers * per_layer + hidden
 
 
+def _safetensors_params(model_dir: Path) -> int | None:
+    """Parameters stored in a model directory's safetensors files, read from their
+    headers alone (None when there are none or a header is unreadable)."""
+    total = 0
+    files = sorted(model_dir.glob("*.safetensors"))
+    try:
+        for file in files:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    total += math.prod(entry["shape"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return total or None
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     """The part of a model config that sizes its KV cache (and its weights).
@@ -292,7 +312,10 @@ class KVGeometry:
             ) from None
         if not isinstance(data, dict):
             raise ConfigError.field("model", str(path), "config.json must hold a JSON object")
-        return cls.from_hf_config(data, name=str(path))
+        geometry = cls.from_hf_config(data, name=str(path))
+        if geometry.num_params is None:  # any family: count the weights beside the config
+            geometry = replace(geometry, num_params=_safetensors_params(path.parent))
+        return geometry
 
     @classmethod
     def from_preset(cls, name: str) -> KVGeometry:
@@ -457,7 +480,7 @@ def _sliding_layers(data: dict[str, Any], num_layers: int, where: str):
 
 
 def load_geometry(spec: str) -> KVGeometry:
-    """A geometry from a preset name, a config.json path or a model directory.
+    """A geometry from a preset name, a config.json path, a model directory or a GGUF file.
 
     Args:
         spec: "llama-3-8b", "/models/x/config.json" or "/models/x".
@@ -468,6 +491,10 @@ def load_geometry(spec: str) -> KVGeometry:
     path = Path(spec).expanduser()
     if spec.lower() in PRESETS:
         return KVGeometry.from_preset(spec)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from kvstrata.realmodel import gguf_file_dir
+
+        path = gguf_file_dir(path)  # converted into the cache once
     if path.is_dir() or path.is_file():
         return KVGeometry.from_json(path)
     return KVGeometry.from_preset(spec)  # raises, listing the presets

@@ -252,6 +252,59 @@ def converted_dir(name: str, status: Status | None = _stderr) -> Path:
         raise ConfigError.field("model", name, f"not a named model: {', '.join(MODELS)}")
     gguf_path, version = locate_gguf(spec)
     target = cache_root() / "models" / converted_name(spec, version, gguf_path.stat().st_size)
+    source = {"distribution": spec.distribution, "version": version}
+    return _converted(spec.name, gguf_path, target, source, spec.install, status)
+
+
+def gguf_file_dir(path: Path, status: Status | None = _stderr) -> Path:
+    """The converted model directory of any GGUF file (``--model path/to/x.gguf``),
+    converting it into the cache on first use; the cache entry is named by the file's
+    stem, size and a digest of its first and last MiB, so a changed file converts anew.
+
+    Args:
+        path: An existing GGUF file.
+        status: Called with a line before and after a conversion (None = silent).
+
+    Returns:
+        A complete model directory in the cache.
+    """
+    import re
+
+    import xxhash
+
+    try:
+        size = path.stat().st_size
+        digest = xxhash.xxh64()
+        with path.open("rb") as f:
+            head = f.read(8)
+            if head[:4] != b"GGUF":
+                raise ConfigError.field("model", str(path), "a GGUF file (it starts with 'GGUF')")
+            f.seek(0)
+            digest.update(f.read(2**20))
+            f.seek(max(0, size - 2**20))
+            digest.update(f.read(2**20))
+    except OSError as exc:
+        raise ConfigError.field(
+            "model", str(path), f"a readable GGUF file ({exc.strerror})"
+        ) from None
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:80] or "model"
+    name = f"gguf-{stem}-{size}-{digest.hexdigest()}-v{CONVERTER_VERSION}"
+    target = cache_root() / "models" / name
+    source = {"path": str(path.resolve())}
+    install = f"pip install 'kvstrata[{EXTRA}]'"
+    return _converted(path.name, gguf_path=path, target=target, source=source, install=install,
+                      status=status)  # fmt: skip
+
+
+def _converted(
+    label: str,
+    gguf_path: Path,
+    target: Path,
+    source: dict[str, Any],
+    install: str,
+    status: Status | None,
+) -> Path:
+    """`target`, converted from `gguf_path` under a lock unless it is there already."""
     if target.exists():
         _check_converted(target)
         return target
@@ -260,7 +313,10 @@ def converted_dir(name: str, status: Status | None = _stderr) -> Path:
     # transformers' GGUF loader needs both (it refuses a GGUF file without accelerate).
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
-            raise missing_extra(spec, f"package {module}")
+            raise ConfigError(
+                f"model={label!r} needs the {EXTRA!r} extra (package {module} is not "
+                f"installed): {install}"
+            )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -280,7 +336,7 @@ def converted_dir(name: str, status: Status | None = _stderr) -> Path:
         size_mb = gguf_path.stat().st_size / 1e6
         if status is not None:
             status(
-                f"kvstrata: converting {spec.name} ({gguf_path.name}, {size_mb:.0f} MB) once into "
+                f"kvstrata: converting {label} ({gguf_path.name}, {size_mb:.0f} MB) once into "
                 f"{target} (later loads read it from there) ..."
             )
         start = time.perf_counter()
@@ -288,13 +344,8 @@ def converted_dir(name: str, status: Status | None = _stderr) -> Path:
             info = convert_gguf(gguf_path, tmp)
             seconds = time.perf_counter() - start
             manifest = {
-                "name": spec.name,
-                "source": {
-                    "distribution": spec.distribution,
-                    "version": version,
-                    "file": gguf_path.name,
-                    "bytes": gguf_path.stat().st_size,
-                },
+                "name": label,
+                "source": {**source, "file": gguf_path.name, "bytes": gguf_path.stat().st_size},
                 "converter_version": CONVERTER_VERSION,
                 "convert_seconds": round(seconds, 1),
                 **info,
@@ -307,14 +358,14 @@ def converted_dir(name: str, status: Status | None = _stderr) -> Path:
                 raise
             if isinstance(exc, OSError) and exc.strerror:
                 raise ConfigError(
-                    f"{target.parent}: converting {spec.name} failed ({exc.strerror}); "
+                    f"{target.parent}: converting {label} failed ({exc.strerror}); "
                     f"free some space or set {CACHE_ENV} to another directory"
                 ) from exc
             text = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-            raise ConfigError(f"{gguf_path}: converting {spec.name} failed ({text})") from exc
+            raise ConfigError(f"{gguf_path}: converting {label} failed ({text})") from exc
     if status is not None:
         written = sum(f.stat().st_size for f in target.iterdir()) / 2**20
-        status(f"kvstrata: converted {spec.name} in {seconds:.1f} s ({written:.0f} MiB)")
+        status(f"kvstrata: converted {label} in {seconds:.1f} s ({written:.0f} MiB)")
     return target
 
 
@@ -325,7 +376,9 @@ def damaged_cache_hint(name: str, model_dir: Path) -> Iterator[None]:
     try:
         yield
     except ConfigError as exc:
-        if name not in MODELS or "convert the model again" in str(exc):
+        converted = name in MODELS or name.lower().endswith(".gguf")
+        # a model kvstrata cannot serve is not a damaged conversion
+        if not converted or "convert the model again" in str(exc) or "not supported" in str(exc):
             raise
         raise ConfigError(
             f"{exc}; the converted model is damaged: delete {model_dir} to convert it again"

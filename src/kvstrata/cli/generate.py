@@ -423,12 +423,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def model_help() -> str:
-    """The --model help text: the names, then 'or a model directory'."""
+    """The --model help text: the names, then a model directory or a GGUF file."""
     from kvstrata.modelzoo import CLI_DEFAULT_MODEL
 
     return (
         f"{CLI_DEFAULT_MODEL} (default: SmolLM2-135M-Instruct, extra 'model'), tiny (the "
-        "embedded byte model; 'default' is its old name), or a model directory"
+        "embedded byte model; 'default' is its old name), a model directory, or a .gguf "
+        "file (converted once into the cache)"
     )
 
 

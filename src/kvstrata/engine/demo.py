@@ -79,13 +79,15 @@ def run(
     prompts = [request_ids(tok, d) for d in documents(tok, requests, doc_tokens)]
     params = SamplingParams(max_tokens=max_tokens)
     bs = 32
-    from kvstrata.budgets import group_layout
+    from kvstrata.budgets import blocks_for_context, group_layout, model_groups
     from kvstrata.codecs.registry import get_codec
     from kvstrata.geometry import KVGeometry
 
     layout = group_layout(KVGeometry.from_hf_config(model.config), bs, model.dtype)
-    block_bytes = get_codec("none").block_nbytes(layout)  # one block on the device
-    total_blocks = sum(-(-(len(p) + max_tokens) // bs) for p in prompts)
+    block_bytes = get_codec("none").block_nbytes(layout)  # one block of one layer group
+    # every layer group's blocks (a sliding group holds its window only)
+    groups = model_groups(model)
+    total_blocks = sum(blocks_for_context(groups, len(p) + max_tokens, bs) for p in prompts)
     device_blocks = max(int(device_fraction * total_blocks), 2 * len(prompts))
     engine = Engine(
         model,
@@ -159,7 +161,7 @@ def run(
     moved = format_bytes(sum(stats["bytes_moved"].values()))
     console.print(
         f"device KV peak {format_bytes(peak_dev)} vs {format_bytes(resident)} all-resident "
-        f"({1 - peak_dev / resident:.0%} saved); moved {moved} between tiers; prefix hits "
-        f"{dict(hits) or 'none'} tokens"
+        f"({1 - peak_dev / resident:.0%} saved); moved {moved} between tiers; prefix hits: "
+        + (", ".join(f"{n} tokens from {tier}" for tier, n in hits.items()) or "none")
     )
     return all(exact)
