@@ -437,3 +437,38 @@ def test_skipped_sliding_blocks_kept_as_cache_copies_are_written_by_the_step() -
     assert mgr.live_bytes() == len(table.block_ids) * mgr.tiers["device"].block_bytes
     mgr.end_step([0])
     assert not table.step_extra and not mgr.cached  # unhashed copies are released
+
+
+@pytest.mark.parametrize("host_codec", ["none", "int8"])
+def test_a_large_move_is_copied_in_chunks_with_the_same_result(host_codec, monkeypatch) -> None:
+    """Demoting many blocks at once copies at most COPY_CHUNK_BYTES of raw blocks per
+    step (bounded GPU scratch when blocks leave a GPU): the result is the same bytes."""
+    from kvstrata.blocks import apply
+    from kvstrata.codecs.registry import get_codec
+
+    def run(chunk_bytes: int) -> tuple[dict, list]:
+        monkeypatch.setattr(apply, "COPY_CHUNK_BYTES", chunk_bytes)
+        layout = tiny_layout(2)
+        tiers = [
+            DeviceTier(layout, 12, device="cpu"),
+            HostTier(layout, 12, codec=get_codec(host_codec)),
+        ]
+        mgr = BlockManager(layout, tiers, EvictionPolicy("window"))
+        mgr.add_sequence(0)
+        torch.manual_seed(0)
+        writes = mgr.append([0], 20)
+        ks = [torch.randn(1, 2, 20, 4) for _ in range(2)]
+        write_step(mgr, writes, ks, [k * 2 for k in ks])
+        calls = []
+        real = mgr._copy_chunk
+        monkeypatch.setattr(mgr, "_copy_chunk", lambda *a: calls.append(len(a[1])) or real(*a))
+        mgr.set_budget("device", 2)  # slots: 8 of the 10 blocks go down at once
+        seq = [read_sequence(mgr, 0, layer) for layer in range(2)]
+        return {"placement": _placement(mgr, 0), "chunks": calls}, seq
+
+    whole, seq_whole = run(2**30)
+    chunked, seq_chunked = run(1)  # one block per chunk
+    assert whole["chunks"] == [8] and chunked["chunks"] == [1] * 8
+    assert whole["placement"] == chunked["placement"]
+    for (k1, v1), (k2, v2) in zip(seq_whole, seq_chunked, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -46,7 +46,12 @@ class CodecError(KvstrataError, ValueError):
 
 
 class TierIOError(KvstrataError, OSError):
-    """A tier could not read or write a block. The caller recomputes the block."""
+    """A tier could not read or write a block. The caller recomputes the block.
+
+    `seq_ids`: the sequences whose blocks could not be read, where the reader knew
+    them (attention names the sequence it was reading for); empty when unknown."""
+
+    seq_ids: frozenset[int] = frozenset()
 
 
 class BlockCorruptError(TierIOError):

@@ -43,7 +43,7 @@ from kvstrata.attention import (
     unpack_gqa,
 )
 from kvstrata.blocks.manager import Run
-from kvstrata.errors import UnsupportedModelError
+from kvstrata.errors import TierIOError, UnsupportedModelError
 from kvstrata.staging import Stager
 from kvstrata.tiers.memory import MemoryTier
 
@@ -489,7 +489,29 @@ class AttentionRuntime:
         """Attention of one sequence's queries q [Hq, Q, D] over its cached keys in
         model layer `layer`.
 
-        Returns [Hq, Q, Dv]."""
+        Returns [Hq, Q, Dv]. A block that cannot be read raises its TierIOError with
+        `seq_ids` naming this sequence (the caller recomputes its owner only)."""
+        try:
+            return self._attend(
+                layer, seq_id, q, new_k, new_v, scale, row_mask, sliding_window, softcap, sinks
+            )
+        except TierIOError as err:
+            err.seq_ids = err.seq_ids | {seq_id}
+            raise
+
+    def _attend(
+        self,
+        layer: int,
+        seq_id: int,
+        q: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        scale: float,
+        row_mask: RowMask | None,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         group = self._group_of(layer, sliding_window)
         num_q, total = q.shape[1], self.store.num_tokens(seq_id)
         past = total - num_q

@@ -16,6 +16,10 @@ from kvstrata.blocks.placement import PendingBlock, Placement
 from kvstrata.blocks.pool import Block
 from kvstrata.tiers.base import Tier
 
+# The most raw block bytes one step of a tier-to-tier copy stages (on the GPU, when
+# blocks leave it through another codec).
+COPY_CHUNK_BYTES = 32 * 2**20
+
 if TYPE_CHECKING:
     from kvstrata.blocks.pool import BlockPool
     from kvstrata.blocks.table import BlockTable
@@ -182,6 +186,13 @@ class ApplyPlacement:
             self.on_move(blocks)
 
     def copy_blocks(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
+        """Copy blocks between tiers, at most COPY_CHUNK_BYTES of raw blocks at a time:
+        demoting a long sequence off a GPU must not need a raw copy of all of it there."""
+        per = max(1, COPY_CHUNK_BYTES // max(1, self.layout.raw_block_bytes))
+        for i in range(0, len(src_slots), per):
+            self._copy_chunk(src, src_slots[i : i + per], dst, dst_slots[i : i + per])
+
+    def _copy_chunk(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
         if src.codec.name == dst.codec.name:  # encoded as is: quantized once, never twice
             dst.write_encoded(dst_slots, src.read_encoded(src_slots))
             return
