@@ -618,6 +618,49 @@ def test_size_limited_filesystem_subprocess(tmp_path):
     tier.close()
 
 
+def test_an_arena_larger_than_the_free_space_is_refused_before_allocating(tmp_path):
+    """A disk budget past the free space: TierFullError before anything is allocated,
+    and no arena file is left behind (a failed fallocate keeps what it allocated: one
+    left 67 GB behind on this machine before the check)."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    slots = 2 * free // (LAYOUT.raw_block_bytes) + 1
+    with pytest.raises(TierFullError, match="creating a .*-byte arena") as info:
+        DiskTier(LAYOUT, slots, tmp_path / "big")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "big" / "blocks.bin").exists()
+
+
+def test_a_fallocate_that_fails_midway_gives_back_what_it_allocated(tmp_path, monkeypatch):
+    """posix_fallocate that allocates part of the arena and then fails (ENOSPC after
+    the free-space check, e.g. another writer): a new arena is removed, an existing one
+    is cut back to its old size."""
+    from kvstrata.tiers import disk_io
+
+    def partial(fd, offset, size):
+        os.ftruncate(fd, size // 2)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_io.os, "posix_fallocate", partial)
+    with pytest.raises(TierFullError):
+        DiskTier(LAYOUT, 64, tmp_path / "new")
+    assert not (tmp_path / "new" / "blocks.bin").exists()
+    monkeypatch.undo()
+    tier = DiskTier(LAYOUT, 8, tmp_path / "old")
+    k, v = _blocks(1)
+    tier.write_blocks([3], k, v)
+    tier.put_key(3, b"h" * 16, [1, 2])  # keyed: kept across a reopen
+    tier.close()
+    size = (tmp_path / "old" / "blocks.bin").stat().st_size
+    monkeypatch.setattr(disk_io.os, "posix_fallocate", partial)
+    with pytest.raises(TierFullError):
+        DiskTier(LAYOUT, 64, tmp_path / "old")  # a larger budget over the same directory
+    assert (tmp_path / "old" / "blocks.bin").stat().st_size == size
+    monkeypatch.undo()
+    tier = DiskTier(LAYOUT, 8, tmp_path / "old")  # the old blocks are still there
+    _check(tier, {3: (k, v)}, set())
+    tier.close()
+
+
 # -- processes ----------------------------------------------------------------------------
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONHASHSEED="0")

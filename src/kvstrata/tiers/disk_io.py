@@ -6,6 +6,7 @@ slot). Writes return the checksums the index records; reads verify against them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -127,6 +128,7 @@ class BlockFile:
         self.load_compressor = load_compressor
         self.o_direct = o_direct
         self.fd = -1  # the arena
+        self.created = False  # open() created the file (a failed sizing removes it)
         self.dfd = -1  # the descriptor block data moves through (O_DIRECT or fd)
         self._local = threading.local()
         self._vec = (
@@ -149,6 +151,7 @@ class BlockFile:
             except FileNotFoundError:
                 self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self.dfd = self.fd
+                self.created = True
                 return None
             self.dfd = self.fd
             return os.fstat(self.fd).st_size
@@ -168,7 +171,8 @@ class BlockFile:
             if old_size > size:
                 os.ftruncate(self.fd, size)
             elif hasattr(os, "posix_fallocate"):
-                try:
+                self._check_space(size)  # before allocating: a failed fallocate keeps
+                try:  # what it allocated, which can fill the disk
                     os.posix_fallocate(self.fd, 0, size)
                 except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
@@ -177,7 +181,22 @@ class BlockFile:
             else:
                 self._truncate_checked(size)
         except OSError as exc:
+            self._undo_growth(old_size)
             raise self.io_error(exc, [], f"creating a {size}-byte arena") from exc
+
+    def _undo_growth(self, old_size: int) -> None:
+        """A failed sizing gives back what it allocated: the arena as it was, and one
+        this open created is removed (no half-allocated file left filling the disk)."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, old_size)
+        if self.created:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    def _check_space(self, size: int) -> None:
+        st = os.statvfs(self.path.parent)
+        if st.f_bavail * st.f_frsize < size - os.fstat(self.fd).st_blocks * 512:
+            raise OSError(errno.ENOSPC, "not enough free space")
 
     def _open_direct(self) -> int:
         try:
@@ -193,9 +212,7 @@ class BlockFile:
 
     def _truncate_checked(self, size: int) -> None:
         # No fallocate on this filesystem: a sparse file, with a free-space check.
-        st = os.statvfs(self.path.parent)
-        if st.f_bavail * st.f_frsize < size - os.fstat(self.fd).st_size:
-            raise OSError(errno.ENOSPC, "not enough free space")
+        self._check_space(size)
         os.ftruncate(self.fd, size)
 
     def drop_cache(self) -> None:
