@@ -71,16 +71,50 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 # module -> requirement. triton (the fused dequant, kvstrata[cuda]) is required on CUDA:
 # without it the fused dequant tests skip and quantized blocks decode with torch ops
-REQUIRED="transformers:transformers>=5.0,<6 safetensors:safetensors>=0.4 rich:rich>=13
+# (the same bounds as pyproject.toml: an older transformers is there but unusable)
+REQUIRED="transformers:transformers>=5.24,<6 safetensors:safetensors>=0.4 rich:rich>=13
 numpy:numpy>=1.26 sortedcontainers:sortedcontainers>=2.4 tqdm:tqdm>=4.66 xxhash:xxhash>=3
 prometheus_client:prometheus-client>=0.20 pytest:pytest>=8"
 OPTIONAL="triton:triton>=3.0"
+# the requirements of $1 that are not importable at a version they accept, one a line
 missing() {
-    for pair in $1; do
-        "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('${pair%%:*}') is None)" \
-            || printf '%s\n' "${pair#*:}"
-    done
+    "$PY" - "$1" <<'PYEOF'
+import importlib.util
+import re
+import sys
+from importlib import metadata
+
+def version_tuple(text):
+    return tuple(int(n) for n in re.findall(r"\d+", text)[:3])
+
+for pair in sys.argv[1].split():
+    module, spec = pair.split(":", 1)
+    name, _, bounds = re.match(r"([A-Za-z0-9_.-]+)(.*)", spec).group(1, 0, 2)
+    ok = importlib.util.find_spec(module) is not None
+    if ok:
+        try:
+            have = version_tuple(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            have = None
+        for op, want in re.findall(r"(>=|<)([0-9.]+)", bounds):
+            if have is not None and (have >= version_tuple(want)) != (op == ">="):
+                ok = False
+    if not ok:
+        print(spec)
+PYEOF
 }
+# A wheelhouse carried with the checkout (.whl/: scripts/gpu_wheels.sh fills it for the
+# device machine, which has no network): installed into a private directory first.
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    SITE=${GPU_CHECK_SITE:-/tmp/kvstrata-gpu-site}
+    log "installing the carried wheels of .whl/ into $SITE"
+    for wheel in .whl/*.whl; do  # one at a time: a wheel for another Python is skipped
+        timeout -k 5 "$(cap 60)" "$PY" -m pip install --quiet --no-index --no-deps \
+            --no-compile --no-cache-dir --upgrade --target "$SITE" "$wheel" 2>&1 | tail -2 \
+            || true
+    done
+    export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH#"$PWD/src"}"
+fi
 # "${A[@]}" of an empty array is an error under set -u before bash 4.4: ${A[@]+"${A[@]}"}
 mapfile -t NEED < <(missing "$REQUIRED")
 mapfile -t WANT < <(missing "$OPTIONAL")
