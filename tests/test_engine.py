@@ -269,6 +269,8 @@ def test_bad_requests_are_refused_at_once():
             engine.submit([5, 1000], SamplingParams())
         with pytest.raises(ConfigError, match="no tokenizer"):
             engine.submit("text", SamplingParams())
+        with pytest.raises(RequestRejected, match="logit_bias token id 97 is outside"):
+            engine.submit([5, 6], SamplingParams(logit_bias={97: 1.0}))
         # the engine still serves
         assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].completion_tokens
     with (
@@ -283,6 +285,15 @@ def test_bad_requests_are_refused_at_once():
         ("top_k", {"top_k": -2}),
         ("stop", {"stop": [""]}),
         ("seed", {"seed": -1}),
+        ("max_tokens", {"max_tokens": 0, "logprobs": 1}),  # 0 only with prompt_logprobs
+        ("logprobs", {"logprobs": 21}),
+        ("frequency_penalty", {"frequency_penalty": 2.5}),
+        ("presence_penalty", {"presence_penalty": -3}),
+        ("repetition_penalty", {"repetition_penalty": 0}),
+        ("min_p", {"min_p": 1.5}),
+        ("min_tokens", {"max_tokens": 4, "min_tokens": 5}),
+        ("logit_bias", {"logit_bias": {5: 200}}),
+        ("logit_bias", {"logit_bias": {-1: 1}}),
     ]:
         with pytest.raises(ConfigError, match=field):
             SamplingParams(**kwargs)
@@ -404,3 +415,136 @@ def test_running_out_of_blocks_preempts_one_request_and_loses_none(monkeypatch):
         assert engine.stats()["live_blocks"] == 0
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# -- logprobs, prompt scoring, penalties ---------------------------------------------------
+
+
+def close(expected):
+    """fp32 logprobs through the engine's paged attention vs one plain forward."""
+    return pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def direct_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's fp32 logits at every position of `ids` (one forward,
+    no cache): row p is the distribution of token p + 1."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_logprobs_and_prompt_logprobs_equal_the_models_log_softmax():
+    """Sampled-token and prompt logprobs are log_softmax of the model's own logits —
+    also for a prompt prefilled in several chunks whose blocks the prefix cache holds
+    (a prompt-logprob request computes its whole prompt) — and asking for them changes
+    no token. max_tokens 0 scores the prompt and generates nothing."""
+    prompt = prompts(4, seed=11)[3]  # 64 tokens: 4 blocks, prefilled in chunks of 24
+    reference_model = tiny_model("llama")
+    with Engine(
+        tiny_model("llama"), block_size=BS, config=EngineConfig(max_batched_tokens=24)
+    ) as engine:
+        plain = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+        sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+        scored = engine.generate([prompt], sp)[0]
+        only = engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+        sampled = engine.generate(
+            [prompt],
+            SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=0, ignore_eos=True),
+        )[0]
+        again = engine.generate([prompt], SamplingParams(max_tokens=6))[0]
+    assert again.cached_tokens == 48  # the plain path still uses the prefix cache
+    assert scored.token_ids == plain.token_ids  # logprobs change nothing
+    assert scored.cached_tokens == 0 and only.cached_tokens == 0
+    lp = direct_logprobs(reference_model, prompt + scored.token_ids)
+    n = len(prompt)
+    # prompt tokens: the first has no prefix, token i is scored by the logits at i - 1
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == n
+    for i in range(1, n):
+        entry = scored.prompt_logprobs[i]
+        assert entry.token_id == prompt[i]
+        assert entry.logprob == close(lp[i - 1, prompt[i]].item())
+        best = torch.topk(lp[i - 1], 2)
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+        assert [v for _, v in entry.top] == close(best.values.tolist())
+    # generated tokens: the logits at the position before each
+    assert len(scored.logprobs) == len(scored.token_ids) == 6
+    for j, entry in enumerate(scored.logprobs):
+        row = lp[n - 1 + j]
+        assert entry.token_id == scored.token_ids[j]
+        assert entry.logprob == close(row[entry.token_id].item())
+        assert entry.token_id == entry.top[0][0]  # greedy: the most likely token
+        assert [t for t, _ in entry.top] == torch.topk(row, 3).indices.tolist()
+    # the prompt alone
+    assert only.token_ids == [] and only.finish_reason == "length"
+    assert only.completion_tokens == 0 and only.logprobs is None
+    assert [e and e.logprob for e in only.prompt_logprobs] == pytest.approx(
+        [e and e.logprob for e in scored.prompt_logprobs]
+    )
+    assert all(e.top == () for e in only.prompt_logprobs[1:])
+    # sampled tokens: raw logprobs (before temperature) of the tokens drawn
+    lp = direct_logprobs(reference_model, prompt + sampled.token_ids)
+    for j, entry in enumerate(sampled.logprobs):
+        assert entry.logprob == close(lp[n - 1 + j, entry.token_id].item())
+        assert entry.top == ()
+
+
+def penalized_reference(model, prompt: list[int], steps: int, sp: SamplingParams) -> list[int]:
+    """Greedy decoding with OpenAI's / vLLM's penalties, by hand: a full forward per
+    token, then logit_bias, repetition (prompt + output), frequency and presence
+    (output) penalties on the last position's logits, argmax."""
+    out: list[int] = []
+    for _ in range(steps):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float().tolist()
+        for token, bias in sp.logit_bias:
+            logits[token] += bias
+        seen = set(prompt) | set(out)
+        for t in range(len(logits)):
+            if t in seen:
+                rp = sp.repetition_penalty
+                logits[t] = logits[t] / rp if logits[t] > 0 else logits[t] * rp
+            count = out.count(t)
+            logits[t] -= sp.frequency_penalty * count + sp.presence_penalty * (count > 0)
+        out.append(max(range(len(logits)), key=lambda t: (logits[t], -t)))
+    return out
+
+
+def test_penalties_logit_bias_min_tokens_and_min_p():
+    prompt = [5, 6, 7, 8] * 6  # repetitive: greedy decoding repeats itself
+    reference_model = tiny_model("llama")
+    penalties = SamplingParams(
+        max_tokens=12,
+        ignore_eos=True,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={9: 2.0},
+    )
+    with Engine(tiny_model("llama"), block_size=BS) as engine:
+        plain = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        penalized = engine.generate([prompt], penalties)[0]
+        freq_only = SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=2.0)
+        frequency = engine.generate([prompt], freq_only)[0]
+        biased = engine.generate(
+            [prompt], SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={50: 100})
+        )[0]
+        # a stop token that greedy decoding reaches at its 2nd token: min_tokens blocks it
+        stop = plain.token_ids[1]
+        stopped = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop]))
+        held = engine.generate(
+            [prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop], min_tokens=5)
+        )[0]
+        # min_p 1: only the most likely token survives, so sampling is greedy
+        top_only = engine.generate(
+            [prompt],
+            SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.5, min_p=1.0, seed=1),
+        )[0]
+    assert len(set(plain.token_ids)) < len(plain.token_ids)  # it repeats
+    assert plain.token_ids == penalized_reference(reference_model, prompt, 12, SamplingParams())
+    assert penalized.token_ids == penalized_reference(reference_model, prompt, 12, penalties)
+    assert penalized.token_ids != plain.token_ids
+    assert frequency.token_ids == penalized_reference(reference_model, prompt, 12, freq_only)
+    assert frequency.token_ids != plain.token_ids
+    assert biased.token_ids == [50] * 4
+    assert stopped[0].finish_reason == "stop" and len(stopped[0].token_ids) <= 2
+    assert stop not in held.token_ids[:5] and len(held.token_ids) >= 5
+    assert top_only.token_ids == plain.token_ids

@@ -218,7 +218,7 @@ def test_a_tokenizers_chat_template_renders_the_messages(served):
     ]  # fmt: skip
     tokenizer.chat_template = (
         "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}{% if lang %}# {{ lang }}\n{% endif %}"
     )
     try:
         rendered = "<system>Be brief.\n<user>def f():\n    pass\n<assistant>"
@@ -226,6 +226,16 @@ def test_a_tokenizers_chat_template_renders_the_messages(served):
             model=MODEL, messages=messages, max_tokens=6, temperature=0
         )
         assert out.usage.prompt_tokens == len(rendered.encode())  # one token per byte
+        assert out.choices[0].message.content == greedy(client, rendered, 6)
+        # vLLM's chat_template_kwargs are the template's variables
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"chat_template_kwargs": {"lang": "python"}, "add_generation_prompt": False},
+        )
+        rendered = "<system>Be brief.\n<user>def f():\n    pass\n# python\n"
         assert out.choices[0].message.content == greedy(client, rendered, 6)
 
         tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
@@ -300,6 +310,428 @@ def test_models_health_metrics(served):
         assert name in metrics.text, name
 
 
+# -- choices, prompt lists, logprobs, echo, penalties ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_model() -> torch.nn.Module:
+    """The embedded model as loaded, with transformers' own attention (the engine's copy
+    is switched to the kvstrata attention)."""
+    return load_model("default")[0]
+
+
+def direct_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's fp32 logits at every position (row p: token p + 1)."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def greedy_ids(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
+    out = list(ids)
+    for _ in range(steps):
+        out.append(int(direct_logprobs(model, out)[-1].argmax()))
+    return out[len(ids) :]
+
+
+def close(expected):
+    """Logprobs through the engine's paged attention vs one plain forward (fp32)."""
+    return pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def top_dict(tokenizer, row: torch.Tensor, k: int) -> dict[str, float]:
+    """OpenAI's completions top_logprobs entry: token text -> logprob, most likely first
+    (a text two ids share keeps the likelier)."""
+    best = torch.topk(row, k)
+    out: dict[str, float] = {}
+    for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+        out.setdefault(tokenizer.decode([t]), v)
+    return out
+
+
+def events_of(url: str, endpoint: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed response (up to [DONE])."""
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/{endpoint}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return chunks
+                chunks.append(json.loads(data))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def test_n_seeded_choices_are_reproducible_and_differ(served):
+    client = served.client()
+    prompt = "# n choices share their prompt\n" + prompt_of(40, 700)  # not cached yet
+    n_prompt = len(served.tokenizer(prompt)["input_ids"])
+
+    def run(n: int, seed: int):
+        return client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=1.0,
+            seed=seed,
+            n=n,
+            extra_body={"ignore_eos": True},
+        )
+
+    cached = served.metric("kvstrata_cached_prompt_tokens_total")
+    first = run(3, 5)
+    # choices 1 and 2 started once choice 0 had computed the prompt: they reused its blocks
+    shared = served.metric("kvstrata_cached_prompt_tokens_total") - cached
+    assert shared == 2 * ((n_prompt - 1) // 16 * 16) > 0
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert len(set(texts)) == 3  # sampled choices differ ...
+    assert [c.text for c in run(3, 5).choices] == texts  # ... and are reproducible
+    # choice i is the request with seed + i (vLLM's rule)
+    assert [run(1, 5 + i).choices[0].text for i in range(3)] == texts
+    # the prompt counts once, every choice's tokens count (OpenAI's usage)
+    check_usage(first.usage, n_prompt, 3 * 8)
+
+
+def test_a_prompt_list_equals_separate_requests(served):
+    client = served.client()
+    prompts = [prompt_of(30, 1000), prompt_of(50, 1200), prompt_of(20, 1400)]
+    ids = [served.tokenizer(p)["input_ids"] for p in prompts]
+    extra = {"ignore_eos": True}
+    alone = [greedy(client, p, 6) for p in prompts]
+    assert len(set(alone)) == 3
+    batch = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2, extra_body=extra
+    )
+    # one choice per (prompt, n), index = prompt_index * n + i
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [t for t in alone for _ in range(2)]
+    check_usage(batch.usage, sum(map(len, ids)), 6 * 6)
+    by_ids = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body=extra
+    )
+    assert [c.text for c in by_ids.choices] == alone
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=6, temperature=0, stream=True, extra_body=extra
+        )
+    )
+    streamed = ["", "", ""]
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.text
+    assert streamed == alone
+    wait_idle(served.engine)
+
+
+def test_logprobs_are_the_models_log_softmax(served, reference_model):
+    """Completions (`logprobs: k`, with echo: the prompt's tokens too) and chat
+    (`logprobs: true, top_logprobs: k`) report log_softmax of the model's logits."""
+    client, tok = served.client(), served.tokenizer
+    prompt = prompt_of(40, 2600)
+    ids = tok(prompt)["input_ids"]
+    full = ids + greedy_ids(reference_model, ids, 5)
+    lp = direct_logprobs(reference_model, full)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logprobs=3,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    (choice,) = out.choices
+    lps = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert lps.tokens == [tok.decode([t]) for t in full]
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.token_logprobs[1:] == close([lp[i - 1, full[i]].item() for i in range(1, len(full))])
+    for i in range(1, len(full)):
+        want = top_dict(tok, lp[i - 1], 3)
+        assert list(lps.top_logprobs[i]) == list(want)
+        assert list(lps.top_logprobs[i].values()) == close(list(want.values()))
+    assert lps.text_offset == [len("".join(lps.tokens[:i])) for i in range(len(full))]
+
+    messages = [{"role": "user", "content": "def mean(xs):"}]
+    chat_ids = tok(plain_chat_prompt(messages))["input_ids"]
+    generated = greedy_ids(reference_model, chat_ids, 4)
+    lp = direct_logprobs(reference_model, chat_ids + generated)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t]) for t in generated]
+    assert (
+        bytes(b for c in content for b in c.bytes).decode(errors="replace")
+        == reply.choices[0].message.content
+    )
+    for j, entry in enumerate(content):
+        row = lp[len(chat_ids) - 1 + j]
+        assert entry.logprob == close(row[generated[j]].item())
+        best = torch.topk(row, 2)
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([t]) for t in best.indices]
+        assert [t.logprob for t in entry.top_logprobs] == close(best.values.tolist())
+
+
+def test_echo_scores_the_prompt_like_lm_eval(served, reference_model):
+    """lm-evaluation-harness' loglikelihood call: token-id prompts (context +
+    continuation), echo, logprobs 1, max_tokens 0 (or 1, dropping the last token): the
+    continuation's log-likelihood and whether it is greedy — even for a prompt whose
+    blocks the prefix cache holds (scoring computes every prompt position)."""
+    client, tok = served.client(), served.tokenizer
+    context = tok(prompt_of(40, 3100))["input_ids"]
+    endings = [prompt_of(12, 3140), "    return None\n"]
+    prompts = [context + tok(e)["input_ids"] for e in endings]
+    client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=1)  # cached now
+    body = {
+        "model": MODEL,
+        "prompt": prompts,
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 0,
+        "temperature": 0,
+    }
+    response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    assert response["usage"]["completion_tokens"] == 0
+    assert response["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    assert response["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    ctxlen = len(context)
+    scores = []
+    for choice, ids in zip(response["choices"], prompts, strict=True):
+        assert choice["text"] == tok.decode(ids) and choice["finish_reason"] == "length"
+        lps = choice["logprobs"]
+        assert len(lps["tokens"]) == len(ids)
+        lp = direct_logprobs(reference_model, ids)
+        expected = sum(lp[i - 1, ids[i]].item() for i in range(ctxlen, len(ids)))
+        got = lps["token_logprobs"][ctxlen:]
+        assert sum(got) == pytest.approx(expected, rel=1e-5, abs=1e-4)
+        is_greedy = all(
+            t == max(top.values()) for t, top in zip(got, lps["top_logprobs"][ctxlen:], strict=True)
+        )
+        assert is_greedy == all(lp[i - 1].argmax() == ids[i] for i in range(ctxlen, len(ids)))
+        scores.append(got)
+    # max_tokens 1, the last (generated) token dropped: what lm-eval sends today
+    one = httpx.post(
+        f"{served.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60
+    ).json()
+    for choice, got in zip(one["choices"], scores, strict=True):
+        assert choice["logprobs"]["token_logprobs"][ctxlen:-1] == close(got)
+    wait_idle(served.engine)
+
+
+def test_streamed_choices_and_logprobs_reassemble_to_the_whole_response(served):
+    completion = {
+        "model": MODEL,
+        "prompt": [prompt_of(30, 2000), prompt_of(25, 2300)],
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 21,
+        "logprobs": 2,
+        "echo": True,
+        "ignore_eos": True,
+    }
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "class Queue:"}],
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 4,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "ignore_eos": True,
+    }
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    for endpoint, body in (("completions", completion), ("chat/completions", chat)):
+        whole = httpx.post(f"{served.url}/v1/{endpoint}", json=body, timeout=60).json()
+        chunks = events_of(served.url, endpoint, {**body, **options})
+        *deltas, last = chunks
+        assert last["choices"] == []
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert last["usage"][key] == whole["usage"][key]  # (cached: the 2nd is cached)
+        got: dict[int, dict] = {}
+        for chunk in deltas:
+            (c,) = chunk["choices"]
+            into = got.setdefault(c["index"], {"text": "", "lps": {}, "finish": []})
+            into["finish"].append(c["finish_reason"])
+            if endpoint == "completions":
+                into["text"] += c["text"]
+                for key, values in (c["logprobs"] or {}).items():
+                    into["lps"].setdefault(key, []).extend(values)
+            else:
+                into["text"] += c["delta"].get("content") or ""
+                content = (c["logprobs"] or {}).get("content", [])
+                into["lps"].setdefault("content", []).extend(content)
+        assert sorted(got) == [c["index"] for c in whole["choices"]]
+        assert len({g["text"] for g in got.values()}) == len(got)  # the choices differ
+        for c in whole["choices"]:
+            mine = got[c["index"]]
+            assert mine["finish"][-1] == c["finish_reason"] == "length"
+            assert not any(mine["finish"][:-1])
+            if endpoint == "completions":
+                assert mine["text"] == c["text"]
+                assert mine["lps"]["tokens"] == c["logprobs"]["tokens"]
+                assert mine["lps"]["text_offset"] == c["logprobs"]["text_offset"]
+                assert mine["lps"]["token_logprobs"][1:] == close(
+                    c["logprobs"]["token_logprobs"][1:]
+                )
+                assert [list(t or {}) for t in mine["lps"]["top_logprobs"]] == [
+                    list(t or {}) for t in c["logprobs"]["top_logprobs"]
+                ]
+            else:
+                assert mine["text"] == c["message"]["content"]
+                streamed, full = mine["lps"]["content"], c["logprobs"]["content"]
+                assert [t["token"] for t in streamed] == [t["token"] for t in full]
+                assert [t["logprob"] for t in streamed] == close([t["logprob"] for t in full])
+    wait_idle(served.engine)
+
+
+def test_penalties_and_logit_bias_reach_the_engine(served):
+    """The request's penalties are the engine's (greedy too: OpenAI applies them at
+    temperature 0); they change the output of a repetitive prompt."""
+    from kvstrata.engine import SamplingParams
+
+    client = served.client()
+    prompt = "abcabcabcabcabcabcabcabc"
+    plain = greedy(client, prompt, 10)
+    fields = {
+        "frequency_penalty": 1.0,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.2,
+        "min_tokens": 3,
+        "min_p": 0.1,
+        "logit_bias": {"120": 3.5},
+    }
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        extra_body={k: v for k, v in fields.items() if k != "frequency_penalty"},
+        frequency_penalty=1.0,
+    )
+    direct = served.engine.generate(
+        [prompt],
+        SamplingParams(max_tokens=10, **{**fields, "logit_bias": {120: 3.5}}),
+    )[0]
+    assert out.choices[0].text == direct.text != plain
+
+
+def test_the_openai_sdk_with_n_logprobs_and_a_prompt_list(served):
+    client = served.client()
+    messages = [{"role": "user", "content": "import json"}]
+    extra = {"ignore_eos": True}
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        n=2,
+        max_tokens=5,
+        temperature=1.0,
+        seed=9,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=extra,
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+    for c in chat.choices:
+        assert len(c.logprobs.content) == 5
+        assert all(len(t.top_logprobs) == 3 for t in c.logprobs.content)
+        assert (
+            bytes(b for t in c.logprobs.content for b in t.bytes).decode(errors="replace")
+            == c.message.content
+        )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        n=2,
+        max_tokens=5,
+        temperature=1.0,
+        seed=9,
+        stream=True,
+        extra_body=extra,
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in chat.choices]
+
+    comp = client.completions.create(
+        model=MODEL,
+        prompt=["def f(x):", "import sys"],
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body=extra,
+    )
+    assert [c.index for c in comp.choices] == [0, 1]
+    for c in comp.choices:
+        assert len(c.logprobs.tokens) == 3 and "".join(c.logprobs.tokens) == c.text
+        assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
+        assert c.logprobs.text_offset == [0, 1, 2]
+
+
+def test_fields_clients_commonly_send_are_accepted(served):
+    """What SDKs, LangChain and benchmark clients send at their defaults changes
+    nothing; chat's add_generation_prompt and chat_template_kwargs reach the template."""
+    client = served.client()
+    prompt = prompt_of(30, 5000)
+    common = {
+        "user": "u-1",
+        "seed": 1,
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "stream": False,
+        "n": 1,
+        "metadata": {"run": "x"},
+    }
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, **common}
+    response = httpx.post(f"{served.url}/v1/completions", json={**body, "logprobs": None})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == greedy(client, prompt, 6)
+
+    messages = [{"role": "user", "content": "def g():"}]
+    chat_body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": False,
+        "top_logprobs": None,
+        "prediction": None,
+        "modalities": ["text"],
+        "add_generation_prompt": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        **common,
+    }
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=chat_body)
+    assert response.status_code == 200, response.text
+    reply = response.json()["choices"][0]
+    assert reply["logprobs"] is None
+    assert reply["message"]["content"] == greedy(client, plain_chat_prompt(messages), 6)
+    no_turn = httpx.post(
+        f"{served.url}/v1/chat/completions", json={**chat_body, "add_generation_prompt": False}
+    ).json()
+    rendered = plain_chat_prompt(messages, add_generation_prompt=False)
+    assert rendered == "user: def g():\n"
+    assert no_turn["usage"]["prompt_tokens"] == len(rendered.encode())  # a byte per token
+    assert no_turn["choices"][0]["message"]["content"] == greedy(client, rendered, 6)
+
+
 # -- many at once -----------------------------------------------------------------------
 
 # (start, characters, max_tokens): prompts of 9 to 150 tokens, each its own output length.
@@ -356,13 +788,14 @@ def test_concurrent_requests_equal_each_alone_and_transformers(served):
 # -- clients that leave -----------------------------------------------------------------
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served, n):
     aborted = served.metric("kvstrata_requests_finished_total", reason="abort")
     body = {"model": MODEL, "prompt": prompt_of(60), "max_tokens": 900, "temperature": 0}
     events = []
     with (
         httpx.Client(base_url=served.url, timeout=60) as http,
-        http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response,
+        http.stream("POST", "/v1/completions", json={**body, "stream": True, "n": n}) as response,
     ):
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -372,8 +805,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
                     break  # leaving the block closes the connection mid-stream
     assert all(e["choices"][0]["finish_reason"] is None for e in events)
     wait_idle(served.engine)
-    # Freed because it was aborted, not because it ran to its 900 tokens.
-    assert served.metric("kvstrata_requests_finished_total", reason="abort") == aborted + 1
+    # Freed because it was aborted, not because it ran to its 900 tokens: every choice
+    # (the later ones start with choice 0's first output, before it is sent)
+    assert served.metric("kvstrata_requests_finished_total", reason="abort") == aborted + n
 
 
 def test_a_client_that_gives_up_on_a_whole_completion_frees_its_blocks(served):
@@ -394,11 +828,26 @@ BAD_REQUESTS = [  # (endpoint, body, status, param, words in the message)
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", [">= 1"]),
     ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", ["'hot'"]),
     ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p", ["top_p=0"]),
-    ("completions", {"prompt": "x", "n": 2}, 400, "n", ["n=2", "one choice"]),
-    ("completions", {"prompt": "x", "echo": True}, 400, "echo", ["echo"]),
+    ("completions", {"prompt": "x", "n": 129}, 400, "n", ["n=129", "1 to 128"]),
+    ("completions", {"prompt": ["x"] * 20, "n": 13}, 400, "n", ["20 prompts x n=13", "256"]),
+    ("completions", {"prompt": "x", "echo": "yes"}, 400, "echo", ["'yes'"]),
+    ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", ["21", "0 to 20"]),
+    ("completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", ["True", "chat"]),
+    ("completions", {"prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty", ["=3"]),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", ["> 0"]),
+    ("completions", {"prompt": "x", "min_p": 2}, 400, "min_p", ["min_p=2"]),
+    ("completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens", ["3"]),
+    ("completions", {"prompt": "x", "logit_bias": {"259": 1}}, 400, "logit_bias['259']",
+     ["'259'", "[0, 259)"]),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias['5']",
+     ["101", "-100 to 100"]),
+    ("completions", {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens",
+     ["False"]),
+    ("completions", {"prompt": "x", "best_of": 3}, 400, "best_of", ["use n"]),
     ("completions", {"prompt": "x", "temprature": 0}, 400, "temprature", ["'temperature'"]),
     ("completions", {"prompt": ""}, 400, "prompt", ["non-empty"]),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt", ["one prompt per request"]),
+    ("completions", {"prompt": ["a", ""]}, 400, "prompt[1]", ["non-empty"]),
+    ("completions", {"prompt": [[5], [1, 999]]}, 400, "prompt[1][1]", ["999", "[0, 259)"]),
     ("completions", {"prompt": [1, 999]}, 400, "prompt[1]", ["999", "[0, 259)"]),
     ("completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", ["stream"]),
     ("completions", {"prompt": TOO_LONG}, 400, None, ["all tiers", "host_budget"]),
@@ -423,11 +872,30 @@ BAD_REQUESTS = [  # (endpoint, body, status, param, words in the message)
         ["max_completion_tokens"],
     ),  # fmt: skip
     ("completions", {"model": "gpt-4o", "prompt": "x"}, 404, "model", ["'gpt-4o'", MODEL]),
-]
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     400, "max_tokens", ["echo"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs", ["logprobs: true"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+     400, "logprobs", ["true or false"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", ["not supported"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "json_object"}},
+     400, "response_format", ["structured output"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"tokenize": True}},
+     400, "chat_template_kwargs.tokenize", ["set by the server"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
+     400, "echo", ["unknown field"]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "endpoint, body, status, param, words", BAD_REQUESTS, ids=[str(i) for i in range(17)]
+    "endpoint, body, status, param, words",
+    BAD_REQUESTS,
+    ids=[str(i) for i in range(len(BAD_REQUESTS))],
 )
 def test_bad_requests_are_refused_and_the_server_keeps_serving(
     served, endpoint, body, status, param, words

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +33,9 @@ from kvstrata.engine.params import (
     RequestOutput,
     RequestRejected,
     SamplingParams,
+    TokenLogprobs,
 )
-from kvstrata.engine.sampling import sample
+from kvstrata.engine.sampling import sample, token_logprobs
 from kvstrata.engine.scheduler import Request, Scheduler
 from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError, TierIOError
 from kvstrata.store import KVStore
@@ -126,6 +128,13 @@ class Engine:
                 f"prompt token id {bad} is outside the model's vocabulary "
                 f"(0..{self.vocab_size - 1})"
             )
+        if self.vocab_size:
+            for token, _ in params.logit_bias:
+                if token >= self.vocab_size:
+                    raise RequestRejected(
+                        f"logit_bias token id {token} is outside the model's vocabulary "
+                        f"(0..{self.vocab_size - 1})"
+                    )
         total = n + params.max_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise RequestRejected(
@@ -165,7 +174,7 @@ class Engine:
         self.check(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         salt = self.config.salt if salt is None else salt
-        req = Request(rid, ids, params, on_output, salt, self.tokenizer)
+        req = Request(rid, ids, params, on_output, salt, self.tokenizer, self.eos_ids)
         with self._submit_lock:  # nothing is queued behind the engine's "stop"
             if not self.is_running:
                 raise EngineStopped(f"the engine is shut down{_why(self._error)}")
@@ -206,6 +215,10 @@ class Engine:
                 res.finish_reason, res.error = out.finish_reason, out.error
                 res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens
                 res.completion_tokens = out.completion_tokens
+                if out.logprobs is not None:
+                    res.logprobs = (res.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     done[i].set()
 
@@ -367,6 +380,11 @@ class Engine:
         positions = [torch.arange(r.computed, r.computed + n) for r, n in batch]
         last = list(itertools.accumulate(counts))
         ready = [i for i, (r, n) in enumerate(batch) if r.computed + n == r.num_tokens]
+        rows = [last[i] - 1 for i in ready]  # the logits kept: one per sampled token
+        special = None  # the slow path: prompt logprobs or max_tokens 0 in the batch
+        if any(r.special for r, _ in batch):
+            special = _special_rows(batch, last, ready)
+            rows, ready = special.rows, special.ready
         self._step_cache.begin(seq_ids, counts, tokens)
         try:
             with torch.inference_mode():
@@ -376,9 +394,7 @@ class Engine:
                     position_ids=torch.cat(positions).to(dev)[None],
                     cache=self._step_cache,
                     use_cache=True,
-                    logits_to_keep=torch.tensor(
-                        [last[i] - 1 for i in ready], dtype=torch.long, device=dev
-                    ),
+                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
                 )
         except OutOfBlocksError as err:
             self._undo(batch, f"out of KV blocks: {err}")
@@ -400,14 +416,50 @@ class Engine:
         for req, n in batch:
             req.computed += n
             (self.metrics.decode_tokens if req.out_ids else self.metrics.prefill_tokens).inc(n)
-        logits = out.logits[0].float().cpu()  # sampled with per-request CPU generators
+        if special is None:
+            logits = out.logits[0].float().cpu()  # sampled with per-request CPU generators
+        else:
+            logits = self._score_prompts(out.logits[0], special)
         reqs = [batch[i][0] for i in ready]
-        next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        adjust = None
+        if any(r.adjuster is not None for r in reqs):  # penalties, logit_bias, min_tokens
+            adjust = [None if r.adjuster is None else (r.adjuster, r.out_ids) for r in reqs]
+        next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], adjust)
+        if any(r.out_logprobs is not None for r in reqs):
+            self._sampled_logprobs(logits, reqs, next_ids)
         now = time.perf_counter()
         for req, token in zip(reqs, next_ids, strict=True):
             self._accept(req, token, now)
         self.metrics.step.observe(time.perf_counter() - t0)
         return True
+
+    def _score_prompts(self, logits: torch.Tensor, special: _SpecialRows) -> torch.Tensor:
+        """Record the prompt logprobs of this step's prompt chunks, end the requests
+        that only score their prompt (max_tokens 0); the rows to sample from (CPU)."""
+        for req, first, count, pos in special.scores:
+            assert req.prompt_lps is not None and req.params.prompt_logprobs is not None
+            targets = req.prompt_ids[pos + 1 : pos + 1 + count]
+            req.prompt_lps[pos + 1 : pos + 1 + count] = token_logprobs(
+                logits[first : first + count], targets, req.params.prompt_logprobs
+            )
+        for req in special.scored_only:
+            self._finish(req, "length")
+        return logits[special.sample_rows].float().cpu()
+
+    def _sampled_logprobs(
+        self, logits: torch.Tensor, reqs: list[Request], next_ids: list[int]
+    ) -> None:
+        """Append the raw logprobs of the tokens just chosen to the requests that ask."""
+        want = [j for j, r in enumerate(reqs) if r.out_logprobs is not None]
+        top = max(reqs[j].params.logprobs or 0 for j in want)
+        entries = token_logprobs(logits[want], [next_ids[j] for j in want], top)
+        for j, entry in zip(want, entries, strict=True):
+            req = reqs[j]
+            k = req.params.logprobs or 0
+            assert req.out_logprobs is not None
+            req.out_logprobs.append(
+                entry if k == top else TokenLogprobs(entry.token_id, entry.logprob, entry.top[:k])
+            )
 
     def _undo(self, batch: list[tuple[Request, int]], why: str) -> None:
         """Undo a failed step; a request whose sequence cannot be restored ends. (A step
@@ -430,13 +482,16 @@ class Engine:
         self.metrics.generation_tokens.inc()
         p = req.params
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
-        text, stopped = ("", False) if stop_token else req.text.push([token])
+        # min_tokens: the stop tokens were blocked; stop strings are looked for after it
+        check = len(req.out_ids) > p.min_tokens
+        text, stopped = ("", False) if stop_token else req.text.push([token], check)
         if stop_token or stopped:
             return self._finish(req, "stop", delta=text)
         if len(req.out_ids) >= p.max_tokens:
             return self._finish(req, "length", delta=text)
         if req.on_output is not None and (text or req.emit_tokens):
-            self._emit(req, RequestOutput(req.id, req.take_new_ids(), text))
+            ids, logprobs = req.take_new()
+            self._emit(req, RequestOutput(req.id, ids, text, logprobs=logprobs))
 
     def _finish(self, req: Request, reason: str, error: str | None = None, delta: str = "") -> None:
         sched = self.sched
@@ -450,12 +505,19 @@ class Engine:
         self.metrics.e2e.observe(now - req.arrival)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self.metrics.cached_tokens.inc(req.cached)
-        out = RequestOutput(req.id, req.take_new_ids(), text, reason, error=error)
+        ids, logprobs = req.take_new()
+        out = RequestOutput(req.id, ids, text, reason, error=error, logprobs=logprobs)
         self._emit(req, out)
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
         out.prompt_tokens, out.cached_tokens = len(req.prompt_ids), req.cached
         out.completion_tokens = len(req.out_ids)
+        if (
+            req.prompt_lps is not None
+            and not req.prompt_lps_sent
+            and req.computed >= len(req.prompt_ids)
+        ):
+            out.prompt_logprobs, req.prompt_lps_sent = list(req.prompt_lps), True
         if req.on_output is not None:
             self._outbox.append((req, out))
 
@@ -494,6 +556,44 @@ class Engine:
         snap = sched.snapshot()
         with self._lock:
             self._snapshot = snap
+
+
+@dataclass
+class _SpecialRows:
+    """The logits a step with prompt-logprob or score-only requests keeps: `rows`
+    (packed positions), `scores` (request, first kept row, rows, first position: the
+    logits at position p score prompt token p + 1), `sample_rows` (kept rows of the
+    requests that choose a token, in `ready` order), `scored_only` (max_tokens 0
+    requests whose prompt is done: they end without a token)."""
+
+    rows: list[int]
+    ready: list[int]
+    scores: list[tuple[Request, int, int, int]]
+    sample_rows: list[int]
+    scored_only: list[Request]
+
+
+def _special_rows(
+    batch: list[tuple[Request, int]], last: list[int], ready: list[int]
+) -> _SpecialRows:
+    special = _SpecialRows([], [], [], [], [])
+    is_ready = set(ready)
+    for i, (req, n) in enumerate(batch):
+        if req.prompt_lps is not None:
+            end = min(req.computed + n, len(req.prompt_ids) - 1)  # positions that score
+            if end > req.computed:
+                start = last[i] - n  # the packed row of the request's first new token
+                special.scores.append((req, len(special.rows), end - req.computed, req.computed))
+                special.rows.extend(range(start, start + end - req.computed))
+        if i not in is_ready:
+            continue
+        if req.params.max_tokens == 0:
+            special.scored_only.append(req)
+            continue
+        special.ready.append(i)
+        special.sample_rows.append(len(special.rows))
+        special.rows.append(last[i] - 1)
+    return special
 
 
 def _why(error: BaseException | None) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 from kvstrata.errors import ConfigError, KvstrataError
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default limit)
 PREEMPTION_MODES = ("demote", "off")
 
 
@@ -59,6 +60,26 @@ class SamplingParams:
         stop: strings that end the output (not included in it).
         stop_token_ids: token ids that end the output (not included in it).
         ignore_eos: keep going past the tokenizer's end-of-sequence token.
+        logprobs: return the log-probability of each generated token and of the
+            `logprobs` most likely tokens at its position (None: none, at no cost).
+            Raw logprobs, as vLLM's default: log_softmax of the model's fp32 logits,
+            before penalties, logit_bias, temperature, top-k / top-p / min-p.
+        prompt_logprobs: the same for every prompt token given its prefix (the first
+            has none). Its whole prompt is computed (no prefix-cache reuse), and
+            max_tokens may be 0: score the prompt, generate nothing.
+        frequency_penalty / presence_penalty: OpenAI's, in [-2, 2]: a logit minus
+            count * frequency_penalty + (count > 0) * presence_penalty, counting the
+            token in the output so far.
+        repetition_penalty: vLLM's / transformers' (> 0; 1 = off): the logit of a
+            token in the prompt or output is divided by it (multiplied when negative).
+        logit_bias: {token id: bias in [-100, 100]} added to the logits (kept as a
+            tuple of (id, bias) pairs).
+        min_p: drop tokens less likely than min_p * the most likely one's probability
+            (after temperature; 0 = off).
+        min_tokens: end-of-sequence and stop_token_ids are blocked (and stop strings
+            not looked for) until this many tokens are out.
+        Penalties and logit_bias apply to greedy requests too (as OpenAI's do at
+        temperature 0); a greedy request without them takes the plain argmax.
     """
 
     max_tokens: int = 16
@@ -69,9 +90,28 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _int("max_tokens", self.max_tokens, 1)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int(name, value, 0, MAX_LOGPROBS)
+        score_only = self.prompt_logprobs is not None  # max_tokens 0: score the prompt
+        if self.max_tokens == 0 and not isinstance(self.max_tokens, bool) and not score_only:
+            raise ConfigError.field(
+                "max_tokens",
+                self.max_tokens,
+                "a whole number >= 1 (0 only with prompt_logprobs: score the prompt alone)",
+            )
+        _int("max_tokens", self.max_tokens, 0 if score_only else 1)
         _float("temperature", self.temperature, 0.0, 100.0)
         _int("top_k", self.top_k, 0)
         _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -89,10 +129,53 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError.field("ignore_eos", self.ignore_eos, "true or false")
+        _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+        _float("min_p", self.min_p, 0.0, 1.0)
+        _int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ConfigError.field(
+                "min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})"
+            )
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the choice (penalties, logit_bias,
+        min_tokens); False takes the plain path (argmax, or temperature / top-k / top-p)."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping or pairs."""
+    accepted = "{token id: bias} with ids >= 0 and biases in [-100, 100]"
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)):
+        items = value
+    else:
+        raise ConfigError.field("logit_bias", value, accepted)
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ConfigError.field("logit_bias", value, accepted)
+        token, bias = item
+        _int(f"logit_bias[{token!r}]", token, 0)
+        out[token] = _float(f"logit_bias[{token}]", bias, -100.0, 100.0)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -134,6 +217,17 @@ class EngineConfig:
             raise ConfigError.field("salt", self.salt, "a string naming the tenant")
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of one token at its position (`logprob`) and the `top`
+    most likely tokens there: (token id, logprob) pairs, most likely first, as many
+    as the request asked for."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """A request's progress: what is new since the last output (streaming), or the
@@ -144,7 +238,10 @@ class RequestOutput:
     (end-of-sequence, a stop string or a stop token), "length" (max_tokens or the
     model's positions) or "abort" (cancelled). cached_tokens: prompt tokens found in
     the prefix cache (not computed). error: set when the engine gave up on the request
-    (a failed step, shutdown)."""
+    (a failed step, shutdown). logprobs: one `TokenLogprobs` per entry of token_ids
+    when the request asked for them (SamplingParams.logprobs). prompt_logprobs: one
+    per prompt token (None for the first, which has no prefix), in the first output
+    after the whole prompt was computed (SamplingParams.prompt_logprobs)."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -154,6 +251,8 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None  # why an aborted request stopped, when not cancelled
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -29,8 +29,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kvstrata import budgets
-from kvstrata.engine.params import SamplingParams
-from kvstrata.engine.sampling import TextOutput, make_generator
+from kvstrata.engine.params import SamplingParams, TokenLogprobs
+from kvstrata.engine.sampling import LogitsAdjuster, TextOutput, make_generator
 from kvstrata.errors import KvstrataError
 
 log = logging.getLogger("kvstrata.engine")
@@ -53,6 +53,7 @@ class Request:
         on_output: Any,
         salt: str,
         tokenizer: Any = None,
+        eos_ids: Any = (),
     ) -> None:
         self.id = request_id
         self.prompt_ids = prompt_ids
@@ -68,6 +69,21 @@ class Request:
         self.text = TextOutput(tokenizer, params.stop, prompt_ids)
         self.emit_tokens = tokenizer is None  # no text: every token is news
         self.generator = make_generator(params)
+        # None unless the request asks for them (the plain path checks only these)
+        stop_ids = [*params.stop_token_ids, *(() if params.ignore_eos else eos_ids)]
+        self.adjuster = (
+            LogitsAdjuster(params, prompt_ids, stop_ids) if params.adjusts_logits else None
+        )
+        self.out_logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # prompt_lps[i]: logprobs of prompt token i given the ones before (filled as the
+        # prompt's chunks are computed); None unless asked for
+        self.prompt_lps: list[TokenLogprobs | None] | None = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
+        )
+        self.prompt_lps_sent = False
+        # the engine's slow path of a step: this request needs more than one logits row
+        # and a sampled token (prompt logprobs, or max_tokens 0)
+        self.special = params.prompt_logprobs is not None or params.max_tokens == 0
         self.reserve = 0  # blocks reserved in all tiers together
         self.recomputes = 0  # times its KV was dropped after a storage error
         self.first_token_at: float | None = None
@@ -92,6 +108,14 @@ class Request:
         new = self.out_ids[self.sent_ids :]
         self.sent_ids = len(self.out_ids)
         return new
+
+    def take_new(self) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """The output tokens not sent yet, and their logprobs (None: not asked for)."""
+        start = self.sent_ids
+        new = self.take_new_ids()
+        if self.out_logprobs is None:
+            return new, None
+        return new, self.out_logprobs[start : start + len(new)]
 
 
 class Scheduler:
@@ -222,8 +246,12 @@ class Scheduler:
                 return None
             self.waiting.popleft()
             known = req.prompt_ids + req.out_ids if req.out_ids else req.prompt_ids
+            # Prompt logprobs need the logits of every prompt position, and a cached
+            # prefix has none: such a request computes its whole prompt (no lookup; its
+            # blocks are still hashed, so later requests reuse them).
+            lookup = req.prompt_lps is None
             try:
-                req.seq_id, matched = self.store.add_sequence(known, salt=req.salt)
+                req.seq_id, matched = self.store.add_sequence(known, salt=req.salt, lookup=lookup)
             except KvstrataError as err:
                 self.failed.append((req, f"could not start: {err}"))
                 return None

@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP app over an `Engine` (FastAPI).
 
-    POST /v1/completions        prompt (text or token ids) -> text; SSE with "stream"
-    POST /v1/chat/completions   messages (chat template)   -> message; SSE with "stream"
+    POST /v1/completions        prompt(s) (text or token ids) -> text; SSE with "stream"
+    POST /v1/chat/completions   messages (chat template)      -> message; SSE with "stream"
     GET  /v1/models             the served model
     GET  /health                200 while the engine runs, 503 once it has stopped
     GET  /metrics               Prometheus text: the engine's metrics + HTTP requests
 
-Every request goes through the async `Engine.stream`; the event loop only submits
-and aborts (both quick), the engine thread does every forward. A client that goes away
-— mid-stream or while waiting for a whole completion — cancels its task, which leaves
-the stream and so aborts the request (its blocks are freed at the engine's next step).
+Each choice of a request (prompts x n) is its own engine request, submitted with a
+callback that queues its outputs for the event loop (`Choices`); the event loop only
+submits and aborts (both quick), the engine thread does every forward. A client that
+goes away — mid-stream or while waiting for a whole completion — cancels its task,
+which closes its choices and so aborts their requests (their blocks are freed at the
+engine's next step).
 Errors are OpenAI error objects with a one-line message: a bad body or field 400,
 an unknown model 404, a request the engine can never run 400, the engine stopped 503.
 """
@@ -20,6 +22,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -30,10 +33,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvstrata.engine.params import RequestOutput, RequestRejected
+from kvstrata.engine.params import RequestOutput, RequestRejected, SamplingParams, TokenLogprobs
 from kvstrata.errors import ConfigError, KvstrataError
 from kvstrata.server import protocol as proto
-from kvstrata.server.chat import chat_prompt_ids, check_messages
+from kvstrata.server.chat import chat_prompt_ids, check_messages, template_options
 from kvstrata.server.protocol import CHAT, COMPLETIONS, APIError, ResponseHead
 
 ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
@@ -106,6 +109,139 @@ async def aclose_shielded(agen: Any) -> None:
         await agen.aclose()
 
 
+@dataclass
+class Job:
+    """One choice of a request: choice `index` (prompt_index * n + i), its engine
+    request id, prompt and params; `echo_text`: the prompt's text (completions' echo);
+    `after`: the choice whose first output it waits for (None: it starts at once)."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo_text: str
+    after: int | None = None
+
+
+class Choices:
+    """The engine requests of one HTTP request, one per choice: their outputs merged,
+    in arrival order, as `(choice index, RequestOutput)`; iteration ends when every
+    choice has finished. `start()` submits the choices that start at once (a refused
+    one aborts the rest and raises); a choice with `after` is submitted when that
+    choice's first output comes — its prompt is computed and in the prefix cache by
+    then, so the other choices of a prompt reuse its blocks instead of all computing it
+    in the same step. `aclose()` aborts the ones not finished."""
+
+    def __init__(self, engine: Any, jobs: list[Job], salt: str | None) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.salt = salt
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.open: set[str] = set()  # submitted or waiting, not finished
+        self.waiting: dict[int, list[Job]] = {}  # choice index -> the jobs after it
+
+    def start(self) -> None:
+        for job in self.jobs:
+            if job.after is not None:
+                self.waiting.setdefault(job.after, []).append(job)
+        self._submit([job for job in self.jobs if job.after is None])
+        self.open.update(job.request_id for job in self.jobs)
+
+    def _submit(self, jobs: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            for job in jobs:
+                self.engine.submit(
+                    job.prompt_ids,
+                    job.params,
+                    request_id=job.request_id,
+                    on_output=self._callback(loop, job.index),
+                    salt=self.salt,
+                )
+                self.open.add(job.request_id)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _callback(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable:
+        def on_output(out: RequestOutput) -> None:  # the engine thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                self.engine.abort(out.request_id)
+
+        return on_output
+
+    def __aiter__(self) -> Choices:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.open:
+            raise StopAsyncIteration
+        index, out = await self.queue.get()
+        if out.finished:
+            self.open.discard(out.request_id)
+        if index in self.waiting and out.finish_reason != "abort":
+            self._submit(self.waiting.pop(index))
+        return index, out
+
+    def abort(self) -> None:
+        self.waiting.clear()
+        for request_id in self.open:  # (one never submitted: the engine ignores it)
+            self.engine.abort(request_id)
+        self.open.clear()
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class ChoiceState:
+    """One choice's response as its outputs come: the echoed prompt in front of the
+    first piece, the tokens whose logprobs each piece reports, the running text offset
+    (completions' logprobs), the final output."""
+
+    def __init__(self, job: Job, logprobs: proto.Logprobs) -> None:
+        self.job = job
+        self.top = logprobs.top
+        self.echo = logprobs.echo
+        self.started = False
+        self.offset = 0  # characters of the choice's text before the next piece
+        self.text: list[str] = []  # every piece (whole responses)
+        self.tokens: list[tuple[int, TokenLogprobs | None]] = []
+        self.final: RequestOutput | None = None
+
+    def take(self, out: RequestOutput) -> tuple[str, list[tuple[int, TokenLogprobs | None]]]:
+        """The text of `out` and its tokens with their logprobs (empty unless asked
+        for), the echoed prompt (and its tokens) in front of the first."""
+        text, tokens = out.text, []
+        if not self.started:
+            self.started = True
+            if self.echo:
+                text = self.job.echo_text + text
+                if self.top is not None:
+                    prompt = out.prompt_logprobs or [None] * len(self.job.prompt_ids)
+                    tokens.extend(zip(self.job.prompt_ids, prompt, strict=True))
+        if self.top is not None and out.logprobs:
+            tokens.extend((lp.token_id, lp) for lp in out.logprobs)
+        if out.finished:
+            self.final = out
+        return text, tokens
+
+
+def usage_of(states: list[ChoiceState], n: int) -> dict[str, Any]:
+    """`usage` of finished choices: each prompt once (its first choice's numbers), the
+    completion tokens of every choice."""
+    finals = [s.final for s in states]
+    assert all(f is not None for f in finals)
+    firsts = [f for i, f in enumerate(finals) if i % n == 0]
+    return proto.usage(
+        sum(f.prompt_tokens for f in firsts),
+        sum(f.completion_tokens for f in finals),
+        sum(f.cached_tokens for f in firsts),
+    )
+
+
 class EventStream(StreamingResponse):
     """Server-sent events whose generator, and the engine stream under it, are always
     closed when the response ends: normally, on a disconnect (Starlette cancels the
@@ -172,6 +308,9 @@ class OpenAIServer:
         self.stopping = False
         tokenizer = engine.tokenizer
         self.vocab_size = int(getattr(engine, "vocab_size", 0) or len(tokenizer))
+        self.texts = proto.TokenTexts(tokenizer)
+        store_config = getattr(getattr(engine, "store", None), "config", None)
+        self.block_size = int(getattr(store_config, "block_size", 0) or 0)
 
     def stop_requests(self) -> None:
         """Abort every request being answered and refuse new ones (503): their streams
@@ -220,47 +359,109 @@ class OpenAIServer:
                 code="model_not_found",
             )
         chat = endpoint == CHAT
-        prompt: str | list[int]
-        if chat:
-            prompt = chat_prompt_ids(self.engine.tokenizer, check_messages(body.get("messages")))
-            default_max = self.room_for(prompt)
-        else:
-            prompt = proto.completion_prompt(body, self.vocab_size)
-            default_max = proto.DEFAULT_COMPLETION_TOKENS
-        params = proto.sampling_params(body, endpoint, default_max)
         head = ResponseHead(
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.model_name,
         )
-        outputs = self.engine.stream(prompt, params, request_id=head.id, salt=fields.salt)
-        self.active.add(head.id)
+        logprobs = proto.logprobs_request(body, endpoint)
+        jobs = self.jobs(body, endpoint, head.id, fields.n, logprobs)
+        states = [ChoiceState(job, logprobs) for job in jobs]
+        choices = Choices(self.engine, jobs, fields.salt)
+        ids = {job.request_id for job in jobs}
+        self.active.update(ids)
         try:
+            choices.start()
             if fields.stream:
-                first = await until_disconnect(request, _next(outputs))
-                if first.finish_reason == "abort":
-                    raise aborted_error(first, self.stopping)
-                events = self.events(outputs, first, head, chat, fields.include_usage)
-                return EventStream(events, outputs, lambda: self.active.discard(head.id))
-            text, final = await until_disconnect(request, _collect(outputs))
+                first = await until_disconnect(request, _next(choices))
+                if first[1].finish_reason == "abort":
+                    raise aborted_error(first[1], self.stopping)
+                events = self.events(choices, first, head, chat, fields, states)
+                return EventStream(events, choices, lambda: self.active.difference_update(ids))
+            aborted = await until_disconnect(request, _collect(choices, states))
         except ClientGone:
-            await self.finish(head.id, outputs)
+            await self.finish(ids, choices)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed")
         except (APIError, asyncio.CancelledError):
-            await self.finish(head.id, outputs)
+            await self.finish(ids, choices)
             raise
         except Exception as exc:
-            await self.finish(head.id, outputs)
+            await self.finish(ids, choices)
             raise engine_error(exc) from None
-        self.active.discard(head.id)
-        if final.finish_reason == "abort":
-            raise aborted_error(final, self.stopping)
-        answer = head.chat if chat else head.completion
-        return JSONResponse(answer(text, final.finish_reason, final))
+        if aborted is not None:  # the engine ended one choice: the others end too
+            await self.finish(ids, choices)
+            raise aborted_error(aborted, self.stopping)
+        self.active.difference_update(ids)
+        return JSONResponse(self.response(head, chat, states, fields.n))
 
-    async def finish(self, request_id: str, outputs: Any) -> None:
-        """Forget a request and close its stream (an abort unless it finished)."""
-        self.active.discard(request_id)
+    def jobs(
+        self, body: dict[str, Any], endpoint: str, head_id: str, n: int, logprobs: proto.Logprobs
+    ) -> list[Job]:
+        """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i)."""
+        bias = proto.logit_bias(body, self.vocab_size)
+        tokenizer = self.engine.tokenizer
+        if endpoint == CHAT:
+            add_generation_prompt, template_kwargs = template_options(body)
+            messages = check_messages(body.get("messages"))
+            ids = chat_prompt_ids(tokenizer, messages, add_generation_prompt, template_kwargs)
+            prompts: list[tuple[list[int], str]] = [(ids, "")]
+            default_max = self.room_for(ids)
+        else:
+            prompts = []
+            given = proto.completion_prompts(body, self.vocab_size)
+            proto.check_choices(n, len(given))  # before tokenizing them all
+            for prompt in given:
+                try:
+                    ids = self.engine.encode(prompt)
+                except KvstrataError as exc:
+                    raise engine_error(exc) from None
+                if isinstance(prompt, str):
+                    text = prompt
+                elif logprobs.echo and tokenizer is not None:
+                    text = tokenizer.decode(ids)
+                else:
+                    text = ""
+                prompts.append((ids, text))
+            default_max = proto.DEFAULT_COMPLETION_TOKENS
+        proto.check_choices(n, len(prompts))
+        params = proto.sampling_params(body, endpoint, default_max, logprobs, bias)
+        # choices 1.. of a prompt wait for choice 0 to compute it, when it holds a full
+        # block to share (a request scoring its prompt shares nothing: no lookup)
+        share = n > 1 and params.prompt_logprobs is None
+        jobs = []
+        for p, (ids, text) in enumerate(prompts):
+            after = p * n if share and 0 < self.block_size < len(ids) else None
+            for i in range(n):
+                index = p * n + i
+                rid = head_id if len(prompts) * n == 1 else f"{head_id}-{index}"
+                job = Job(index, p, rid, ids, proto.choice_params(params, i), text)
+                job.after = after if i else None
+                jobs.append(job)
+        return jobs
+
+    def response(
+        self, head: ResponseHead, chat: bool, states: list[ChoiceState], n: int
+    ) -> dict[str, Any]:
+        """The whole (non-streamed) response of finished choices."""
+        choices = []
+        for state in states:
+            assert state.final is not None
+            text, reason = "".join(state.text), state.final.finish_reason
+            lps = None
+            if state.top is not None:
+                lps = (
+                    proto.chat_logprobs([lp for _, lp in state.tokens if lp], self.texts)
+                    if chat
+                    else proto.completion_logprobs(state.tokens, self.texts, 0)[0]
+                )
+            make = proto.chat_choice if chat else proto.completion_choice
+            choices.append(make(state.job.index, text, reason, lps))
+        use = usage_of(states, n)
+        return head.chat(choices, use) if chat else head.completion(choices, use)
+
+    async def finish(self, request_ids: set[str], outputs: Any) -> None:
+        """Forget a request's choices and close them (an abort unless finished)."""
+        self.active.difference_update(request_ids)
         await aclose_shielded(outputs)
 
     def room_for(self, prompt_ids: list[int]) -> int:
@@ -282,38 +483,54 @@ class OpenAIServer:
 
     async def events(
         self,
-        outputs: Any,
-        first: RequestOutput,
+        outputs: Choices,
+        first: tuple[int, RequestOutput],
         head: ResponseHead,
         chat: bool,
-        include_usage: bool,
+        fields: proto.CommonFields,
+        states: list[ChoiceState],
     ) -> AsyncIterator[bytes]:
-        """The SSE body: OpenAI chunks, an optional usage chunk, then [DONE]; an error
-        event if the engine gives up mid-way. Leaving early closes `outputs` (abort)."""
+        """The SSE body: OpenAI chunks (each with its choice's index), an optional usage
+        chunk once every choice has finished, then [DONE]; an error event if the engine
+        gives up mid-way. Leaving early closes `outputs` (abort)."""
+        usage = fields.include_usage
         try:
             if chat:
-                yield proto.sse(
-                    head.chat_chunk({"role": "assistant", "content": ""}, None, include_usage)
-                )
-            out = first
+                for state in states:
+                    delta = {"role": "assistant", "content": ""}
+                    yield proto.sse(head.chat_chunk(state.job.index, delta, None, usage))
+            index, out = first
+            left = len(states)
             while True:
                 if out.finish_reason == "abort":
                     yield proto.sse(aborted_error(out, self.stopping).body())
                     break
+                state = states[index]
+                text, tokens = state.take(out)
+                lps = None
                 if chat:
-                    if out.text:
-                        yield proto.sse(head.chat_chunk({"content": out.text}, None, include_usage))
+                    if state.top is not None and tokens:
+                        lps = proto.chat_logprobs([lp for _, lp in tokens if lp], self.texts)
+                    if text or lps:
+                        delta = {"content": text}
+                        yield proto.sse(head.chat_chunk(index, delta, None, usage, lps))
                     if out.finished:
-                        yield proto.sse(head.chat_chunk({}, out.finish_reason, include_usage))
-                elif out.text or out.finished:
-                    yield proto.sse(
-                        head.completion_chunk(out.text, out.finish_reason, include_usage)
-                    )
+                        yield proto.sse(head.chat_chunk(index, {}, out.finish_reason, usage))
+                else:
+                    if state.top is not None:
+                        lps, state.offset = proto.completion_logprobs(
+                            tokens, self.texts, state.offset
+                        )
+                    if text or out.finished or tokens:
+                        chunk = head.completion_chunk(index, text, out.finish_reason, usage, lps)
+                        yield proto.sse(chunk)
                 if out.finished:
-                    if include_usage:
-                        yield proto.sse(head.usage_chunk(chat, out))
-                    break
-                out = await outputs.__anext__()
+                    left -= 1
+                    if not left:
+                        if usage:
+                            yield proto.sse(head.usage_chunk(chat, usage_of(states, fields.n)))
+                        break
+                index, out = await outputs.__anext__()
             yield proto.SSE_DONE
         except Exception as exc:  # the stream ended without a final output
             yield proto.sse(engine_error(exc).body())
@@ -331,17 +548,23 @@ def _fits(check: Callable[..., None], prompt_ids: list[int], max_tokens: int) ->
     return True
 
 
-async def _next(outputs: Any) -> RequestOutput:
+async def _next(outputs: Choices) -> tuple[int, RequestOutput]:
     return await outputs.__anext__()
 
 
-async def _collect(outputs: Any) -> tuple[str, RequestOutput]:
-    parts = []
-    async for out in outputs:
-        parts.append(out.text)
-        if out.finished:
-            return "".join(parts), out
-    raise KvstrataError("the engine ended the request without a final output")
+async def _collect(outputs: Choices, states: list[ChoiceState]) -> RequestOutput | None:
+    """Run every choice to its end, gathering its text and logprobs into `states`;
+    the output of a choice the engine aborted (None when all finished)."""
+    async for index, out in outputs:
+        if out.finish_reason == "abort":
+            return out
+        state = states[index]
+        text, tokens = state.take(out)
+        state.text.append(text)
+        state.tokens.extend(tokens)
+    if any(s.final is None for s in states):
+        raise KvstrataError("the engine ended the request without a final output")
+    return None
 
 
 def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:

@@ -1,17 +1,20 @@
 """Chat messages -> prompt token ids: the tokenizer's chat template, or a plain one.
 
 A tokenizer with a `chat_template` renders the messages with it
-(`add_generation_prompt=True`); the text is then tokenized without adding special
-tokens (the template writes its own). A tokenizer without one (the embedded byte-level
-model) gets the plain template below, documented in the README, tokenized like a
-completion prompt:
+(`add_generation_prompt`: the request's, default true; `chat_template_kwargs`: more
+variables for the template, vLLM's field); the text is then tokenized without adding
+special tokens (the template writes its own). A tokenizer without one (the embedded
+byte-level model) gets the plain template below, documented in the README, tokenized
+like a completion prompt:
 
     system: You are terse.
     user: Write a haiku.
     assistant:
 
 one `<role>: <content>` line per message (a "developer" message is a "system" one),
-then `assistant:` with no trailing space or newline, so the model writes the reply.
+then `assistant:` with no trailing space or newline, so the model writes the reply
+(left out with `add_generation_prompt: false`; the plain template has no variables, so
+it ignores `chat_template_kwargs`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,35 @@ from kvstrata.server.protocol import APIError, invalid
 
 ROLES = ("system", "developer", "user", "assistant")
 _MESSAGE_KEYS = ("role", "content", "name")
+# apply_chat_template arguments the server sets itself (not template variables)
+_RESERVED_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "tools"}
+)
+
+
+def template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """The request's `add_generation_prompt` (default true) and `chat_template_kwargs`
+    (default {}), checked."""
+    add = body.get("add_generation_prompt")
+    if add is None:
+        add = True
+    if not isinstance(add, bool):
+        raise invalid("add_generation_prompt", add, "true or false")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise invalid(
+            "chat_template_kwargs", kwargs, "an object of template variables, e.g. {'x': 1}"
+        )
+    for key, value in kwargs.items():
+        if key in _RESERVED_KWARGS:
+            raise invalid(
+                f"chat_template_kwargs.{key}",
+                value,
+                "set by the server (use the request's own field where there is one)",
+            )
+    return add, kwargs
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
@@ -85,18 +117,25 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
+def plain_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """The plain template (module docstring) for tokenizers without a chat template."""
     lines = [f"{m['role']}: {m['content']}\n" for m in messages]
-    return "".join(lines) + "assistant:"
+    return "".join(lines) + ("assistant:" if add_generation_prompt else "")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Render checked messages to prompt token ids (module docstring).
 
     Args:
         tokenizer: A Hugging Face tokenizer.
         messages: From check_messages.
+        add_generation_prompt: end with the assistant's turn opening.
+        template_kwargs: more variables for the tokenizer's chat template.
 
     Returns:
         The prompt's token ids.
@@ -104,7 +143,10 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     if getattr(tokenizer, "chat_template", None):
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja)
             raise APIError(
@@ -114,4 +156,4 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
                 code="invalid_value",
             ) from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(plain_chat_prompt(messages))["input_ids"])
+    return list(tokenizer(plain_chat_prompt(messages, add_generation_prompt))["input_ids"])

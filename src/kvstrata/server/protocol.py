@@ -1,6 +1,6 @@
-"""The OpenAI wire format, without HTTP: request bodies checked field by field into a
-prompt and `SamplingParams`, and the response / stream-chunk objects built from the
-engine's `RequestOutput`s.
+"""The OpenAI wire format, without HTTP: request bodies checked field by field into
+prompts and `SamplingParams`, and the response / stream-chunk objects built from the
+engine's `RequestOutput`s (choices, logprobs in OpenAI's two shapes, usage).
 
 Every refusal is an `APIError` carrying the HTTP status and the OpenAI error object
 `{"error": {"message", "type", "param", "code"}}`; its message is one line naming the
@@ -12,15 +12,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from kvstrata.engine.params import RequestOutput, SamplingParams
+from kvstrata.engine.params import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprobs
+from kvstrata.engine.sampling import LOGPROB_FLOOR
 from kvstrata.errors import ConfigError
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+MAX_N = 128  # choices per prompt at most (OpenAI's limit)
+MAX_CHOICES = 256  # choices per request at most: prompts x n (each an engine request)
 
 # SamplingParams field -> the request field that feeds it (for messages and `param`).
 _SAMPLING_FIELDS = (
@@ -32,26 +35,43 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
 )
-# Fields read by both endpoints (top_k, salt, stop_token_ids, ignore_eos: extensions,
-# named as vLLM names them).
-_COMMON = frozenset({*_SAMPLING_FIELDS, "model", "n", "stream", "stream_options", "user", "salt"})
+# Fields read by both endpoints (top_k, salt, stop_token_ids, ignore_eos,
+# repetition_penalty, min_p, min_tokens, skip_special_tokens: extensions, named as
+# vLLM names them).
+_COMMON = frozenset(
+    {
+        *_SAMPLING_FIELDS,
+        "model",
+        "n",
+        "stream",
+        "stream_options",
+        "user",
+        "salt",
+        "logit_bias",
+        "logprobs",
+    }
+)
 SUPPORTED = {
-    COMPLETIONS: _COMMON | {"prompt"},
-    CHAT: _COMMON | {"messages", "max_completion_tokens"},
+    COMPLETIONS: _COMMON | {"prompt", "echo"},
+    CHAT: _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "add_generation_prompt",
+        "chat_template_kwargs",
+    },
 }
 
 
 def _is_null(value: Any) -> bool:
     return value is None
-
-
-def _is_false(value: Any) -> bool:
-    return value is None or value is False
-
-
-def _is_zero(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and value in (0, 0.0))
 
 
 def _is_one(value: Any) -> bool:
@@ -62,25 +82,29 @@ def _is_empty(value: Any) -> bool:
     return value is None or value in ("", [], {})
 
 
-# OpenAI fields kvstrata does not implement: accepted only at their neutral value, so a
-# client that sends the defaults works and one that relies on the feature is told.
+# OpenAI / vLLM fields kvstrata does not implement: accepted only at their neutral
+# value, so a client that sends the defaults works and one that relies on the feature
+# is told.
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "frequency_penalty": (_is_zero, "0 (penalties are not implemented)"),
-    "presence_penalty": (_is_zero, "0 (penalties are not implemented)"),
-    "logit_bias": (_is_empty, "null (logit_bias is not implemented)"),
+    "skip_special_tokens": (
+        lambda v: v is None or v is True,
+        "true (special tokens are always left out of the text)",
+    ),
 }
 NEUTRAL = {
     COMPLETIONS: {
         **_NEUTRAL,
-        "echo": (_is_false, "false (echo is not supported: prepend the prompt yourself)"),
-        "best_of": (_is_one, "1 (best_of is not supported)"),
-        "logprobs": (_is_null, "null (logprobs are not supported)"),
+        "best_of": (_is_one, "1 (best_of is not supported: use n)"),
         "suffix": (_is_empty, "null (suffix / insertion is not supported)"),
     },
     CHAT: {
         **_NEUTRAL,
-        "logprobs": (_is_false, "false (logprobs are not supported)"),
-        "top_logprobs": (_is_zero, "null (logprobs are not supported)"),
+        "prediction": (_is_null, "null (predicted outputs are not supported)"),
+        "modalities": (
+            lambda v: v is None or v == ["text"],
+            "['text'] or null (only text is generated)",
+        ),
+        "audio": (_is_null, "null (only text is generated)"),
         "tools": (_is_empty, "null (tool calling is not supported)"),
         "tool_choice": (
             lambda v: v in (None, "none", "auto"),
@@ -93,8 +117,11 @@ NEUTRAL = {
         "reasoning_effort": (_is_null, "null (not a reasoning model)"),
     },
 }
-# Fields that change nothing about generation here; accepted whatever their value.
-IGNORED = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
+# Fields that change nothing about generation here; accepted whatever their value
+# (spaces_between_special_tokens: special tokens are never in the text).
+IGNORED = frozenset(
+    {"metadata", "store", "service_tier", "parallel_tool_calls", "spaces_between_special_tokens"}
+)
 
 _FIELD_OF_MESSAGE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)=")
 
@@ -184,6 +211,7 @@ class CommonFields:
     stream: bool
     include_usage: bool
     salt: str | None
+    n: int = 1
 
 
 def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
@@ -215,10 +243,11 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", model, "a model name (GET /v1/models lists them)")
-    if not _is_one(body.get("n")):
-        raise invalid(
-            "n", body["n"], "1: one choice per request here; send several requests instead"
-        )
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise invalid("n", n, f"a whole number of choices from 1 to {MAX_N}")
     stream = body.get("stream")
     if stream is None:
         stream = False
@@ -244,37 +273,120 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
     salt = body.get("salt")
     if salt == "":
         raise invalid("salt", salt, "a non-empty tenant name, or leave it out")
-    return CommonFields(model, stream, include_usage, salt)
+    return CommonFields(model, stream, include_usage, salt, n)
 
 
-def completion_prompt(body: Mapping[str, Any], vocab_size: int) -> str | list[int]:
-    """The `prompt` of a completion request: a string or a list of token ids (a list
-    holding exactly one of those is accepted too)."""
+def completion_prompts(body: Mapping[str, Any], vocab_size: int) -> list[str | list[int]]:
+    """The `prompt` of a completion request as a list of prompts: a string, a list of
+    token ids, or a list of several of either (one choice per prompt and n, in order).
+    """
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("prompt", None, "a string or a list of token ids (required)")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [_one_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt", vocab_size)]
+
+
+def _one_prompt(prompt: Any, where: str, vocab_size: int) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt", prompt, "a non-empty string")
+            raise invalid(where, prompt, "a non-empty string")
         return prompt
     if not isinstance(prompt, list) or not prompt:
-        raise invalid("prompt", body["prompt"], "a non-empty string or list of token ids")
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid(
-            "prompt",
-            f"a list of {len(prompt)} prompts",
-            "one prompt per request here; send one request per prompt",
-        )
+        raise invalid(where, prompt, "a non-empty string or list of token ids, or a list of those")
     for i, token in enumerate(prompt):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise invalid(f"prompt[{i}]", token, f"a token id in [0, {vocab_size})")
+            raise invalid(f"{where}[{i}]", token, f"a token id in [0, {vocab_size})")
     return list(prompt)
 
 
+def check_choices(n: int, num_prompts: int) -> None:
+    """A 400 when prompts x n passes MAX_CHOICES (each choice is an engine request)."""
+    if n * num_prompts > MAX_CHOICES:
+        raise invalid(
+            "n",
+            n,
+            f"n x prompts at most {MAX_CHOICES} per request ({num_prompts} prompts x n={n} = "
+            f"{n * num_prompts}): send fewer prompts per request, or a lower n",
+        )
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """What a request asks of logprobs: `top` most likely tokens per token (None: no
+    logprobs), `echo`: the prompt goes in front of the text (completions), with its
+    tokens' logprobs when `top` is set."""
+
+    top: int | None = None
+    echo: bool = False
+
+
+def logprobs_request(body: Mapping[str, Any], endpoint: str) -> Logprobs:
+    """The request's logprobs / top_logprobs (chat) and echo (completions), checked."""
+    accepted = f"a whole number from 0 to {MAX_LOGPROBS}"
+    if endpoint == COMPLETIONS:
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise invalid("echo", echo, "true or false")
+        top = body.get("logprobs")
+        if top is False:
+            top = None
+        if top is not None and (
+            isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
+        ):
+            raise invalid(
+                "logprobs",
+                top,
+                f"{accepted}: the most likely tokens listed per token (or null); "
+                "chat takes logprobs: true with top_logprobs",
+            )
+        return Logprobs(top, bool(echo))
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise invalid("logprobs", wanted, "true or false (top_logprobs: how many per token)")
+    top = body.get("top_logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
+    ):
+        raise invalid("top_logprobs", top, f"{accepted} (or null)")
+    if top and not wanted:
+        raise invalid("top_logprobs", top, "only with logprobs: true (or leave it out)")
+    return Logprobs((top or 0) if wanted else None)
+
+
+def logit_bias(body: Mapping[str, Any], vocab_size: int) -> dict[int, float]:
+    """`logit_bias` ({"token id": bias in [-100, 100]}) with int keys; a 400 naming the
+    bad key otherwise."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", value, "an object {token id: bias in [-100, 100]}")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise invalid(
+                f"logit_bias[{key!r}]",
+                bias,
+                f"keys are token ids in [0, {vocab_size}) written as strings",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise invalid(f"logit_bias[{key!r}]", bias, "a bias from -100 to 100")
+        out[token] = float(bias)
+    return out
+
+
 def sampling_params(
-    body: Mapping[str, Any], endpoint: str, default_max_tokens: int
+    body: Mapping[str, Any],
+    endpoint: str,
+    default_max_tokens: int,
+    logprobs: Logprobs | None = None,
+    bias: Mapping[int, float] | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request (OpenAI defaults: temperature 1, top_p 1).
 
@@ -282,10 +394,13 @@ def sampling_params(
         body: The request object (already through check_fields).
         endpoint: COMPLETIONS or CHAT (chat reads max_completion_tokens too).
         default_max_tokens: max_tokens when the request gives none.
+        logprobs: from logprobs_request (None: none asked for).
+        bias: from logit_bias.
 
     Returns:
         The checked SamplingParams; a 400 naming the request field otherwise.
     """
+    logprobs = logprobs or Logprobs()
     source = {name: name for name in _SAMPLING_FIELDS}
     if endpoint == CHAT and body.get("max_completion_tokens") is not None:
         given = body.get("max_tokens")
@@ -304,6 +419,22 @@ def sampling_params(
             kwargs[field] = value
     if kwargs.get("top_k") == -1:
         kwargs["top_k"] = 0  # vLLM's "no top-k"
+    max_tokens = kwargs["max_tokens"]
+    if max_tokens == 0 and not isinstance(max_tokens, bool):
+        if not logprobs.echo:
+            raise invalid(
+                source["max_tokens"],
+                max_tokens,
+                "a whole number >= 1 (0 only with echo: true on /v1/completions, "
+                "to score the prompt and generate nothing)",
+            )
+        # the prompt alone: scored by the engine, so it needs prompt logprobs
+        kwargs["prompt_logprobs"] = logprobs.top or 0
+    kwargs["logprobs"] = logprobs.top
+    if logprobs.echo and logprobs.top is not None:
+        kwargs["prompt_logprobs"] = logprobs.top
+    if bias:
+        kwargs["logit_bias"] = dict(bias)
     try:
         return SamplingParams(**kwargs)
     except ConfigError as exc:
@@ -315,18 +446,123 @@ def sampling_params(
         raise APIError(400, message, param=name, code="invalid_value") from None
 
 
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The params of choice i of a prompt: with a seed, seed + i (vLLM's rule), so the
+    choices differ and each is reproducible."""
+    if i == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
+
+
 # -- responses ------------------------------------------------------------------------
 
 
-def usage(final: RequestOutput) -> dict[str, Any]:
-    """OpenAI `usage` from a finished request (cached = prompt tokens the prefix cache
-    held, so they were not computed)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI `usage` (cached = prompt tokens the prefix cache held, so they were not
+    computed). With several choices per prompt, a prompt counts once and the
+    completion tokens of every choice add up (as OpenAI counts)."""
     return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+# bytes -> the printable characters byte-level BPE tokenizers (GPT-2's) spell them with
+_BYTE_CHARS = [*range(33, 127), *range(161, 173), *range(174, 256)]
+_CHAR_TO_BYTE = {
+    chr(c): b
+    for b, c in zip(
+        [*_BYTE_CHARS, *(b for b in range(256) if b not in _BYTE_CHARS)],
+        [*_BYTE_CHARS, *range(256, 256 + 256 - len(_BYTE_CHARS))],
+        strict=True,
+    )
+}
+
+
+class TokenTexts:
+    """The text of single tokens, for logprobs (cached per id): the token decoded
+    alone (special tokens included); `token_id:<id>` without a tokenizer (vLLM's
+    form). `bytes` gives a token's UTF-8 bytes — its raw bytes when it is part of a
+    character (a byte-level BPE token that decodes to U+FFFD alone)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._text[token_id] = text
+        return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            text = self.text(token_id)
+            raw = list(text.encode("utf-8"))
+            if "\ufffd" in text and self.tokenizer is not None:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and piece and all(c in _CHAR_TO_BYTE for c in piece):
+                    raw = [_CHAR_TO_BYTE[c] for c in piece]
+            self._bytes[token_id] = raw
+        return raw
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def completion_logprobs(
+    tokens: list[tuple[int, TokenLogprobs | None]], texts: TokenTexts, offset: int
+) -> tuple[dict[str, Any], int]:
+    """The legacy completions `logprobs` object of some tokens, (token id, logprobs;
+    None for the first prompt token), with text offsets from `offset`; and the offset
+    after them."""
+    out: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for token_id, lp in tokens:
+        text = texts.text(token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if lp is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_lp(lp.logprob))
+        top: dict[str, float] = {}
+        for tid, value in lp.top:  # most likely first: a text shared by two ids keeps it
+            top.setdefault(texts.text(tid), _lp(value))
+        out["top_logprobs"].append(top)
+    return out, offset
+
+
+def chat_logprobs(tokens: list[TokenLogprobs], texts: TokenTexts) -> dict[str, Any]:
+    """The chat `logprobs` object ({"content": [...]}) of some generated tokens."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": texts.text(token_id),
+            "logprob": _lp(logprob),
+            "bytes": texts.bytes(token_id),
+        }
+
+    content = [
+        {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+        for t in tokens
+    ]
+    return {"content": content, "refusal": None}
 
 
 @dataclass(frozen=True)
@@ -340,40 +576,65 @@ class ResponseHead:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion(self, text: str, finish_reason: str, final: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._base("text_completion"), "choices": [choice], "usage": usage(final)}
+    def completion(self, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
+        return {**self._base("text_completion"), "choices": choices, "usage": use}
 
-    def chat(self, text: str, finish_reason: str, final: RequestOutput) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        return {**self._base("chat.completion"), "choices": [choice], "usage": usage(final)}
+    def chat(self, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
+        return {**self._base("chat.completion"), "choices": choices, "usage": use}
 
     def completion_chunk(
-        self, text: str, finish_reason: str | None, with_usage: bool
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        with_usage: bool,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = completion_choice(index, text, finish_reason, logprobs)
         chunk = {**self._base("text_completion"), "choices": [choice]}
         if with_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
         return chunk
 
     def chat_chunk(
-        self, delta: dict[str, Any], finish_reason: str | None, with_usage: bool
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None,
+        with_usage: bool,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         chunk = {**self._base("chat.completion.chunk"), "choices": [choice]}
         if with_usage:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, chat: bool, final: RequestOutput) -> dict[str, Any]:
+    def usage_chunk(self, chat: bool, use: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage(final)}
+        return {**self._base(obj), "choices": [], "usage": use}
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
 def sse(data: Mapping[str, Any] | str) -> bytes:
