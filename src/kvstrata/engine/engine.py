@@ -403,7 +403,12 @@ class Engine:
             return True
         except TierIOError as err:  # a corrupt or unreadable block: never served,
             self._undo(batch, f"a block could not be read: {err}")  # recomputed instead
+            # by the sequence attention was reading for (all of them when unknown); the
+            # others only redo the undone step, with nothing charged to their retries
+            owners = err.seq_ids
             for req, _ in batch:
+                if owners and req.seq_id not in owners:
+                    continue
                 if req.id in sched.requests and not sched.recompute(req):
                     self._finish(req, "abort", f"a block could not be read, twice: {err}")
             return True

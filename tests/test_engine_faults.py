@@ -1,0 +1,74 @@
+"""Faults on the engine's real read path: bytes flipped in the disk tier's file while
+requests are decoding. The bad block is detected by its checksum, never served; only
+the request that owned it computes its KV again, and every request still gives the
+tokens of an undisturbed run."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_models import tiny_model
+from kvstrata.engine import Engine, EngineConfig, SamplingParams
+from kvstrata.runtime import AttentionRuntime
+
+BS = 16
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 97, (90 + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _flip_disk_block(runtime: AttentionRuntime, seq_id: int) -> bool:
+    """Flip one byte inside the first disk block of `seq_id`; False if it has none."""
+    disk = runtime.store.tiers["disk"]
+    for group in range(len(runtime.store.groups)):
+        for run in runtime.manager.runs((seq_id, group)):
+            if run.tier == "disk":  # a byte in each layer's part of the block
+                start = run.first_slot * disk.slot_bytes
+                ends = [int(n) for n in disk._lens[run.first_slot].cumsum(0)]
+                with open(disk.path, "r+b") as f:
+                    for layer_start in [0, *ends[:-1]]:
+                        f.seek(start + layer_start + 40)
+                        byte = f.read(1)[0]
+                        f.seek(start + layer_start + 40)
+                        f.write(bytes([byte ^ 0x10]))
+                return True
+    return False
+
+
+def test_a_flipped_disk_byte_recomputes_only_the_request_that_owned_it(tmp_path, monkeypatch):
+    ps, sp = _prompts(3), SamplingParams(max_tokens=24)
+    kwargs = dict(
+        block_size=BS,
+        device_budget="96KiB",
+        host_budget="64KiB",
+        disk_budget="4MiB",
+        disk_dir=str(tmp_path),
+        prefix_caching=False,  # every round computes and stores its blocks afresh
+        config=EngineConfig(preemption="off"),
+    )
+    with Engine(tiny_model("llama"), **kwargs) as engine:
+        want = engine.generate(ps, sp)
+        assert engine.stats()["store"]["tiers"]["disk"]["peak_used_blocks"] > 0
+
+        real = AttentionRuntime.attend
+        state = {"calls": 0, "victims": []}
+
+        def attend(self, layer, seq_id, *args, **kwargs):
+            state["calls"] += 1
+            # once, mid-generation: a block of the sequence about to be read goes bad
+            if state["calls"] > 10 and not state["victims"] and _flip_disk_block(self, seq_id):
+                state["victims"].append(seq_id)
+            return real(self, layer, seq_id, *args, **kwargs)
+
+        monkeypatch.setattr(AttentionRuntime, "attend", attend)
+        got = engine.generate(ps, sp)
+        monkeypatch.undo()
+        assert state["victims"], "no disk block was read mid-generation"
+        recomputes = engine.metrics.value("kvstrata_recomputes_total")
+        assert engine.stats()["live_blocks"] == 0  # nothing leaked by the undone step
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    # the owner alone computed its KV again; the others only redid the undone step
+    assert recomputes == 1, recomputes
