@@ -189,3 +189,55 @@ def test_engine_packed_steps_match_dynamic_cache(model_type, one_thread):
     with Engine(model, block_size=16, host_budget="1MiB", config=config) as engine:
         outs = engine.generate(prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * 3)
     assert [o.token_ids for o in outs] == refs
+
+
+def test_a_failure_in_a_layer_that_reuses_kv_undoes_the_whole_step():
+    """Gemma-3n's last layers attend with earlier layers' K/V: the step ends after the
+    model's last attention layer (also read through a multimodal wrapper config), so a
+    failure there still undoes it."""
+    from transformers import Gemma3nConfig
+
+    from kvstrata.runtime import AttentionRuntime
+    from kvstrata.store import KVStore
+
+    model = _model("gemma3n_text", **FAMILIES["gemma3n_text"])
+    wrapper = Gemma3nConfig(text_config=model.config.to_dict())
+    geometry = KVGeometry.from_hf_config(wrapper)
+    assert (geometry.num_layers, geometry.attention_layers) == (2, 4)
+    torch.manual_seed(3)
+    ids = torch.randint(3, 97, (1, 40))
+    with torch.no_grad():
+        ref = DynamicCache(config=model.config)
+        model(ids, cache=ref)
+        want = model(ids[:, -1:], cache=ref).logits
+    enable(model)
+    attn = model.model.layers[3].self_attn  # reuses layer 1's K/V
+    assert attn.is_kv_shared_layer
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure in a shared-K/V layer")
+
+    events = []
+    real_attend, real_done = AttentionRuntime.attend, KVStore.step_done
+
+    def attend(self, layer, *args, **kwargs):
+        events.append("attend")
+        return real_attend(self, layer, *args, **kwargs)
+
+    def step_done(self, *args, **kwargs):
+        events.append("done")
+        return real_done(self, *args, **kwargs)
+
+    with TieredCache(model.config, block_size=16, max_tokens=128) as cache, torch.no_grad():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(AttentionRuntime, "attend", attend)
+            mp.setattr(KVStore, "step_done", step_done)
+            model(ids, cache=cache)
+        assert events == ["attend"] * 4 + ["done"]  # after all four layers, not two
+        real, attn.o_proj.forward = attn.o_proj.forward, boom
+        with pytest.raises(RuntimeError, match="injected"):
+            model(ids[:, -1:], cache=cache)
+        attn.o_proj.forward = real
+        assert cache.get_seq_length() == 40  # undone
+        got = model(ids[:, -1:], cache=cache).logits
+    assert torch.allclose(got, want, atol=1e-4)

@@ -200,6 +200,8 @@ class KVGeometry:
         kv_lora_rank / qk_rope_head_dim: MLA latent sizes (None for non-MLA models).
         num_params: parameter count (sizes the weights), None when unknown.
         name: preset name or config path, for messages.
+        shared_kv_layers: the model's last layers that reuse earlier layers' K/V and
+            cache none (Gemma-3n); `num_layers` counts only the layers that cache.
     """
 
     model_type: str
@@ -215,6 +217,12 @@ class KVGeometry:
     qk_rope_head_dim: int | None = None
     num_params: int | None = None
     name: str = ""
+    shared_kv_layers: int = 0
+
+    @property
+    def attention_layers(self) -> int:
+        """The model's attention layers: those that cache K/V and those that reuse it."""
+        return self.num_layers + self.shared_kv_layers
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -285,7 +293,7 @@ class KVGeometry:
             model_type=model_type, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
             sliding_window=window, sliding_layers=sliding, kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=rope_dim, name=name,
+            qk_rope_head_dim=rope_dim, name=name, shared_kv_layers=shared,
         )  # fmt: skip
         params = data.get("num_params")
         if not isinstance(params, int):

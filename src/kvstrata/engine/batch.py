@@ -72,11 +72,11 @@ class StepCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, store: KVStore, model_layers: int | None = None) -> None:
+    def __init__(self, store: KVStore) -> None:
         self.store = store
         self.num_layers = store.geometry.num_layers  # layers that cache K/V
         # the step ends after this layer's attention (later layers may reuse K/V)
-        self.last_attention_layer = max(model_layers or 0, self.num_layers) - 1
+        self.last_attention_layer = store.geometry.attention_layers - 1
         sliding = [store.groups[g].is_sliding for g, _ in store.layer_map]
         super().__init__(layers=[_TieredLayer(self, i, s) for i, s in enumerate(sliding)])
         self.seq_ids: list[int] = []

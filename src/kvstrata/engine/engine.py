@@ -307,8 +307,7 @@ class Engine:
             dtype, self._device = weights.dtype, weights.device
             self.store.build(dtype, num_sequences=self.config.max_num_seqs)
             self.sched = Scheduler(self.store, self.config, self.metrics)
-            layers = getattr(self.model.config, "num_hidden_layers", None)
-            self._step_cache = StepCache(self.store, layers if isinstance(layers, int) else None)
+            self._step_cache = StepCache(self.store)
             self._take_snapshot()
         except BaseException as err:  # reported by the constructor
             self._error = err

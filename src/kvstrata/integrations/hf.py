@@ -101,7 +101,7 @@ class TieredCache(Cache):
         self.model_config = config
         self.num_layers = store.geometry.num_layers  # layers that cache K/V
         # the step ends after this layer's attention (later layers may reuse K/V)
-        self.last_attention_layer = _num_hidden_layers(config, self.num_layers) - 1
+        self.last_attention_layer = store.geometry.attention_layers - 1
         self.salt = salt
         sliding = [store.groups[g].is_sliding for g, _ in store.layer_map]
         super().__init__(layers=[_TieredLayer(self, i, s) for i, s in enumerate(sliding)])
@@ -371,14 +371,6 @@ def _close_dropped(store: KVStore) -> None:
 
 def _free_sequences(store: KVStore, seq_ids: list[int]) -> None:
     store.release(list(seq_ids), defer=True)
-
-
-def _num_hidden_layers(config: Any, default: int) -> int:
-    try:
-        layers = getattr(config, "num_hidden_layers", None)
-    except Exception:  # a config that refuses global access to a field
-        layers = None
-    return layers if isinstance(layers, int) and layers >= default else default
 
 
 def _kv_shape(k: torch.Tensor, v: torch.Tensor) -> tuple:

@@ -54,7 +54,7 @@ from kvstrata.tiers.disk_format import (
     load_compressor,
 )
 from kvstrata.tiers.disk_index import DiskIndex
-from kvstrata.tiers.disk_io import BlockFile, Fields, slot_list, tier_error
+from kvstrata.tiers.disk_io import BlockFile, Fields, check_free_space, slot_list, tier_error
 from kvstrata.tiers.disk_lock import LOCK_FILE
 
 __all__ = ["ARENA_FILE", "CHECKSUMS", "DiskTier", "FORMAT_VERSION", "INDEX_FILE", "LOCK_FILE"]
@@ -117,6 +117,11 @@ class DiskTier(Tier):
         ):
             raise ConfigError.field("io_threads", io_threads, "a positive integer")
         codec = codec or NoneCodec()
+        # before the per-slot structures (a budget far past the free space would
+        # otherwise first fill RAM with them)
+        check_free_space(
+            Path(directory) / ARENA_FILE, num_slots * SlotFormat(layout, codec).slot_bytes
+        )
         super().__init__("disk", layout, num_slots, codec)
         self.directory = Path(directory)
         self.path = self.directory / ARENA_FILE

@@ -88,6 +88,36 @@ def os_error(exc: OSError, path: Path, slots: list[int], what: str) -> TierIOErr
     )
 
 
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of `directory`
+    (its nearest existing ancestor)."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(path: Path, size: int) -> None:
+    """TierFullError when an arena of `size` bytes at `path` (grown from the file there,
+    if any) cannot fit in the free space."""
+    try:
+        have = path.stat().st_size
+    except OSError:
+        have = 0
+    try:
+        free = free_bytes(path.parent)
+    except OSError:
+        return  # no statvfs here: the allocation itself will tell
+    if size - have > free:
+        raise tier_error(
+            TierFullError,
+            f"an arena of {size} bytes does not fit in the {free} bytes free "
+            f"(No space left on device): free space on that filesystem or lower disk_budget",
+            path,
+            [],
+        )
+
+
 class BlockFile:
     """The arena file of a DiskTier and every move of block bytes through it.
 
@@ -171,8 +201,9 @@ class BlockFile:
             if old_size > size:
                 os.ftruncate(self.fd, size)
             elif hasattr(os, "posix_fallocate"):
-                self._check_space(size)  # before allocating: a failed fallocate keeps
-                try:  # what it allocated, which can fill the disk
+                # before allocating: a failed fallocate keeps what it allocated
+                self._check_space(size - old_size)
+                try:
                     os.posix_fallocate(self.fd, 0, size)
                 except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
@@ -193,9 +224,8 @@ class BlockFile:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
-    def _check_space(self, size: int) -> None:
-        st = os.statvfs(self.path.parent)
-        if st.f_bavail * st.f_frsize < size - os.fstat(self.fd).st_blocks * 512:
+    def _check_space(self, growth: int) -> None:
+        if growth > 0 and free_bytes(self.path.parent) < growth:
             raise OSError(errno.ENOSPC, "not enough free space")
 
     def _open_direct(self) -> int:
@@ -212,7 +242,7 @@ class BlockFile:
 
     def _truncate_checked(self, size: int) -> None:
         # No fallocate on this filesystem: a sparse file, with a free-space check.
-        self._check_space(size)
+        self._check_space(size - os.fstat(self.fd).st_size)
         os.ftruncate(self.fd, size)
 
     def drop_cache(self) -> None:
