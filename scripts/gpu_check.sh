@@ -72,13 +72,14 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # module -> requirement. triton (the fused dequant, kvstrata[cuda]) is required on CUDA:
 # without it the fused dequant tests skip and quantized blocks decode with torch ops
 # (the same bounds as pyproject.toml: an older transformers is there but unusable)
-REQUIRED="transformers:transformers>=5.24,<6 safetensors:safetensors>=0.4 rich:rich>=13
+REQUIRED="transformers:transformers>=5.24,<6 safetensors:safetensors>=0.8 rich:rich>=13
 numpy:numpy>=1.26 sortedcontainers:sortedcontainers>=2.4 tqdm:tqdm>=4.66 xxhash:xxhash>=3
 prometheus_client:prometheus-client>=0.20 pytest:pytest>=8"
 OPTIONAL="triton:triton>=3.0"
 # the requirements of $1 that are not importable at a version they accept, one a line
 missing() {
     "$PY" - "$1" <<'PYEOF'
+import importlib
 import importlib.util
 import re
 import sys
@@ -90,7 +91,12 @@ def version_tuple(text):
 for pair in sys.argv[1].split():
     module, spec = pair.split(":", 1)
     name, _, bounds = re.match(r"([A-Za-z0-9_.-]+)(.*)", spec).group(1, 0, 2)
-    ok = importlib.util.find_spec(module) is not None
+    try:  # imported, not only found: transformers checks its own dependencies then
+        importlib.import_module(module)
+        ok = True
+    except Exception as exc:  # noqa: BLE001 - any failure makes it unusable
+        ok = False
+        print(f"gpu_check: import {module} failed: {exc}"[:300], file=sys.stderr)
     if ok:
         try:
             have = version_tuple(metadata.version(name))

@@ -163,6 +163,16 @@ def test_model_code_using_cached_kv_as_tensors_gets_one_line_error():
     cache.close()
     assert "\n" not in str(info.value)
     assert isinstance(info.value, AttributeError)  # getattr(key, name, default) still works
+    # the handle inside a list (torch.cat) is named too; the error pickles
+    import pickle
+
+    from kvstrata.integrations.hf_layers import TieredKV
+
+    handle = TieredKV(cache, 0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
+    with pytest.raises(kvstrata.UnsupportedModelError, match=r"torch\.cat\(key_states"):
+        torch.cat([handle.new_k, handle], dim=2)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert str(again) == str(info.value)
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "opt", "gpt_neox", "cohere2", "gemma3n_text"])

@@ -279,9 +279,9 @@ def test_a_gguf_file_path_converts_once_into_the_cache(site, monkeypatch, tmp_pa
     model, _ = load_model(str(gguf))
     name = "model.layers.0.self_attn.k_proj.weight"
     assert model.state_dict()[name].shape == (16, 32)
-    # a file with other bytes is another model
+    # a file with other bytes anywhere (here: the middle) is another model
     data = bytearray(gguf.read_bytes())
-    data[-1] ^= 0xFF
+    data[len(data) // 2] ^= 0xFF
     gguf.write_bytes(bytes(data))
     assert resolve_model_dir(str(gguf)) != target
     # not a GGUF file: one line naming the field and the file, exit 2 from the CLI

@@ -172,8 +172,15 @@ def _safetensors_params(model_dir: Path) -> int | None:
     """Parameters stored in a model directory's safetensors files, read from their
     headers alone (None when there are none or a header is unreadable)."""
     total = 0
-    files = sorted(model_dir.glob("*.safetensors"))
     try:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():  # the shards it names (not e.g. a consolidated copy beside)
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [model_dir / name for name in names]
+        elif (model_dir / "model.safetensors").is_file():
+            files = [model_dir / "model.safetensors"]
+        else:
+            files = sorted(model_dir.glob("*.safetensors"))
         for file in files:
             with file.open("rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
@@ -554,11 +561,16 @@ def check_cacheable(config: Any, name: str = "") -> None:
         )
     per_layer = data.get("per_layer_config")
     if isinstance(per_layer, dict):
-        for layer, fields in sorted(per_layer.items()):
-            for name in _SHAPE_FIELDS:
-                if isinstance(fields, dict) and fields.get(name, data.get(name)) != data.get(name):
-                    raise UnsupportedModelError(
-                        f"model_type={model_type!r}: layer {int(layer)} has {name}="
-                        f"{fields[name]} where the others have {data.get(name)}: TieredCache "
-                        "stores one K/V shape for every layer"
-                    )
+        for name in _SHAPE_FIELDS:
+            default = data.get(name)
+            for layer, fields in sorted(per_layer.items()):
+                value = fields.get(name) if isinstance(fields, dict) else None
+                if value is None or value == default:
+                    continue
+                if default is None:  # no global value: the first layer that names one
+                    default = value
+                    continue
+                raise UnsupportedModelError(
+                    f"model_type={model_type!r}: layer {layer} has {name}={value} where "
+                    f"others have {default}: TieredCache stores one K/V shape for every layer"
+                )

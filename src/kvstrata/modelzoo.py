@@ -201,10 +201,12 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
         check_cacheable(config, str(path))
     except KvstrataError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    vocab_size = config.get("vocab_size")
+    # a multimodal wrapper (Gemma-3, Gemma-3n...) keeps its sizes in text_config
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab_size = config.get("vocab_size", text.get("vocab_size"))
     if not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ConfigError(f"{path}: vocab_size={vocab_size!r} is invalid: a positive integer")
-    return config
+    return {**config, "vocab_size": vocab_size}
 
 
 def _check_safetensors(path: Path) -> None:

@@ -258,8 +258,10 @@ def converted_dir(name: str, status: Status | None = _stderr) -> Path:
 
 def gguf_file_dir(path: Path, status: Status | None = _stderr) -> Path:
     """The converted model directory of any GGUF file (``--model path/to/x.gguf``),
-    converting it into the cache on first use; the cache entry is named by the file's
-    stem, size and a digest of its first and last MiB, so a changed file converts anew.
+    converting it into the cache on first use. The cache entry is named by the file's
+    stem, size and an XXH3 digest of all its bytes (a changed file converts anew); the
+    digest is remembered per (path, size, mtime, inode) so a later load does not read
+    the whole file again.
 
     Args:
         path: An existing GGUF file.
@@ -270,30 +272,57 @@ def gguf_file_dir(path: Path, status: Status | None = _stderr) -> Path:
     """
     import re
 
-    import xxhash
-
     try:
-        size = path.stat().st_size
-        digest = xxhash.xxh64()
+        st = path.stat()
         with path.open("rb") as f:
-            head = f.read(8)
-            if head[:4] != b"GGUF":
+            if f.read(4) != b"GGUF":
                 raise ConfigError.field("model", str(path), "a GGUF file (it starts with 'GGUF')")
-            f.seek(0)
-            digest.update(f.read(2**20))
-            f.seek(max(0, size - 2**20))
-            digest.update(f.read(2**20))
     except OSError as exc:
         raise ConfigError.field(
             "model", str(path), f"a readable GGUF file ({exc.strerror})"
         ) from None
+    digest = _file_digest(path, st)
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:80] or "model"
-    name = f"gguf-{stem}-{size}-{digest.hexdigest()}-v{CONVERTER_VERSION}"
+    name = f"gguf-{stem}-{st.st_size}-{digest}-v{CONVERTER_VERSION}"
     target = cache_root() / "models" / name
     source = {"path": str(path.resolve())}
     install = f"pip install 'kvstrata[{EXTRA}]'"
     return _converted(path.name, gguf_path=path, target=target, source=source, install=install,
                       status=status)  # fmt: skip
+
+
+DIGESTS = "gguf-digests.json"
+
+
+def _file_digest(path: Path, st: os.stat_result) -> str:
+    """XXH3-64 of the whole file, remembered in the cache by (path, size, mtime, inode)."""
+    import xxhash
+
+    memo_path = cache_root() / DIGESTS
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    if isinstance(memo.get(key), str):
+        return memo[key]
+    h = xxhash.xxh3_64()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+    except OSError as exc:
+        raise ConfigError.field(
+            "model", str(path), f"a readable GGUF file ({exc.strerror})"
+        ) from None
+    memo[key] = digest = h.hexdigest()
+    tmp = memo_path.with_name(f".{DIGESTS}.{os.getpid()}")
+    with contextlib.suppress(OSError):  # a memo that cannot be written costs a re-read
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    return digest
 
 
 def _converted(

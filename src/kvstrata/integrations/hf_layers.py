@@ -43,24 +43,31 @@ class TieredKV:
     def __getattr__(self, name: str):
         # Only reached for what a TieredKV does not have: a model whose attention code
         # treats the cached keys as a tensor (key.repeat, key.transpose, ...) is told so
-        # in one line instead of an AttributeError deep inside its forward.
-        if name.startswith("__"):
+        # in one line instead of an AttributeError deep inside its forward. (Dunders and
+        # the fields of a half-built instance, e.g. while copying: plain AttributeError.)
+        if name.startswith("__") or name in _FIELDS:
             raise AttributeError(name)
-        raise CachedKVUsedAsTensorError(self, f"key_states.{name}")
+        raise CachedKVUsedAsTensorError.of(self, f"key_states.{name}")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        handle = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        handle = next((a for a in leaves if isinstance(a, cls)), None)
         name = getattr(func, "__name__", str(func))
-        raise CachedKVUsedAsTensorError(handle, f"torch.{name}(key_states, ...)")
+        raise CachedKVUsedAsTensorError.of(handle, f"torch.{name}(key_states, ...)")
+
+
+_FIELDS = frozenset(("cache", "layer_idx", "new_k", "new_v"))
 
 
 class CachedKVUsedAsTensorError(UnsupportedModelError, AttributeError):
     """A model's own code used the handle `TieredCache.update` returns as a tensor."""
 
-    def __init__(self, handle: TieredKV, use: str) -> None:
-        model_type = getattr(handle.cache.model_config, "model_type", "?")
-        super().__init__(
+    @classmethod
+    def of(cls, handle: TieredKV | None, use: str) -> CachedKVUsedAsTensorError:
+        config = getattr(getattr(handle, "cache", None), "model_config", None)
+        model_type = getattr(config, "model_type", "?")
+        return cls(
             f"model_type={model_type!r} uses the cached K/V as tensors ({use}) outside "
             "the attention function: TieredCache keeps the history in its tiers and serves "
             "only models whose attention reads K/V through transformers' AttentionInterface"
