@@ -446,7 +446,15 @@ def test_disk_frees_never_wait_and_a_slow_read_is_a_miss(tmp_path: Path, monkeyp
     try:
         a, b, c, d, e, f, g, h = (bytes([i]) for i in range(8))
         data = _put(store, worker, [a, b, c, d], seed=2)  # host 4/6, disk 4/4
-        store.disk.submit(gate.wait)  # the disk thread is stuck (a slow disk)
+        inside = threading.Event()
+
+        def stuck() -> None:
+            inside.set()
+            gate.wait()
+
+        store.disk.submit(stuck)  # the disk thread is stuck (a slow disk)
+        # ... really inside it: a read queued ahead of it would otherwise still run first
+        assert inside.wait(10)
         to_store, slots = store.prepare_store([e, f], [e, f])
         worker.write(slots, seed=3)
         started = time.monotonic()
