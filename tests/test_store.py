@@ -511,3 +511,28 @@ TestStoreMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_persist_that_fails_gives_its_disk_slots_back(llama, tmp_path, monkeypatch):
+    """Closing writes memory-only hashed blocks to disk; a copy that fails there (a full
+    disk) gives the slots it took back and keys nothing."""
+    from kvstrata.blocks.manager import BlockManager
+    from kvstrata.errors import TierFullError
+
+    model, prompts, refs, counter = llama
+    cfg = _config(host_budget="4MiB", disk_dir=str(tmp_path), disk_budget="16MiB")
+    store = KVStore(model.config, cfg)
+    assert torch.equal(_greedy(model, prompts[0], store.cache(prompts[0])), refs[0])
+    disk = store.disk_tier
+    free = disk.num_free
+
+    def full(self, *args, **kwargs):
+        raise TierFullError("injected: no space left on device")
+
+    monkeypatch.setattr(BlockManager, "copy_blocks", full)
+    with pytest.raises(TierFullError):
+        store.prefix_index.persist()
+    assert disk.num_free == free and not disk.keyed_slots()
+    monkeypatch.undo()
+    assert store.prefix_index.persist() > 0  # and it works once the disk has room
+    store.close()

@@ -235,7 +235,11 @@ class PrefixIndex:
                 continue
             slots = disk.allocate(len(group))
             assert slots is not None
-            mgr.copy_blocks(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
+            try:
+                mgr.copy_blocks(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
+            except BaseException:  # e.g. a full disk: the slots go back, nothing is keyed
+                disk.free(slots)
+                raise
             disk.put_keys(
                 [
                     (slot, block.block_hash, list(block.token_ids or ()))
