@@ -279,13 +279,12 @@ def test_bad_requests_are_refused_at_once():
     ):
         engine.submit([5] * 300, SamplingParams(max_tokens=10))
     for field, kwargs in [
-        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": -1}),
         ("temperature", {"temperature": -1}),
         ("top_p", {"top_p": 0}),
         ("top_k", {"top_k": -2}),
         ("stop", {"stop": [""]}),
         ("seed", {"seed": -1}),
-        ("max_tokens", {"max_tokens": 0, "logprobs": 1}),  # 0 only with prompt_logprobs
         ("logprobs", {"logprobs": 21}),
         ("frequency_penalty", {"frequency_penalty": 2.5}),
         ("presence_penalty", {"presence_penalty": -3}),
@@ -294,6 +293,7 @@ def test_bad_requests_are_refused_at_once():
         ("min_tokens", {"max_tokens": 4, "min_tokens": 5}),
         ("logit_bias", {"logit_bias": {5: 200}}),
         ("logit_bias", {"logit_bias": {-1: 1}}),
+        ("logit_bias=<301 entries>", {"logit_bias": {t: 1.0 for t in range(301)}}),
     ]:
         with pytest.raises(ConfigError, match=field):
             SamplingParams(**kwargs)
@@ -338,8 +338,7 @@ def test_text_output_keeps_the_leading_space_and_settles_utf8():
     tok = PreTrainedTokenizerFast(tokenizer_object=raw)
     prompt, out = [1, 2, 3], [4, 5, 6, 4]
     assert tok.decode(out) == "Paris. é Paris"  # alone: the space is lost
-    text = TextOutput(tok, ())
-    text.ids, text.read = list(prompt), len(prompt)
+    text = TextOutput(tok, (), prompt)  # (the prompt's last 5 tokens are the context)
     pieces = [text.push([t])[0] for t in out] + [text.flush()]
     whole = tok.decode(prompt + out)
     assert "".join(pieces) == whole[len(tok.decode(prompt)) :] == " Paris. é Paris"
@@ -538,6 +537,13 @@ def test_penalties_logit_bias_min_tokens_and_min_p():
             [prompt],
             SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.5, min_p=1.0, seed=1),
         )[0]
+        # penalties with seeded sampling: reproducible (alone or in a batch), and not
+        # the unpenalised draw of the same seed
+        sampled = dict(max_tokens=12, ignore_eos=True, temperature=1.0, seed=11)
+        seeded = SamplingParams(**sampled, frequency_penalty=2.0, presence_penalty=1.0)
+        pen_alone = engine.generate([prompt], seeded)[0]
+        pen_batch = engine.generate([prompts(1)[0], prompt], [SamplingParams(), seeded])[1]
+        unpenalised = engine.generate([prompt], SamplingParams(**sampled))[0]
     assert len(set(plain.token_ids)) < len(plain.token_ids)  # it repeats
     assert plain.token_ids == penalized_reference(reference_model, prompt, 12, SamplingParams())
     assert penalized.token_ids == penalized_reference(reference_model, prompt, 12, penalties)
@@ -548,3 +554,151 @@ def test_penalties_logit_bias_min_tokens_and_min_p():
     assert stopped[0].finish_reason == "stop" and len(stopped[0].token_ids) <= 2
     assert stop not in held.token_ids[:5] and len(held.token_ids) >= 5
     assert top_only.token_ids == plain.token_ids
+    assert pen_alone.token_ids == pen_batch.token_ids != unpenalised.token_ids
+
+
+def test_min_p_applies_after_temperature():
+    """min_p compares probabilities after temperature (vLLM's order): a high
+    temperature flattens the distribution and keeps more tokens, a low one fewer."""
+    from kvstrata.engine.sampling import filtered_logits
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -3.0])
+
+    def kept(temperature: float) -> int:
+        row = filtered_logits(logits, SamplingParams(temperature=temperature, min_p=0.3))
+        return int(torch.isfinite(row).sum())
+
+    # probability / the best's = exp((logit - 2) / T), kept when >= 0.3; before the
+    # temperature it would be exp(logit - 2) for every T: two tokens each time
+    assert [kept(0.5), kept(1.0), kept(2.0)] == [1, 2, 3]
+
+
+def test_logit_bias_is_one_tensor_op(monkeypatch):
+    """300 logit_bias entries (OpenAI's limit) are added at once, not entry by entry."""
+    from kvstrata.engine.sampling import LogitsAdjuster
+
+    bias = {t: float(t % 7 - 3) for t in range(0, 600, 2)}
+    adjuster = LogitsAdjuster(SamplingParams(logit_bias=bias, ignore_eos=True), [1, 2], [])
+    logits = torch.randn(1000)
+    want = logits.clone()
+    for t, b in bias.items():
+        want[t] += b
+    writes = {"n": 0}
+    real = torch.Tensor.__setitem__
+
+    def counting(self, key, value):
+        writes["n"] += 1
+        return real(self, key, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", counting)
+    for _ in range(3):  # every step
+        assert torch.equal(adjuster.apply(logits, [5]), want)
+    assert writes["n"] == 0
+
+
+def test_prompt_logprobs_are_computed_a_bounded_number_of_rows_at_a_time(monkeypatch):
+    from kvstrata.engine import sampling
+
+    logits = torch.randn(600, 50)
+    ids = torch.randint(0, 50, (600,)).tolist()
+    want = torch.log_softmax(logits, dim=-1)
+    rows = []
+    real = torch.log_softmax
+
+    def spy(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "log_softmax", spy)
+    got = sampling.token_logprobs(logits, ids, 2)
+    assert max(rows) <= sampling.LOGPROB_ROWS and sum(rows) == 600
+    assert [e.logprob for e in got] == pytest.approx(want[range(600), ids].tolist(), abs=1e-6)
+    best = torch.topk(want, 2)
+    assert [[t for t, _ in e.top] for e in got] == best.indices.tolist()
+
+
+def test_min_tokens_boundary_first_output_and_a_prompt_alone():
+    """Stop strings are looked for from the min_tokens-th token on (vLLM: a stop string
+    may end with it); `first_output` sends an output at the first token even when it
+    brings no text; max_tokens 0 computes the prompt alone, from the prefix cache."""
+    from kvstrata.modelzoo import load_model
+
+    model, tok = load_model("default")
+    prompt = "def area(radius):\n    return"
+    with Engine(model, tok, block_size=BS) as engine:
+        free = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        assert len(free.text) == 12  # one byte token per character
+        # a character first written by token k (k >= 2): the stop string
+        k = next(k for k in range(2, 12) if free.text[k - 1] not in free.text[: k - 1])
+        stop = free.text[k - 1]
+        runs = [
+            engine.generate(
+                [prompt], SamplingParams(max_tokens=12, stop=[stop], min_tokens=m, ignore_eos=True)
+            )[0]
+            for m in (k, k + 1)
+        ]
+
+        outs: list = []
+        done = threading.Event()
+
+        def on_output(out) -> None:
+            outs.append(out)
+            if out.finished:
+                done.set()
+
+        held = SamplingParams(
+            max_tokens=6, stop=["#" * 30], ignore_eos=True
+        )  # no text till the end
+        engine.submit(prompt, held, on_output=on_output, first_output=True)
+        assert done.wait(30)
+        alone = engine.generate([prompt], SamplingParams(max_tokens=0))[0]
+    at, after = runs
+    assert (at.finish_reason, at.text, len(at.token_ids)) == ("stop", free.text[: k - 1], k)
+    assert len(after.token_ids) > k and after.text.startswith(free.text[:k])
+    assert [(len(o.token_ids), o.text) for o in outs] == [(1, ""), (5, free.text[:6])]
+    assert (alone.token_ids, alone.finish_reason, alone.prompt_logprobs) == ([], "length", None)
+    assert alone.cached_tokens == 16  # (28 prompt tokens: its full block was cached)
+
+
+def test_a_request_recomputed_after_scoring_its_prompt_reuses_the_prefix_cache(monkeypatch):
+    """Prompt logprobs need every position computed (no prefix-cache lookup), but once
+    the prompt is scored a storage-error recompute looks its prefix up like any request;
+    the tokens and prompt logprobs are those of an undisturbed run."""
+    from kvstrata.errors import BlockCorruptError
+    from kvstrata.runtime import AttentionRuntime
+    from kvstrata.store import KVStore
+
+    prompt = prompts(4, seed=2)[3]  # 64 tokens
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, prompt_logprobs=1, logprobs=0)
+    calls = {"n": 0, "fail_at": None}
+    lookups = []
+
+    def failing(real):
+        def attend(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == calls["fail_at"]:
+                raise BlockCorruptError("injected: checksum mismatch")
+            return real(self, *args, **kwargs)
+
+        return attend
+
+    for name in ("attend", "decode_batch"):
+        monkeypatch.setattr(AttentionRuntime, name, failing(getattr(AttentionRuntime, name)))
+    real_add = KVStore.add_sequence
+
+    def add_sequence(self, token_ids=None, salt="", lookup=True):
+        lookups.append(lookup)
+        return real_add(self, token_ids, salt=salt, lookup=lookup)
+
+    monkeypatch.setattr(KVStore, "add_sequence", add_sequence)
+    with Engine(tiny_model("llama"), block_size=BS) as engine:
+        want = engine.generate([prompt], sp)[0]
+        lookups.clear()
+        calls["fail_at"] = calls["n"] + 10  # a few tokens in: the prompt is scored
+        got = engine.generate([prompt], sp)[0]
+        assert engine.metrics.value("kvstrata_recomputes_total") == 1
+    assert lookups == [False, True]
+    assert got.token_ids == want.token_ids and got.finish_reason == "length"
+    assert [e and (e.token_id, e.logprob) for e in got.prompt_logprobs] == [
+        e and (e.token_id, pytest.approx(e.logprob)) for e in want.prompt_logprobs
+    ]

@@ -449,6 +449,7 @@ def test_logprobs_are_the_models_log_softmax(served, reference_model):
     assert lps.token_logprobs[1:] == close([lp[i - 1, full[i]].item() for i in range(1, len(full))])
     for i in range(1, len(full)):
         want = top_dict(tok, lp[i - 1], 3)
+        want[tok.decode([full[i]])] = lp[i - 1, full[i]].item()  # the token itself, always
         assert list(lps.top_logprobs[i]) == list(want)
         assert list(lps.top_logprobs[i].values()) == close(list(want.values()))
     assert lps.text_offset == [len("".join(lps.tokens[:i])) for i in range(len(full))]
@@ -732,6 +733,373 @@ def test_fields_clients_commonly_send_are_accepted(served):
     assert no_turn["choices"][0]["message"]["content"] == greedy(client, rendered, 6)
 
 
+@pytest.fixture
+def bos_tokenizer(served):
+    """The served tokenizer, adding a <bos> in front of every prompt it encodes (as
+    Llama's and Gemma's do) for the length of a test."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = served.tokenizer
+    backend = tok.backend_tokenizer
+    before = backend.post_processor
+    backend.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)]
+    )
+    try:
+        yield tok
+    finally:
+        backend.post_processor = before
+
+
+def check_placed(text: str, lps: dict) -> None:
+    """Every token's text is where text_offset says in the returned text, and the
+    tokens' texts join to it."""
+    for token, offset in zip(lps["tokens"], lps["text_offset"], strict=True):
+        assert text[offset : offset + len(token)] == token
+    assert lps["text_offset"] == sorted(lps["text_offset"])
+    assert "".join(lps["tokens"]) == text
+
+
+def test_token_texts_and_offsets_with_a_bos_and_characters_split_over_tokens(served, bos_tokenizer):
+    """A tokenizer that adds <bos> (absent from the echoed text) and a byte-level one
+    that splits é, € and 😀 over 2-4 tokens: each token's text is what it adds to the
+    text (empty for all but a character's last byte), text_offset is where that text
+    is, whole and streamed alike; chat's token / bytes likewise."""
+    tok = bos_tokenizer
+    prompt = "é€😀 x = 'ü'\n"
+    ids = tok(prompt)["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == 1 + len(prompt.encode())
+    # sampled, with the bytes of é and 😀 pushed up: the output splits characters too
+    bias = {"195": 15, "169": 15, "240": 14, "159": 14, "152": 13, "128": 13}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "echo": True,
+        "logprobs": 2,
+        "max_tokens": 16,
+        "temperature": 1.5,
+        "seed": 2,
+        "ignore_eos": True,
+        "logit_bias": bias,
+    }
+    whole = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    (choice,) = whole["choices"]
+    text, lps = choice["text"], choice["logprobs"]
+    assert text.startswith(prompt) and any(ord(c) > 127 for c in text[len(prompt) :])
+    assert lps["tokens"][:6] == ["", "", "é", "", "", "€"]  # <bos>, then é's 2 bytes, ...
+    assert lps["text_offset"][:6] == [0, 0, 0, 1, 1, 1]
+    check_placed(text, lps)
+    for i, top in enumerate(lps["top_logprobs"][1:], 1):
+        assert top[lps["tokens"][i]] == lps["token_logprobs"][i]  # the token itself
+    streamed: dict = {"tokens": [], "text_offset": []}
+    pieces = []
+    for chunk in events_of(served.url, "completions", {**body, "stream": True}):
+        (c,) = chunk["choices"]
+        pieces.append(c["text"])
+        for key in streamed:
+            streamed[key] += (c["logprobs"] or {}).get(key, [])
+    assert "".join(pieces) == text
+    assert streamed == {key: lps[key] for key in streamed}
+
+    # a prompt of token ids (its <bos> included) echoes its decode, <bos> and all
+    by_ids = httpx.post(
+        f"{served.url}/v1/completions", json={**body, "prompt": ids, "max_tokens": 4}, timeout=60
+    ).json()["choices"][0]
+    assert by_ids["text"].startswith("<bos>" + prompt)
+    assert by_ids["logprobs"]["tokens"][:3] == ["<bos>", "", "é"]
+    check_placed(by_ids["text"], by_ids["logprobs"])
+
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_tokens": 16,
+        "temperature": 1.5,
+        "seed": 3,
+        "ignore_eos": True,
+        "logit_bias": bias,
+    }
+    reply = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=60).json()
+    content = reply["choices"][0]["message"]["content"]
+    entries = reply["choices"][0]["logprobs"]["content"]
+    assert any(ord(c) > 127 for c in content)
+    assert "".join(e["token"] for e in entries) == content
+    assert all(len(e["bytes"]) == 1 for e in entries)  # each token is one byte
+    assert bytes(b for e in entries for b in e["bytes"]).decode(errors="replace") == content
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)  # exactly top_logprobs
+    wait_idle(served.engine)
+
+
+def test_token_texts_keep_a_sentencepiece_words_leading_space():
+    """A Metaspace (SentencePiece) tokenizer that adds <s>, as Llama's: a word decoded
+    alone loses its leading space, and "<s>" in front of it adds one. The tokens'
+    texts are decoded in context, special tokens skipped, as the text is."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    from kvstrata.engine.params import RequestOutput, TokenLogprobs
+    from kvstrata.server import protocol as proto
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁Paris": 4, ".": 5, "▁é": 6}
+    raw = Tokenizer(models.WordLevel({**vocab, "<s>": 7}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.add_special_tokens([AddedToken("<s>", special=True)])
+    raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 7)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>")
+    echo = "The capital is"
+    prompt, out = tok(echo)["input_ids"], [4, 5, 6, 4]
+    assert prompt == [7, 1, 2, 3] and tok.decode(prompt[:2]) == "<s> The"
+
+    def lp(token: int) -> TokenLogprobs:
+        return TokenLogprobs(token, -1.0, ((2, -0.5), (token, -1.0)))
+
+    texts = proto.TokenTexts(tok)
+    pieces = proto.ChoiceTokens(tok, texts, prompt, set())
+    infos = pieces.prompt(prompt, [None, lp(1), lp(2), lp(3)], echo)
+    outputs = [
+        RequestOutput("r", out[:2], " Paris", logprobs=[lp(t) for t in out[:2]]),
+        RequestOutput("r", out[2:], ". é Paris", "length", logprobs=[lp(t) for t in out[2:]]),
+    ]
+    for output in outputs:
+        infos += pieces.generated(output)
+    lps = proto.completion_logprobs(infos)
+    text = echo + " Paris. é Paris"
+    assert lps["tokens"] == ["", "The", " capital", " is", " Paris", ".", " é", " Paris"]
+    assert lps["text_offset"] == [0, 0, 3, 11, 14, 20, 21, 23]
+    check_placed(text, lps)
+    assert lps["top_logprobs"][4] == {" capital": -0.5, " Paris": -1.0}  # in context too
+    chat = proto.chat_logprobs(infos[4:], texts)["content"]
+    assert [e["token"] for e in chat] == [" Paris", ".", " é", " Paris"]
+    assert bytes(b for e in chat for b in e["bytes"]) == " Paris. é Paris".encode()
+    # a prompt of token ids echoes <s> by name
+    assert proto.prompt_text(tok, prompt) == "<s>The capital is"
+    again = proto.ChoiceTokens(tok, texts, prompt, set())
+    placed = again.prompt(prompt, [None] * 4, "<s>The capital is")
+    assert [(i.text, i.offset) for i in placed] == [
+        ("<s>", 0),
+        ("The", 3),
+        (" capital", 6),
+        (" is", 14),
+    ]
+
+
+def test_top_logprobs_hold_the_chosen_token(served):
+    """Completions: the chosen token is always in top_logprobs (OpenAI: up to
+    logprobs + 1 entries; logprobs 0 gives it alone). Chat lists exactly top_logprobs."""
+    prompt = prompt_of(30, 5400)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+    zero = httpx.post(
+        f"{served.url}/v1/completions", json={**body, "logprobs": 0, "temperature": 0}
+    ).json()["choices"][0]["logprobs"]
+    assert zero["top_logprobs"] == [
+        {t: v} for t, v in zip(zero["tokens"], zero["token_logprobs"], strict=True)
+    ]
+    sampled = httpx.post(
+        f"{served.url}/v1/completions",
+        json={**body, "logprobs": 1, "temperature": 1.5, "seed": 2, "echo": True},
+    ).json()["choices"][0]["logprobs"]
+    tops = sampled["top_logprobs"]
+    assert tops[0] is None
+    rows = zip(sampled["tokens"], sampled["token_logprobs"], tops, strict=True)
+    for token, value, top in list(rows)[1:]:
+        assert top[token] == value and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in tops[1:])  # some token was not the likeliest
+    chat = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 8,
+            "temperature": 1.5,
+            "seed": 2,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "ignore_eos": True,
+        },
+    ).json()["choices"][0]["logprobs"]["content"]
+    assert all(len(e["top_logprobs"]) == 1 for e in chat)
+    assert any(e["top_logprobs"][0]["token"] != e["token"] for e in chat)
+
+
+def test_echo_alone_is_not_scored_and_uses_the_prefix_cache(served):
+    """echo with max_tokens 0 and no logprobs returns the prompt: computed (its cached
+    blocks reused), not scored."""
+    prompt = "# echo alone\n" + prompt_of(60, 5600)
+    n_prompt = len(served.tokenizer(prompt)["input_ids"])
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 0}
+    first, second = (httpx.post(f"{served.url}/v1/completions", json=body).json() for _ in range(2))
+    for out in (first, second):
+        (choice,) = out["choices"]
+        assert (choice["text"], choice["logprobs"], choice["finish_reason"]) == (
+            prompt,
+            None,
+            "length",
+        )
+        assert out["usage"]["completion_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (n_prompt - 1) // 16 * 16 > 0
+
+
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(served):
+    prompt = prompt_of(40, 5800)
+    n_prompt = len(served.tokenizer(prompt)["input_ids"])
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    *chunks, last = events_of(served.url, "completions", body)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == n_prompt for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6 and len(chunks) > 1
+    assert all(
+        c["usage"]["total_tokens"] == n_prompt + c["usage"]["completion_tokens"] for c in chunks
+    )
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    chat = {**body, "messages": [{"role": "user", "content": prompt}]}
+    del chat["prompt"]
+    chat_chunks = events_of(served.url, "chat/completions", chat)
+    assert all(c["usage"] is not None for c in chat_chunks)
+    assert chat_chunks[0]["usage"]["completion_tokens"] == 0  # the role chunk
+    # without include_usage there is no usage at all (vLLM's rule)
+    body["stream_options"] = {"continuous_usage_stats": True}
+    assert all("usage" not in c for c in events_of(served.url, "completions", body))
+
+
+def test_every_choice_is_checked_before_any_is_submitted(served):
+    finished = served.metric("kvstrata_requests_finished_total", reason="abort")
+    generated = served.metric("kvstrata_generation_tokens_total")
+    body = {"model": MODEL, "prompt": ["import os", TOO_LONG], "max_tokens": 4}
+    error = error_of(httpx.post(f"{served.url}/v1/completions", json=body, timeout=60), 400)
+    assert "all tiers" in error["message"]
+    wait_idle(served.engine)
+    # prompt 0 never ran: nothing was submitted, so nothing was aborted
+    assert served.metric("kvstrata_requests_finished_total", reason="abort") == finished
+    assert served.metric("kvstrata_generation_tokens_total") == generated
+
+
+def test_later_choices_start_when_the_first_has_computed_the_prompt(served):
+    """A stop string holds text back (no output until the end): the other choices still
+    start at choice 0's first token, so they run alongside it."""
+    body = {
+        "model": MODEL,
+        "prompt": "# choices alongside\n" + prompt_of(40, 6000),
+        "n": 3,
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stop": ["#" * 60],
+    }
+    wait_idle(served.engine)
+    seen = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(served.engine.stats()["running"])
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        out = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    finally:
+        done.set()
+        watcher.join()
+    assert len({c["text"] for c in out["choices"]}) == 1  # greedy: the same three
+    assert max(seen) == 3
+
+
+def test_choices_after_the_first_are_not_started_once_the_server_stops():
+    """Choice 0's first output comes after stop_requests: the choices waiting for it
+    are never submitted, they end as aborted."""
+    import asyncio
+
+    from kvstrata.engine.params import RequestOutput, SamplingParams
+    from kvstrata.server.app import Choices, Job
+
+    class Engine:
+        def __init__(self) -> None:
+            self.submitted: list[tuple[str, dict]] = []
+            self.callbacks: dict = {}
+
+        def submit(self, prompt, params, *, request_id, on_output, salt, **extra):
+            self.submitted.append((request_id, extra))
+            self.callbacks[request_id] = on_output
+
+        def abort(self, request_id) -> None:
+            pass
+
+    async def run(stopping: bool) -> tuple[list, list]:
+        engine = Engine()
+        jobs = [Job(i, 0, f"r-{i}", [1] * 40, SamplingParams(), "", None if i == 0 else 0)
+                for i in range(3)]  # fmt: skip
+        choices = Choices(engine, jobs, None, lambda: stopping)
+        choices.start()
+        assert engine.submitted == [("r-0", {"first_output": True})]
+        engine.callbacks["r-0"](RequestOutput("r-0", [7]))
+        got = [await choices.__anext__()]
+        if stopping:
+            got += [await choices.__anext__(), await choices.__anext__()]
+        return [rid for rid, _ in engine.submitted], [(i, o.finish_reason) for i, o in got]
+
+    assert asyncio.run(run(False)) == (["r-0", "r-1", "r-2"], [(0, None)])
+    assert asyncio.run(run(True)) == (["r-0"], [(0, None), (1, "abort"), (2, "abort")])
+
+
+def test_chat_template_kwargs_take_template_variables_only():
+    from kvstrata.server.chat import template_options
+    from kvstrata.server.protocol import APIError
+
+    class Tokenizer:  # an apply_chat_template with a parameter of its own
+        def apply_chat_template(self, conversation, *, strict_roles=False, **kwargs):
+            raise AssertionError("not called")
+
+    for key in ("strict_roles", "chat_template", "tokenize", "return_offsets", "documents"):
+        with pytest.raises(APIError) as refused:
+            template_options({"chat_template_kwargs": {key: 1}}, Tokenizer())
+        assert refused.value.param == f"chat_template_kwargs.{key}"
+        assert "not a template variable" in refused.value.message
+    body = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert template_options(body, Tokenizer()) == (True, {"enable_thinking": False})
+
+
+def test_a_slow_chat_template_does_not_hold_up_the_server(served, monkeypatch):
+    """The template renders in a worker thread: /health answers meanwhile."""
+    tok = served.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    real = tok.apply_chat_template
+
+    def slow(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tok.apply_chat_template = slow
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x = 1"}], "max_tokens": 2}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            url = f"{served.url}/v1/chat/completions"
+            reply = pool.submit(httpx.post, url, json=body, timeout=60)
+            try:
+                assert entered.wait(30)
+                health = httpx.get(f"{served.url}/health", timeout=5)
+                assert health.json() == {"status": "ok"}
+            finally:
+                release.set()
+            assert reply.result().status_code == 200
+    finally:
+        del tok.apply_chat_template  # the class's again
+
+
 # -- many at once -----------------------------------------------------------------------
 
 # (start, characters, max_tokens): prompts of 9 to 150 tokens, each its own output length.
@@ -887,6 +1255,14 @@ BAD_REQUESTS = [  # (endpoint, body, status, param, words in the message)
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "chat_template_kwargs": {"tokenize": True}},
      400, "chat_template_kwargs.tokenize", ["set by the server"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}},
+     400, "chat_template_kwargs.chat_template", ["not a template variable"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"continue_final_message": True}},
+     400, "chat_template_kwargs.continue_final_message", ["not a template variable"]),
+    ("completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400,
+     "logit_bias", ["301 entries", "at most 300"]),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
      400, "echo", ["unknown field"]),
 ]  # fmt: skip

@@ -163,10 +163,14 @@ class Engine:
         request_id: str | None = None,
         on_output: OnOutput | None = None,
         salt: str | None = None,
+        first_output: bool = False,
     ) -> str:
         """Queue a request (thread-safe). Raises RequestRejected / ConfigError at once
         for a request that can never run. `on_output` is called from the engine
-        thread with each new piece of output and last with `finish_reason` set."""
+        thread with each new piece of output and last with `finish_reason` set.
+        `first_output`: an output comes as soon as the first token is chosen — the
+        prompt is computed and its full blocks are in the prefix cache — even when that
+        token brings no text yet (otherwise outputs come with new text only)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError.field("params", params, "a kvstrata.engine.SamplingParams")
@@ -175,6 +179,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         salt = self.config.salt if salt is None else salt
         req = Request(rid, ids, params, on_output, salt, self.tokenizer, self.eos_ids)
+        req.first_output = bool(first_output)
         with self._submit_lock:  # nothing is queued behind the engine's "stop"
             if not self.is_running:
                 raise EngineStopped(f"the engine is shut down{_why(self._error)}")
@@ -420,6 +425,8 @@ class Engine:
         for req, n in batch:
             req.computed += n
             (self.metrics.decode_tokens if req.out_ids else self.metrics.prefill_tokens).inc(n)
+            if req.prompt_lps is not None and req.computed >= len(req.prompt_ids):
+                req.prompt_scored = True  # (its rows are scored below, in this step)
         if special is None:
             logits = out.logits[0].float().cpu()  # sampled with per-request CPU generators
         else:
@@ -486,14 +493,16 @@ class Engine:
         self.metrics.generation_tokens.inc()
         p = req.params
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
-        # min_tokens: the stop tokens were blocked; stop strings are looked for after it
-        check = len(req.out_ids) > p.min_tokens
+        # min_tokens: the stop tokens were blocked; stop strings are looked for once
+        # that many tokens are out (vLLM: a stop string may end with token min_tokens)
+        check = len(req.out_ids) >= p.min_tokens
         text, stopped = ("", False) if stop_token else req.text.push([token], check)
         if stop_token or stopped:
             return self._finish(req, "stop", delta=text)
         if len(req.out_ids) >= p.max_tokens:
             return self._finish(req, "length", delta=text)
-        if req.on_output is not None and (text or req.emit_tokens):
+        first = req.first_output and len(req.out_ids) == 1
+        if req.on_output is not None and (text or req.emit_tokens or first):
             ids, logprobs = req.take_new()
             self._emit(req, RequestOutput(req.id, ids, text, logprobs=logprobs))
 
@@ -583,7 +592,7 @@ def _special_rows(
     special = _SpecialRows([], [], [], [], [])
     is_ready = set(ready)
     for i, (req, n) in enumerate(batch):
-        if req.prompt_lps is not None:
+        if req.prompt_lps is not None and not req.prompt_scored:
             end = min(req.computed + n, len(req.prompt_ids) - 1)  # positions that score
             if end > req.computed:
                 start = last[i] - n  # the packed row of the request's first new token

@@ -13,6 +13,7 @@ from kvstrata.errors import ConfigError, KvstrataError
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default limit)
+MAX_LOGIT_BIAS = 300  # logit_bias entries at most (OpenAI's limit)
 PREEMPTION_MODES = ("demote", "off")
 
 
@@ -51,7 +52,9 @@ class SamplingParams:
 
     Args:
         max_tokens: new tokens at most (a prompt + max_tokens past the model's
-            positions is refused up front, as OpenAI and vLLM do).
+            positions is refused up front, as OpenAI and vLLM do). 0: the prompt is
+            computed (its prefix-cache blocks reused, unless prompt_logprobs scores it)
+            and nothing is generated; the request ends with "length".
         temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / T).
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set of tokens whose probability reaches top_p.
@@ -65,19 +68,19 @@ class SamplingParams:
             Raw logprobs, as vLLM's default: log_softmax of the model's fp32 logits,
             before penalties, logit_bias, temperature, top-k / top-p / min-p.
         prompt_logprobs: the same for every prompt token given its prefix (the first
-            has none). Its whole prompt is computed (no prefix-cache reuse), and
-            max_tokens may be 0: score the prompt, generate nothing.
+            has none). Its whole prompt is computed (no prefix-cache reuse).
         frequency_penalty / presence_penalty: OpenAI's, in [-2, 2]: a logit minus
             count * frequency_penalty + (count > 0) * presence_penalty, counting the
             token in the output so far.
         repetition_penalty: vLLM's / transformers' (> 0; 1 = off): the logit of a
             token in the prompt or output is divided by it (multiplied when negative).
         logit_bias: {token id: bias in [-100, 100]} added to the logits (kept as a
-            tuple of (id, bias) pairs).
+            tuple of (id, bias) pairs), at most MAX_LOGIT_BIAS entries.
         min_p: drop tokens less likely than min_p * the most likely one's probability
             (after temperature; 0 = off).
-        min_tokens: end-of-sequence and stop_token_ids are blocked (and stop strings
-            not looked for) until this many tokens are out.
+        min_tokens: end-of-sequence and stop_token_ids are blocked until this many
+            tokens are out, and stop strings are looked for once they are (vLLM's
+            rule: a stop string may end with token number min_tokens).
         Penalties and logit_bias apply to greedy requests too (as OpenAI's do at
         temperature 0); a greedy request without them takes the plain argmax.
     """
@@ -104,14 +107,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _int(name, value, 0, MAX_LOGPROBS)
-        score_only = self.prompt_logprobs is not None  # max_tokens 0: score the prompt
-        if self.max_tokens == 0 and not isinstance(self.max_tokens, bool) and not score_only:
-            raise ConfigError.field(
-                "max_tokens",
-                self.max_tokens,
-                "a whole number >= 1 (0 only with prompt_logprobs: score the prompt alone)",
-            )
-        _int("max_tokens", self.max_tokens, 0 if score_only else 1)
+        _int("max_tokens", self.max_tokens, 0)  # 0: compute (and score) the prompt alone
         _float("temperature", self.temperature, 0.0, 100.0)
         _int("top_k", self.top_k, 0)
         _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -168,6 +164,11 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         items = value
     else:
         raise ConfigError.field("logit_bias", value, accepted)
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ConfigError(
+            f"logit_bias=<{len(items)} entries> is invalid: at most {MAX_LOGIT_BIAS} "
+            "entries (OpenAI's limit)"
+        )
     out: dict[int, float] = {}
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:

@@ -1,4 +1,5 @@
-"""Next-token choice per request, logprobs, and text output with stop strings.
+"""Next-token choice per request, logprobs, and text output (vLLM's incremental
+detokenizer) with stop strings.
 
 Greedy rows take the argmax (the first of equal maxima, as transformers does). A
 sampled row draws from its own `torch.Generator` (seeded per request), so its tokens
@@ -18,6 +19,7 @@ import torch
 from kvstrata.engine.params import SamplingParams, TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0  # what -inf is reported as (JSON has no infinity; vLLM's value)
+LOGPROB_ROWS = 256  # rows of the vocabulary one log_softmax takes at most
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -50,6 +52,18 @@ class LogitsAdjuster:
         self.counts: torch.Tensor | None = None  # output tokens so far, per id
         self.seen_prompt: torch.Tensor | None = None
         self.counted = 0  # output tokens already in `counts`
+        # logit_bias ids and values, and the ids min_tokens blocks: built once (first step)
+        self.fixed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _fixed(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.fixed is None:
+            bias = [(t, b) for t, b in self.params.logit_bias if t < vocab]
+            self.fixed = (
+                torch.tensor([t for t, _ in bias], dtype=torch.long),
+                torch.tensor([b for _, b in bias], dtype=torch.float32),
+                torch.tensor([t for t in self.stop_ids if t < vocab], dtype=torch.long),
+            )
+        return self.fixed
 
     def _prepare(self, vocab: int, out_ids: Sequence[int]) -> torch.Tensor:
         if self.counts is None:
@@ -69,12 +83,11 @@ class LogitsAdjuster:
         p = self.params
         row = logits.float().clone()
         vocab = row.shape[-1]
-        for token, bias in p.logit_bias:
-            if token < vocab:
-                row[token] += bias
-        if len(out_ids) < p.min_tokens:
-            blocked = [t for t in self.stop_ids if t < vocab]
-            row[blocked] = float("-inf")
+        bias_ids, bias_values, blocked = self._fixed(vocab)
+        if len(bias_ids):
+            row.index_add_(0, bias_ids, bias_values)  # one op, however many entries
+        if len(out_ids) < p.min_tokens and len(blocked):
+            row.index_fill_(0, blocked, float("-inf"))
         if not (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
             return row
         counts = self._prepare(vocab, out_ids)
@@ -134,70 +147,114 @@ def sample(
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprobs]:
     """Raw logprobs (log_softmax of the fp32 logits) of `token_ids`, one per row of
-    logits [N, V], each with the `top` most likely (id, logprob), most likely first."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(list(token_ids), dtype=torch.long, device=lp.device)
-    chosen = lp.gather(1, ids[:, None])[:, 0].clamp_min(LOGPROB_FLOOR).tolist()
-    if top > 0:
-        best = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
-        values = best.values.clamp_min(LOGPROB_FLOOR).tolist()
-        indices = best.indices.tolist()
-        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(indices, values, strict=True)]
-    else:
-        tops = [()] * len(chosen)
-    return [
-        TokenLogprobs(int(t), float(c), top)
-        for t, c, top in zip(token_ids, chosen, tops, strict=True)
-    ]
+    logits [N, V], each with the `top` most likely (id, logprob), most likely first.
+    Computed LOGPROB_ROWS rows at a time, so a long prompt chunk never holds more than
+    that many fp32 rows of the vocabulary at once besides its logits."""
+    token_ids = list(token_ids)
+    out: list[TokenLogprobs] = []
+    for start in range(0, len(token_ids), LOGPROB_ROWS):
+        ids = token_ids[start : start + LOGPROB_ROWS]
+        lp = torch.log_softmax(logits[start : start + len(ids)].float(), dim=-1)
+        index = torch.tensor(ids, dtype=torch.long, device=lp.device)
+        chosen = lp.gather(1, index[:, None])[:, 0].clamp_min(LOGPROB_FLOOR).tolist()
+        if top > 0:
+            best = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+            values = best.values.clamp_min(LOGPROB_FLOOR).tolist()
+            indices = best.indices.tolist()
+            tops = [tuple(zip(i, v, strict=True)) for i, v in zip(indices, values, strict=True)]
+        else:
+            tops = [()] * len(chosen)
+        del lp
+        out.extend(
+            TokenLogprobs(int(t), float(c), top)
+            for t, c, top in zip(ids, chosen, tops, strict=True)
+        )
+    return out
+
+
+class Detokenizer:
+    """vLLM's incremental detokenizer: the text each new token adds.
+
+    Each token is decoded with the tokens just before it as context (at first the
+    `context_ids` given: a prompt's last few), and what the decode adds past the
+    context's own decode is its text. So tokenizers that drop a leading space at the
+    start of a decode (SentencePiece / Metaspace) keep it, and each token costs a short
+    decode, not the whole output. Text ending in an incomplete UTF-8 sequence (U+FFFD)
+    waits for the next token: that token's text then holds the whole character, and the
+    earlier one's is empty. The pieces join to what one decode of all the tokens gives
+    (for the usual tokenizers)."""
+
+    CONTEXT = 5  # context tokens decoded in front of the first new ones
+
+    def __init__(
+        self, tokenizer: Any, context_ids: Any = (), skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(context_ids)[-self.CONTEXT :]
+        self.prefix = 0  # ids[prefix:read] is the context of the next decode
+        self.read = len(self.ids)  # ids before this are in the text
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    @property
+    def pending(self) -> bool:
+        """Whether tokens wait (their text is not out yet: an incomplete character)."""
+        return self.read < len(self.ids)
+
+    def push(self, token_ids: list[int]) -> str:
+        """The text `token_ids` add ("" while an incomplete character waits)."""
+        self.ids.extend(token_ids)
+        return self.advance()
+
+    def advance(self, final: bool = False) -> str:
+        context = self.decode(self.ids[self.prefix : self.read])
+        full = self.decode(self.ids[self.prefix :])
+        if len(full) > len(context) and (final or not full.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.ids)
+            return full[len(context) :]
+        return ""
+
+    def flush(self) -> str:
+        """The text of the tokens still waiting (at the end)."""
+        return self.advance(final=True) if self.pending else ""
+
+    def candidates(self, token_ids: Sequence[int]) -> list[str]:
+        """The text each of `token_ids` would add as the next token (with the text of
+        the tokens still waiting, if any; an incomplete character is U+FFFD)."""
+        context = self.decode(self.ids[self.prefix : self.read])
+        head = self.ids[self.prefix :]
+        return [self.decode([*head, t])[len(context) :] for t in token_ids]
 
 
 class TextOutput:
-    """A request's output text, decoded incrementally, with its stop strings.
-
-    Decoding follows vLLM's incremental detokenizer: each new piece is decoded with
-    the tokens just before it as context (the prompt's last few, at first), so
-    tokenizers that drop a leading space at the start of a decode (SentencePiece /
-    Metaspace) keep it, and each token costs a short decode, not the whole output.
-    Text ending in an incomplete UTF-8 sequence (U+FFFD) waits for the next token.
+    """A request's output text, decoded incrementally (`Detokenizer`, with the prompt's
+    last tokens as the first context), with its stop strings.
 
     `push(token_ids)` returns (new text safe to emit, stop string found): text that
     might still become a stop string is held back; `flush()` returns what is left."""
-
-    CONTEXT = 5  # prompt tokens decoded in front of the first output tokens
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...], prompt_ids: Any = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = list(prompt_ids)[-self.CONTEXT :]
-        self.prefix = 0  # ids[prefix:read] is the context of the next decode
-        self.read = len(self.ids)  # ids before this are in `text`
+        self.detok = Detokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.text = ""  # the decoded output so far (cut at a stop string)
         self.sent = 0  # characters of `text` already emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _advance(self, final: bool = False) -> None:
-        context = self._decode(self.ids[self.prefix : self.read])
-        full = self._decode(self.ids[self.prefix :])
-        if len(full) > len(context) and (final or not full.endswith("\ufffd")):
-            self.text += full[len(context) :]
-            self.prefix, self.read = self.read, len(self.ids)
 
     def push(self, token_ids: list[int], check_stop: bool = True) -> tuple[str, bool]:
         """`check_stop` False: the stop strings are not looked for in the new text
         (min_tokens: a stop string that ends before then never stops the output)."""
-        if self.tokenizer is None:
+        if self.detok is None:
             return "", False
-        self.ids.extend(token_ids)
         start = max(0, len(self.text) - self.hold)
-        self._advance()
+        self.text += self.detok.push(token_ids)
         for s in self.stop if check_stop else ():
             at = self.text.find(s, start)
             if at >= 0:
                 self.text = self.text[:at]
-                self.read = len(self.ids)  # nothing after the stop string is text
+                self.detok.read = len(self.detok.ids)  # nothing after the stop is text
                 return self.flush(), True
         end = len(self.text) - self.hold
         if end <= self.sent:
@@ -207,7 +264,7 @@ class TextOutput:
 
     def flush(self) -> str:
         """The rest of the text (at the end of the request)."""
-        if self.tokenizer is not None and self.read < len(self.ids):
-            self._advance(final=True)
+        if self.detok is not None:
+            self.text += self.detok.flush()
         new, self.sent = self.text[self.sent :], len(self.text)
         return new

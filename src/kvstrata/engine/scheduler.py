@@ -81,6 +81,10 @@ class Request:
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
         )
         self.prompt_lps_sent = False
+        # every prompt position is scored (the whole prompt was computed once): a
+        # recomputed request may then reuse cached blocks and scores nothing again
+        self.prompt_scored = False
+        self.first_output = False  # an output at the first token, text or not (submit)
         # the engine's slow path of a step: this request needs more than one logits row
         # and a sampled token (prompt logprobs, or max_tokens 0)
         self.special = params.prompt_logprobs is not None or params.max_tokens == 0
@@ -248,8 +252,10 @@ class Scheduler:
             known = req.prompt_ids + req.out_ids if req.out_ids else req.prompt_ids
             # Prompt logprobs need the logits of every prompt position, and a cached
             # prefix has none: such a request computes its whole prompt (no lookup; its
-            # blocks are still hashed, so later requests reuse them).
-            lookup = req.prompt_lps is None
+            # blocks are still hashed, so later requests reuse them). One recomputed
+            # after its prompt was scored (prompt_lps complete, sent at most once and
+            # never again) needs no logits from it: it looks its prefix up like any.
+            lookup = req.prompt_lps is None or req.prompt_scored
             try:
                 req.seq_id, matched = self.store.add_sequence(known, salt=req.salt, lookup=lookup)
             except KvstrataError as err:

@@ -8,10 +8,11 @@
 
 Each choice of a request (prompts x n) is its own engine request, submitted with a
 callback that queues its outputs for the event loop (`Choices`); the event loop only
-submits and aborts (both quick), the engine thread does every forward. A client that
-goes away — mid-stream or while waiting for a whole completion — cancels its task,
-which closes its choices and so aborts their requests (their blocks are freed at the
-engine's next step).
+submits and aborts (both quick), the engine thread does every forward, and prompts are
+tokenized and chat templates rendered in a worker thread. Every choice is checked
+before any is submitted. A client that goes away — mid-stream or while waiting for a
+whole completion — cancels its task, which closes its choices and so aborts their
+requests (their blocks are freed at the engine's next step).
 Errors are OpenAI error objects with a one-line message: a bad body or field 400,
 an unknown model 404, a request the engine can never run 400, the engine stopped 503.
 """
@@ -33,7 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvstrata.engine.params import RequestOutput, RequestRejected, SamplingParams, TokenLogprobs
+from kvstrata.engine.params import RequestOutput, RequestRejected, SamplingParams
 from kvstrata.errors import ConfigError, KvstrataError
 from kvstrata.server import protocol as proto
 from kvstrata.server.chat import chat_prompt_ids, check_messages, template_options
@@ -129,14 +130,24 @@ class Choices:
     in arrival order, as `(choice index, RequestOutput)`; iteration ends when every
     choice has finished. `start()` submits the choices that start at once (a refused
     one aborts the rest and raises); a choice with `after` is submitted when that
-    choice's first output comes — its prompt is computed and in the prefix cache by
-    then, so the other choices of a prompt reuse its blocks instead of all computing it
-    in the same step. `aclose()` aborts the ones not finished."""
+    choice's first output comes — the engine sends it as soon as that choice's first
+    token is chosen (`first_output`), text or not: its prompt is computed and in the
+    prefix cache by then, so the other choices of a prompt reuse its blocks instead of
+    all computing it in the same step. Once `stopping()` (the server stops taking
+    requests) they are not submitted: they end as aborted. `aclose()` aborts the ones
+    not finished."""
 
-    def __init__(self, engine: Any, jobs: list[Job], salt: str | None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        jobs: list[Job],
+        salt: str | None,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.engine = engine
         self.jobs = jobs
         self.salt = salt
+        self.stopping = stopping
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.open: set[str] = set()  # submitted or waiting, not finished
         self.waiting: dict[int, list[Job]] = {}  # choice index -> the jobs after it
@@ -152,12 +163,14 @@ class Choices:
         loop = asyncio.get_running_loop()
         try:
             for job in jobs:
+                extra = {"first_output": True} if job.index in self.waiting else {}
                 self.engine.submit(
                     job.prompt_ids,
                     job.params,
                     request_id=job.request_id,
                     on_output=self._callback(loop, job.index),
                     salt=self.salt,
+                    **extra,
                 )
                 self.open.add(job.request_id)
         except BaseException:
@@ -183,7 +196,13 @@ class Choices:
         if out.finished:
             self.open.discard(out.request_id)
         if index in self.waiting and out.finish_reason != "abort":
-            self._submit(self.waiting.pop(index))
+            later = self.waiting.pop(index)
+            if self.stopping():  # never started: they end as aborted (a 503)
+                for job in later:
+                    ended = RequestOutput(job.request_id, finish_reason="abort")
+                    self.queue.put_nowait((job.index, ended))
+            else:
+                self._submit(later)
         return index, out
 
     def abort(self) -> None:
@@ -198,35 +217,61 @@ class Choices:
 
 class ChoiceState:
     """One choice's response as its outputs come: the echoed prompt in front of the
-    first piece, the tokens whose logprobs each piece reports, the running text offset
-    (completions' logprobs), the final output."""
+    first piece, the tokens whose logprobs each piece reports (`proto.ChoiceTokens`:
+    each token's text and offset in the choice's text), the final output."""
 
-    def __init__(self, job: Job, logprobs: proto.Logprobs) -> None:
+    def __init__(
+        self, job: Job, logprobs: proto.Logprobs, tokens: proto.ChoiceTokens | None = None
+    ) -> None:
         self.job = job
         self.top = logprobs.top
         self.echo = logprobs.echo
+        self.pieces = tokens  # set when logprobs are asked for
         self.started = False
-        self.offset = 0  # characters of the choice's text before the next piece
+        self.generated = 0  # characters of generated text so far
         self.text: list[str] = []  # every piece (whole responses)
-        self.tokens: list[tuple[int, TokenLogprobs | None]] = []
+        self.tokens: list[proto.TokenInfo] = []
         self.final: RequestOutput | None = None
 
-    def take(self, out: RequestOutput) -> tuple[str, list[tuple[int, TokenLogprobs | None]]]:
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the next output brings the echoed prompt's logprobs (a long job)."""
+        return not self.started and self.echo and self.pieces is not None
+
+    def take(self, out: RequestOutput) -> tuple[str, list[proto.TokenInfo]]:
         """The text of `out` and its tokens with their logprobs (empty unless asked
         for), the echoed prompt (and its tokens) in front of the first."""
         text, tokens = out.text, []
+        self.generated += len(out.text)
         if not self.started:
             self.started = True
             if self.echo:
                 text = self.job.echo_text + text
-                if self.top is not None:
+                if self.pieces is not None:
                     prompt = out.prompt_logprobs or [None] * len(self.job.prompt_ids)
-                    tokens.extend(zip(self.job.prompt_ids, prompt, strict=True))
-        if self.top is not None and out.logprobs:
-            tokens.extend((lp.token_id, lp) for lp in out.logprobs)
+                    tokens += self.pieces.prompt(self.job.prompt_ids, prompt, self.job.echo_text)
+        if self.pieces is not None:
+            tokens += self.pieces.generated(out)
+            if out.finished:  # (the tokens sent before a stop string was found stay)
+                self.pieces.clip(tokens, self.generated)
         if out.finished:
             self.final = out
         return text, tokens
+
+    def running_usage(self, out: RequestOutput | None) -> dict[str, Any]:
+        """This choice's usage so far (continuous_usage_stats; vLLM's numbers: its
+        prompt's tokens and the tokens it generated so far)."""
+        if out is None:
+            return proto.usage(len(self.job.prompt_ids), 0, 0)
+        return proto.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+
+
+async def take(state: ChoiceState, out: RequestOutput) -> tuple[str, list[proto.TokenInfo]]:
+    """state.take(out); in a worker thread when it places a whole echoed prompt's
+    tokens (a few decodes each), so the event loop goes on meanwhile."""
+    if state.scores_prompt:
+        return await asyncio.to_thread(state.take, out)
+    return state.take(out)
 
 
 def usage_of(states: list[ChoiceState], n: int) -> dict[str, Any]:
@@ -309,6 +354,7 @@ class OpenAIServer:
         tokenizer = engine.tokenizer
         self.vocab_size = int(getattr(engine, "vocab_size", 0) or len(tokenizer))
         self.texts = proto.TokenTexts(tokenizer)
+        self.eos_ids = set(getattr(engine, "eos_ids", ()) or ())
         store_config = getattr(getattr(engine, "store", None), "config", None)
         self.block_size = int(getattr(store_config, "block_size", 0) or 0)
 
@@ -365,9 +411,12 @@ class OpenAIServer:
             model=self.model_name,
         )
         logprobs = proto.logprobs_request(body, endpoint)
-        jobs = self.jobs(body, endpoint, head.id, fields.n, logprobs)
-        states = [ChoiceState(job, logprobs) for job in jobs]
-        choices = Choices(self.engine, jobs, fields.salt)
+        # tokenizing, rendering a chat template, checking: off the event loop
+        jobs = await asyncio.to_thread(self.jobs, body, endpoint, head.id, fields.n, logprobs)
+        if self.stopping:  # stop_requests came meanwhile: submit nothing
+            raise APIError(503, "the server is shutting down", code="unavailable")
+        states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
+        choices = Choices(self.engine, jobs, fields.salt, lambda: self.stopping)
         ids = {job.request_id for job in jobs}
         self.active.update(ids)
         try:
@@ -394,14 +443,24 @@ class OpenAIServer:
         self.active.difference_update(ids)
         return JSONResponse(self.response(head, chat, states, fields.n))
 
+    def choice_tokens(self, job: Job, logprobs: proto.Logprobs) -> proto.ChoiceTokens | None:
+        """What places a choice's tokens in its text (None: no logprobs asked for)."""
+        if logprobs.top is None:
+            return None
+        p = job.params
+        stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)}
+        return proto.ChoiceTokens(self.engine.tokenizer, self.texts, job.prompt_ids, stop_ids)
+
     def jobs(
         self, body: dict[str, Any], endpoint: str, head_id: str, n: int, logprobs: proto.Logprobs
     ) -> list[Job]:
-        """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i)."""
+        """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i),
+        each checked by the engine (a request it can never run is a 400 before any
+        choice is submitted). Runs in a worker thread."""
         bias = proto.logit_bias(body, self.vocab_size)
         tokenizer = self.engine.tokenizer
         if endpoint == CHAT:
-            add_generation_prompt, template_kwargs = template_options(body)
+            add_generation_prompt, template_kwargs = template_options(body, tokenizer)
             messages = check_messages(body.get("messages"))
             ids = chat_prompt_ids(tokenizer, messages, add_generation_prompt, template_kwargs)
             prompts: list[tuple[list[int], str]] = [(ids, "")]
@@ -418,7 +477,7 @@ class OpenAIServer:
                 if isinstance(prompt, str):
                     text = prompt
                 elif logprobs.echo and tokenizer is not None:
-                    text = tokenizer.decode(ids)
+                    text = proto.prompt_text(tokenizer, ids)
                 else:
                     text = ""
                 prompts.append((ids, text))
@@ -437,6 +496,12 @@ class OpenAIServer:
                 job = Job(index, p, rid, ids, proto.choice_params(params, i), text)
                 job.after = after if i else None
                 jobs.append(job)
+        check = getattr(self.engine, "check", None)
+        for job in jobs if check is not None else ():
+            try:
+                check(job.prompt_ids, job.params)
+            except KvstrataError as exc:
+                raise engine_error(exc) from None
         return jobs
 
     def response(
@@ -448,11 +513,12 @@ class OpenAIServer:
             assert state.final is not None
             text, reason = "".join(state.text), state.final.finish_reason
             lps = None
-            if state.top is not None:
+            if state.pieces is not None:
+                state.pieces.clip(state.tokens, state.generated)  # at a stop string
                 lps = (
-                    proto.chat_logprobs([lp for _, lp in state.tokens if lp], self.texts)
+                    proto.chat_logprobs(state.tokens, self.texts)
                     if chat
-                    else proto.completion_logprobs(state.tokens, self.texts, 0)[0]
+                    else proto.completion_logprobs(state.tokens)
                 )
             make = proto.chat_choice if chat else proto.completion_choice
             choices.append(make(state.job.index, text, reason, lps))
@@ -490,14 +556,17 @@ class OpenAIServer:
         fields: proto.CommonFields,
         states: list[ChoiceState],
     ) -> AsyncIterator[bytes]:
-        """The SSE body: OpenAI chunks (each with its choice's index), an optional usage
+        """The SSE body: OpenAI chunks (each with its choice's index; with
+        continuous_usage_stats, each with its choice's usage so far), an optional usage
         chunk once every choice has finished, then [DONE]; an error event if the engine
         gives up mid-way. Leaving early closes `outputs` (abort)."""
-        usage = fields.include_usage
+        usage: bool | dict[str, Any] = fields.include_usage
         try:
             if chat:
                 for state in states:
                     delta = {"role": "assistant", "content": ""}
+                    if fields.continuous_usage:
+                        usage = state.running_usage(None)
                     yield proto.sse(head.chat_chunk(state.job.index, delta, None, usage))
             index, out = first
             left = len(states)
@@ -506,21 +575,21 @@ class OpenAIServer:
                     yield proto.sse(aborted_error(out, self.stopping).body())
                     break
                 state = states[index]
-                text, tokens = state.take(out)
+                text, tokens = await take(state, out)
+                if fields.continuous_usage:
+                    usage = state.running_usage(out)
                 lps = None
                 if chat:
-                    if state.top is not None and tokens:
-                        lps = proto.chat_logprobs([lp for _, lp in tokens if lp], self.texts)
+                    if state.pieces is not None and tokens:
+                        lps = proto.chat_logprobs(tokens, self.texts)
                     if text or lps:
                         delta = {"content": text}
                         yield proto.sse(head.chat_chunk(index, delta, None, usage, lps))
                     if out.finished:
                         yield proto.sse(head.chat_chunk(index, {}, out.finish_reason, usage))
                 else:
-                    if state.top is not None:
-                        lps, state.offset = proto.completion_logprobs(
-                            tokens, self.texts, state.offset
-                        )
+                    if state.pieces is not None:
+                        lps = proto.completion_logprobs(tokens)
                     if text or out.finished or tokens:
                         chunk = head.completion_chunk(index, text, out.finish_reason, usage, lps)
                         yield proto.sse(chunk)
@@ -559,7 +628,7 @@ async def _collect(outputs: Choices, states: list[ChoiceState]) -> RequestOutput
         if out.finish_reason == "abort":
             return out
         state = states[index]
-        text, tokens = state.take(out)
+        text, tokens = await take(state, out)
         state.text.append(text)
         state.tokens.extend(tokens)
     if any(s.final is None for s in states):

@@ -2,8 +2,10 @@
 
 A tokenizer with a `chat_template` renders the messages with it
 (`add_generation_prompt`: the request's, default true; `chat_template_kwargs`: more
-variables for the template, vLLM's field); the text is then tokenized without adding
-special tokens (the template writes its own). A tokenizer without one (the embedded
+variables for the template, vLLM's field — only variables: what would control the
+rendering itself is refused); the text is then tokenized without adding special tokens
+(the template writes its own). The server renders it off the event loop (a template
+may be slow). A tokenizer without one (the embedded
 byte-level model) gets the plain template below, documented in the README, tokenized
 like a completion prompt:
 
@@ -19,21 +21,53 @@ it ignores `chat_template_kwargs`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from kvstrata.server.protocol import APIError, invalid
 
 ROLES = ("system", "developer", "user", "assistant")
 _MESSAGE_KEYS = ("role", "content", "name")
-# apply_chat_template arguments the server sets itself (not template variables)
-_RESERVED_KWARGS = frozenset(
-    {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "tools"}
+# What controls the rendering rather than feeding the template (besides every named
+# parameter of the tokenizer's apply_chat_template, and any return_* one).
+_RENDER_CONTROLS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
 )
 
 
-def template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+def _render_controls(tokenizer: Any) -> frozenset[str]:
+    """_RENDER_CONTROLS and the named parameters of `tokenizer.apply_chat_template`."""
+    names = set(_RENDER_CONTROLS)
+    method = getattr(type(tokenizer), "apply_chat_template", None)
+    if method is not None:
+        try:
+            params = inspect.signature(method).parameters.values()
+        except (TypeError, ValueError):  # no signature to read (a builtin): the list above
+            params = []
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        names.update(p.name for p in params if p.kind not in variadic and p.name != "self")
+    return frozenset(names)
+
+
+def template_options(body: dict[str, Any], tokenizer: Any = None) -> tuple[bool, dict[str, Any]]:
     """The request's `add_generation_prompt` (default true) and `chat_template_kwargs`
-    (default {}), checked."""
+    (default {}), checked: only template variables — a key that names a parameter of
+    `tokenizer.apply_chat_template` or otherwise controls the rendering (the template
+    itself, tokenize, tools, documents, return_*, ...) is a 400 naming it."""
     add = body.get("add_generation_prompt")
     if add is None:
         add = True
@@ -46,12 +80,14 @@ def template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         raise invalid(
             "chat_template_kwargs", kwargs, "an object of template variables, e.g. {'x': 1}"
         )
+    reserved = _render_controls(tokenizer)
     for key, value in kwargs.items():
-        if key in _RESERVED_KWARGS:
+        if key in reserved or key.startswith("return_"):
             raise invalid(
                 f"chat_template_kwargs.{key}",
                 value,
-                "set by the server (use the request's own field where there is one)",
+                "not a template variable: a parameter of the chat template call, set by the "
+                "server (use the request's own field where there is one)",
             )
     return add, kwargs
 

@@ -15,8 +15,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvstrata.engine.params import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprobs
-from kvstrata.engine.sampling import LOGPROB_FLOOR
+from kvstrata.engine.params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
+from kvstrata.engine.sampling import LOGPROB_FLOOR, Detokenizer
 from kvstrata.errors import ConfigError
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -212,6 +219,7 @@ class CommonFields:
     include_usage: bool
     salt: str | None
     n: int = 1
+    continuous_usage: bool = False  # a running `usage` on every chunk (vLLM's option)
 
 
 def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
@@ -222,7 +230,8 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
         endpoint: COMPLETIONS or CHAT.
 
     Returns:
-        The model asked for, whether to stream, whether to send a usage chunk, the salt.
+        The model asked for, whether to stream, whether to send a usage chunk (and a
+        running usage on every chunk), the salt, n.
     """
     supported, neutral = SUPPORTED[endpoint], NEUTRAL[endpoint]
     for name, value in body.items():
@@ -253,7 +262,7 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
         stream = False
     if not isinstance(stream, bool):
         raise invalid("stream", stream, "true or false")
-    include_usage = False
+    include_usage = continuous = False
     options = body.get("stream_options")
     if options is not None:
         if not stream:
@@ -262,10 +271,14 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
             raise invalid("stream_options", options, "an object such as {'include_usage': true}")
         for key, value in options.items():
             if key not in ("include_usage", "continuous_usage_stats"):
-                raise invalid(f"stream_options.{key}", value, "known: include_usage")
+                raise invalid(
+                    f"stream_options.{key}", value, "known: include_usage, continuous_usage_stats"
+                )
             if value is not None and not isinstance(value, bool):
                 raise invalid(f"stream_options.{key}", value, "true or false")
         include_usage = bool(options.get("include_usage"))
+        # vLLM's: with include_usage, every chunk carries its choice's usage so far
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
     for name in ("user", "salt"):
         value = body.get(name)
         if value is not None and not isinstance(value, str):
@@ -273,7 +286,7 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
     salt = body.get("salt")
     if salt == "":
         raise invalid("salt", salt, "a non-empty tenant name, or leave it out")
-    return CommonFields(model, stream, include_usage, salt, n)
+    return CommonFields(model, stream, include_usage, salt, n, continuous)
 
 
 def completion_prompts(body: Mapping[str, Any], vocab_size: int) -> list[str | list[int]]:
@@ -356,13 +369,21 @@ def logprobs_request(body: Mapping[str, Any], endpoint: str) -> Logprobs:
 
 
 def logit_bias(body: Mapping[str, Any], vocab_size: int) -> dict[int, float]:
-    """`logit_bias` ({"token id": bias in [-100, 100]}) with int keys; a 400 naming the
-    bad key otherwise."""
+    """`logit_bias` ({"token id": bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries)
+    with int keys; a 400 naming the bad key (or the count) otherwise."""
     value = body.get("logit_bias")
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise invalid("logit_bias", value, "an object {token id: bias in [-100, 100]}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise APIError(
+            400,
+            f"logit_bias has {len(value)} entries: at most {MAX_LOGIT_BIAS} are accepted "
+            "(OpenAI's limit)",
+            param="logit_bias",
+            code="invalid_value",
+        )
     out = {}
     for key, bias in value.items():
         try:
@@ -420,16 +441,15 @@ def sampling_params(
     if kwargs.get("top_k") == -1:
         kwargs["top_k"] = 0  # vLLM's "no top-k"
     max_tokens = kwargs["max_tokens"]
-    if max_tokens == 0 and not isinstance(max_tokens, bool):
-        if not logprobs.echo:
-            raise invalid(
-                source["max_tokens"],
-                max_tokens,
-                "a whole number >= 1 (0 only with echo: true on /v1/completions, "
-                "to score the prompt and generate nothing)",
-            )
-        # the prompt alone: scored by the engine, so it needs prompt logprobs
-        kwargs["prompt_logprobs"] = logprobs.top or 0
+    # max_tokens 0 (echo only): the prompt alone, computed (its cached prefix reused)
+    # and nothing generated; scored only when logprobs asks for its tokens' logprobs
+    if max_tokens == 0 and not isinstance(max_tokens, bool) and not logprobs.echo:
+        raise invalid(
+            source["max_tokens"],
+            max_tokens,
+            "a whole number >= 1 (0 only with echo: true on /v1/completions, "
+            "to return the prompt and generate nothing)",
+        )
     kwargs["logprobs"] = logprobs.top
     if logprobs.echo and logprobs.top is not None:
         kwargs["prompt_logprobs"] = logprobs.top
@@ -481,18 +501,20 @@ _CHAR_TO_BYTE = {
 }
 
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
 class TokenTexts:
-    """The text of single tokens, for logprobs (cached per id): the token decoded
-    alone (special tokens included); `token_id:<id>` without a tokenizer (vLLM's
-    form). `bytes` gives a token's UTF-8 bytes — its raw bytes when it is part of a
-    character (a byte-level BPE token that decodes to U+FFFD alone)."""
+    """Tokens decoded alone (cached per id): `token_id:<id>` without a tokenizer
+    (vLLM's form), and each token's UTF-8 `bytes` for chat logprobs."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._text: dict[int, str] = {}
-        self._bytes: dict[int, list[int]] = {}
+        self._raw: dict[int, list[int] | None] = {}
 
     def text(self, token_id: int) -> str:
+        """The token decoded alone (special tokens included)."""
         text = self._text.get(token_id)
         if text is None:
             if self.tokenizer is None:
@@ -502,66 +524,230 @@ class TokenTexts:
             self._text[token_id] = text
         return text
 
-    def bytes(self, token_id: int) -> list[int]:
-        raw = self._bytes.get(token_id)
-        if raw is None:
-            text = self.text(token_id)
-            raw = list(text.encode("utf-8"))
-            if "\ufffd" in text and self.tokenizer is not None:
+    def raw(self, token_id: int) -> list[int] | None:
+        """The bytes of a token that is part of a character (it decodes alone to
+        U+FFFD): a byte-level BPE token's bytes, or a SentencePiece byte token's; None
+        for any other token."""
+        if token_id not in self._raw:
+            raw = None
+            if self.tokenizer is not None and "\ufffd" in self.text(token_id):
                 piece = self.tokenizer.convert_ids_to_tokens(token_id)
-                if isinstance(piece, str) and piece and all(c in _CHAR_TO_BYTE for c in piece):
-                    raw = [_CHAR_TO_BYTE[c] for c in piece]
-            self._bytes[token_id] = raw
-        return raw
+                if isinstance(piece, str) and piece:
+                    byte = _BYTE_FALLBACK.fullmatch(piece)
+                    if byte is not None:
+                        raw = [int(byte.group(1), 16)]
+                    elif all(c in _CHAR_TO_BYTE for c in piece):
+                        raw = [_CHAR_TO_BYTE[c] for c in piece]
+            self._raw[token_id] = raw
+        return self._raw[token_id]
+
+    def bytes(self, token_id: int, piece: str | None = None, own: bool = False) -> list[int]:
+        """The token's UTF-8 bytes: its raw bytes when it is part of a character, else
+        its text in context when that is its own (`own`: no earlier token's waiting
+        bytes in `piece`; SentencePiece keeps the word's leading space there), else its
+        text decoded alone."""
+        raw = self.raw(token_id)
+        if raw is not None:
+            return list(raw)
+        if own and piece is not None and "\ufffd" not in piece:
+            return list(piece.encode("utf-8"))
+        return list(self.text(token_id).encode("utf-8"))
+
+
+@dataclass
+class TokenInfo:
+    """One token of a choice's logprobs.
+
+    token_id / logprob: the token and its logprobs (None: the first prompt token).
+    text: what the token adds to the choice's text — the incremental detokenizer's
+        piece (`Detokenizer`): empty for a token whose character a later token
+        completes, for a special token the text leaves out, and past a stop string.
+    offset: where `text` starts in the choice's text (echoed prompt + generated), so
+        text[offset:offset + len(text)] == text; a token with no text gets the offset
+        the text has reached there.
+    piece: its text before a stop string cut it (chat `bytes`).
+    own: `piece` is this token's alone (no earlier token's waiting bytes in it).
+    top: the most likely tokens there, (id, text as the next token, logprob), most
+        likely first.
+    """
+
+    token_id: int
+    logprob: TokenLogprobs | None
+    text: str
+    offset: int
+    piece: str = ""
+    own: bool = True
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+class ChoiceTokens:
+    """The TokenInfo of every token of one choice, as its outputs come (prompt first
+    when echoed, then the generated tokens in order).
+
+    The generated tokens are decoded as the engine decodes the output text (a
+    `Detokenizer` with the prompt's last tokens as context; a stop token is never
+    text), so their pieces join to the generated text (until a stop string: `clip`).
+    The prompt's tokens are decoded alike and placed in the echoed text: a special
+    token's text is its own name where the echoed text holds it, else (a BOS the
+    tokenizer added) nothing, at the offset the text has reached."""
+
+    def __init__(
+        self, tokenizer: Any, texts: TokenTexts, prompt_ids: list[int], stop_ids: set[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.texts = texts
+        self.stop_ids = stop_ids
+        self.out = Detokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.base = 0  # characters of echoed prompt in front of the generated text
+        self.length = 0  # characters of the generated pieces so far
+
+    def _top(self, detok: Detokenizer | None, lp: TokenLogprobs | None) -> tuple:
+        if lp is None or not lp.top:
+            return ()
+        ids = [t for t, _ in lp.top]
+        texts = [self.texts.text(t) for t in ids] if detok is None else detok.candidates(ids)
+        return tuple((t, text, v) for (t, v), text in zip(lp.top, texts, strict=True))
+
+    def prompt(
+        self, prompt_ids: list[int], lps: list[TokenLogprobs | None], echo_text: str
+    ) -> list[TokenInfo]:
+        """The prompt's tokens, placed in `echo_text` (the text the choice starts with)."""
+        self.base = len(echo_text)
+        infos = []
+        if self.tokenizer is None:  # no text to place them in: the ids' names, in a row
+            self.base = 0
+            for token, lp in zip(prompt_ids, lps, strict=True):
+                text = self.texts.text(token)
+                infos.append(TokenInfo(token, lp, text, self.base, text, True, self._top(None, lp)))
+                self.base += len(text)
+            return infos
+        detok = Detokenizer(self.tokenizer)
+        special = _special_ids(self.tokenizer)
+        pos = 0
+        for i, (token, lp) in enumerate(zip(prompt_ids, lps, strict=True)):
+            top = self._top(detok, lp)
+            own = not detok.pending
+            piece = _prompt_piece(detok, self.texts, special, token, i == len(prompt_ids) - 1)
+            text, offset = piece, min(pos, len(echo_text))
+            if echo_text.startswith(piece, pos):
+                pos += len(piece)
+            elif token in special:  # added by the tokenizer, not in the text (a BOS)
+                text = ""
+            else:  # a text the tokenizer does not decode back to itself: best effort
+                text = echo_text[offset : offset + len(piece)]
+                pos += len(piece)
+            infos.append(TokenInfo(token, lp, text, offset, piece, own, top))
+        return infos
+
+    def generated(self, out: RequestOutput) -> list[TokenInfo]:
+        """The tokens of one output (their logprobs: out.logprobs)."""
+        ids = out.token_ids
+        lps: list[Any] = list(out.logprobs) if out.logprobs else [None] * len(ids)
+        infos = []
+        for i, (token, lp) in enumerate(zip(ids, lps, strict=True)):
+            if self.out is None:
+                piece, own, top = self.texts.text(token), True, self._top(None, lp)
+            else:
+                top = self._top(self.out, lp)
+                own = not self.out.pending
+                last = out.finished and i == len(ids) - 1
+                if last and out.finish_reason == "stop" and token in self.stop_ids:
+                    piece = ""  # a stop token ends the output: it is never text
+                else:
+                    piece = self.out.push([token])
+                if last:
+                    piece += self.out.flush()
+            offset = self.base + self.length
+            infos.append(TokenInfo(token, lp, piece, offset, piece, own, top))
+            self.length += len(piece)
+        return infos
+
+    def clip(self, infos: list[TokenInfo], generated_chars: int) -> None:
+        """Cut the tokens' text at the end of the returned text: `generated_chars`
+        characters after the echoed prompt (a stop string cut the rest)."""
+        if self.out is None:
+            return
+        end = self.base + generated_chars
+        for info in infos:
+            if info.offset + len(info.text) > end:
+                info.text = info.text[: max(0, end - info.offset)]
+                info.offset = min(info.offset, end)
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    return set(getattr(tokenizer, "all_special_ids", None) or ())
+
+
+def _prompt_piece(
+    detok: Detokenizer, texts: TokenTexts, special: set[int], token: int, last: bool
+) -> str:
+    """A prompt token's text: a special token's name (the decode skips it, as the
+    output's does), else what the token adds to the decode; the last one flushes."""
+    piece = texts.text(token) if token in special else detok.push([token])
+    return piece + detok.flush() if last else piece
+
+
+def prompt_text(tokenizer: Any, prompt_ids: list[int]) -> str:
+    """The text of a token-id prompt (echo): its tokens' texts joined, special tokens
+    by name, as `ChoiceTokens.prompt` places them."""
+    detok, texts, special = Detokenizer(tokenizer), TokenTexts(tokenizer), _special_ids(tokenizer)
+    last = len(prompt_ids) - 1
+    return "".join(
+        _prompt_piece(detok, texts, special, t, i == last) for i, t in enumerate(prompt_ids)
+    )
 
 
 def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
-def completion_logprobs(
-    tokens: list[tuple[int, TokenLogprobs | None]], texts: TokenTexts, offset: int
-) -> tuple[dict[str, Any], int]:
-    """The legacy completions `logprobs` object of some tokens, (token id, logprobs;
-    None for the first prompt token), with text offsets from `offset`; and the offset
-    after them."""
+def completion_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
+    """The legacy completions `logprobs` object of some tokens. top_logprobs maps the
+    text of the most likely tokens to their logprob, most likely first (a text two
+    tokens share keeps the likelier), and always holds the chosen token (OpenAI: up to
+    logprobs + 1 entries)."""
     out: dict[str, list[Any]] = {
         "tokens": [],
         "token_logprobs": [],
         "top_logprobs": [],
         "text_offset": [],
     }
-    for token_id, lp in tokens:
-        text = texts.text(token_id)
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
-        if lp is None:
+    for info in tokens:
+        out["tokens"].append(info.text)
+        out["text_offset"].append(info.offset)
+        if info.logprob is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        out["token_logprobs"].append(_lp(lp.logprob))
+        chosen = _lp(info.logprob.logprob)
+        out["token_logprobs"].append(chosen)
         top: dict[str, float] = {}
-        for tid, value in lp.top:  # most likely first: a text shared by two ids keeps it
-            top.setdefault(texts.text(tid), _lp(value))
+        for tid, text, value in info.top:
+            top.setdefault(info.text if tid == info.token_id else text, _lp(value))
+        top[info.text] = chosen
         out["top_logprobs"].append(top)
-    return out, offset
+    return out
 
 
-def chat_logprobs(tokens: list[TokenLogprobs], texts: TokenTexts) -> dict[str, Any]:
-    """The chat `logprobs` object ({"content": [...]}) of some generated tokens."""
+def chat_logprobs(tokens: list[TokenInfo], texts: TokenTexts) -> dict[str, Any]:
+    """The chat `logprobs` object ({"content": [...]}) of some generated tokens: each
+    token's text and logprob, its UTF-8 bytes, and exactly top_logprobs alternatives."""
 
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {
-            "token": texts.text(token_id),
-            "logprob": _lp(logprob),
-            "bytes": texts.bytes(token_id),
-        }
+    def entry(token_id: int, text: str, piece: str, own: bool, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": _lp(logprob), "bytes": texts.bytes(token_id, piece, own)}
 
-    content = [
-        {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
-        for t in tokens
-    ]
+    content = []
+    for info in tokens:
+        if info.logprob is None:
+            continue
+        top = [
+            entry(t, info.text, info.piece, info.own, v)
+            if t == info.token_id
+            else entry(t, text, text, info.own, v)
+            for t, text, v in info.top
+        ]
+        chosen = entry(info.token_id, info.text, info.piece, info.own, info.logprob.logprob)
+        content.append({**chosen, "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
@@ -587,13 +773,15 @@ class ResponseHead:
         index: int,
         text: str,
         finish_reason: str | None,
-        with_usage: bool,
+        with_usage: bool | dict[str, Any],
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """`with_usage`: True puts `usage: null` on the chunk (OpenAI: null on every
+        chunk but the usage one), a usage object puts that (continuous usage)."""
         choice = completion_choice(index, text, finish_reason, logprobs)
         chunk = {**self._base("text_completion"), "choices": [choice]}
-        if with_usage:
-            chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
+        if with_usage is not False:
+            chunk["usage"] = None if with_usage is True else with_usage
         return chunk
 
     def chat_chunk(
@@ -601,9 +789,10 @@ class ResponseHead:
         index: int,
         delta: dict[str, Any],
         finish_reason: str | None,
-        with_usage: bool,
+        with_usage: bool | dict[str, Any],
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """`with_usage` as in completion_chunk."""
         choice = {
             "index": index,
             "delta": delta,
@@ -611,8 +800,8 @@ class ResponseHead:
             "finish_reason": finish_reason,
         }
         chunk = {**self._base("chat.completion.chunk"), "choices": [choice]}
-        if with_usage:
-            chunk["usage"] = None
+        if with_usage is not False:
+            chunk["usage"] = None if with_usage is True else with_usage
         return chunk
 
     def usage_chunk(self, chat: bool, use: dict[str, Any]) -> dict[str, Any]:

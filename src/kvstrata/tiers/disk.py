@@ -117,11 +117,17 @@ class DiskTier(Tier):
         ):
             raise ConfigError.field("io_threads", io_threads, "a positive integer")
         codec = codec or NoneCodec()
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError.field(
+                "disk_dir", os.fspath(directory), f"cannot create it ({exc.strerror})"
+            ) from exc
         # before the per-slot structures (a budget far past the free space would
-        # otherwise first fill RAM with them)
-        check_free_space(
-            Path(directory) / ARENA_FILE, num_slots * SlotFormat(layout, codec).slot_bytes
-        )
+        # otherwise first fill RAM with them); max_file_bytes has its own error below
+        file_bytes = num_slots * SlotFormat(layout, codec).slot_bytes
+        if max_file_bytes is None or file_bytes <= max_file_bytes:
+            check_free_space(Path(directory) / ARENA_FILE, file_bytes)
         super().__init__("disk", layout, num_slots, codec)
         self.directory = Path(directory)
         self.path = self.directory / ARENA_FILE
@@ -148,12 +154,6 @@ class DiskTier(Tier):
                 f"arena of {num_slots} slots needs {self.file_bytes} bytes, "
                 f"over max_file_bytes={max_file_bytes}: lower disk_budget or raise the cap",
             )
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError.field(
-                "disk_dir", str(self.directory), f"cannot create it ({exc.strerror})"
-            ) from exc
         self._files = files = DiskFiles()
 
         def make_file(index: DiskIndex) -> BlockFile:
