@@ -19,23 +19,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+import hf_models
 import kvstrata
 from kvstrata.geometry import KVGeometry
 from kvstrata.integrations.hf import TieredCache, enable
 
-COMMON = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    initializer_range=0.3,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+COMMON = {**hf_models.COMMON, "max_position_embeddings": 1024}
 SLIDING = dict(sliding_window=32, layer_types=["sliding_attention", "full_attention"])
 FAMILIES = {
     "gpt2": {},
