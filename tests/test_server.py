@@ -296,6 +296,9 @@ def test_token_id_prompt_stop_strings_and_seeded_sampling(served):
 def test_models_health_metrics(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert served.client().models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    other = error_of(httpx.get(f"{served.url}/v1/models/no-such-model"), 404)
+    assert other["code"] == "model_not_found" and "no-such-model" in other["message"]
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
     metrics = httpx.get(f"{served.url}/metrics")
     assert metrics.status_code == 200, metrics.text

@@ -3,6 +3,7 @@
     POST /v1/completions        prompt(s) (text or token ids) -> text; SSE with "stream"
     POST /v1/chat/completions   messages (chat template)      -> message; SSE with "stream"
     GET  /v1/models             the served model
+    GET  /v1/models/{id}        its card (404 for another id)
     GET  /health                200 while the engine runs, 503 once it has stopped
     GET  /metrics               Prometheus text: the engine's metrics + HTTP requests
 
@@ -368,14 +369,26 @@ class OpenAIServer:
 
     # -- GET ------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
-        card = {
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self, model_id: str | None = None) -> dict[str, Any]:
+        """The served model's card (GET /v1/models/{id}: a 404 for another id)."""
+        if model_id is not None and model_id != self.model_name:
+            raise APIError(
+                404,
+                f"model={model_id!r} is invalid: this server serves {self.model_name!r} "
+                "(GET /v1/models)",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "kvstrata",
             "max_model_len": self.engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
 
     def health(self) -> Response:
         if engine_running(self.engine):
@@ -678,6 +691,10 @@ def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return server.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return server.model_card(model_id)
 
     @app.get("/health")
     async def health() -> Response:
