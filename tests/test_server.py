@@ -25,6 +25,7 @@ import torch
 import uvicorn
 
 from kvstrata.engine import Engine, EngineConfig
+from kvstrata.errors import ConfigError
 from kvstrata.modelzoo import load_model
 from kvstrata.server import build_app
 from kvstrata.server.chat import plain_chat_prompt
@@ -1340,3 +1341,25 @@ def test_stopping_the_server_or_the_engine_answers_503(one_thread):
     finally:
         stop(server, thread)
         engine.shutdown()
+
+
+def test_an_api_key_guards_the_v1_routes(served):
+    """--api-key: /v1 requests need `Authorization: Bearer <key>` (OpenAI's 401 object
+    otherwise); /health and /metrics stay open."""
+    with pytest.raises(ConfigError, match="api_key"):
+        build_app(served.engine, api_key=" ")
+    server, thread, url = serve_in_thread(build_app(served.engine, api_key="s3cret"))
+    try:
+        body = {"prompt": "def f", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            refused = error_of(httpx.post(f"{url}/v1/completions", json=body, headers=headers), 401)
+            assert refused["type"] == "authentication_error" and "s3cret" not in refused["message"]
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        out = client.completions.create(model=MODEL, prompt="def f", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        stop(server, thread)

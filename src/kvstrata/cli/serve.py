@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -36,6 +37,7 @@ from kvstrata.units import format_bytes, parse_float, parse_int, parse_size, par
 KV_CACHE_DTYPES = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8"}
 DEFAULT_MAX_TOKENS = 32768  # CacheConfig's: what the cache holds across all requests
 GRACEFUL_SHUTDOWN_S = 5  # open requests get this long after Ctrl-C, then are aborted
+API_KEY_ENV = "KVSTRATA_API_KEY"  # --api-key's default (vLLM reads VLLM_API_KEY)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 EMBEDDED_NAMES = ("default", "tiny")  # the embedded model's names in kvstrata.modelzoo
 
@@ -279,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args)
         try:
             name = served_name(args)
-            app = build_app(engine, name)
+            app = build_app(engine, name, args.api_key or os.environ.get(API_KEY_ENV) or None)
             config = uvicorn.Config(
                 app,
                 log_level=args.uvicorn_log_level,
@@ -330,6 +332,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--served-model-name",
         default=None,
         help="the model name clients use (default: the model's)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require Authorization: Bearer <key> on /v1 requests (default: ${API_KEY_ENV}, "
+        "else none)",
     )
     p.add_argument(
         "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"

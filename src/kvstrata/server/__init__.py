@@ -13,12 +13,13 @@ from typing import Any
 from kvstrata.server.deps import MissingExtraError, require_serve
 
 
-def build_app(engine: Any, served_model_name: str | None = None) -> Any:
+def build_app(engine: Any, served_model_name: str | None = None, api_key: str | None = None) -> Any:
     """The FastAPI app serving `engine` (see kvstrata.server.app).
 
     Args:
         engine: A running kvstrata.engine.Engine (its owner shuts it down).
         served_model_name: The model name clients use (default: engine.model_name).
+        api_key: When set, /v1 requests need `Authorization: Bearer <api_key>`.
 
     Returns:
         A FastAPI app; MissingExtraError when FastAPI or uvicorn is not installed.
@@ -26,7 +27,7 @@ def build_app(engine: Any, served_model_name: str | None = None) -> Any:
     require_serve()
     from kvstrata.server.app import build_app as _build_app
 
-    return _build_app(engine, served_model_name)
+    return _build_app(engine, served_model_name, api_key)
 
 
 __all__ = ["MissingExtraError", "build_app", "require_serve"]

@@ -21,6 +21,7 @@ an unknown model 404, a request the engine can never run 400, the engine stopped
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -309,6 +310,33 @@ class EventStream(StreamingResponse):
             await aclose_shielded(self.body_iterator)
             await aclose_shielded(self.outputs)  # aborts the request unless it finished
             self.on_close()
+
+
+class RequireApiKey:
+    """ASGI middleware: /v1 requests need `Authorization: Bearer <api_key>` (compared in
+    constant time); others get OpenAI's 401 error object."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "missing or wrong API key: send the header Authorization: Bearer <key> "
+                    "with the key the server was started with (--api-key)",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+                response = JSONResponse(
+                    error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class CountRequests:
@@ -649,12 +677,16 @@ async def _collect(outputs: Choices, states: list[ChoiceState]) -> RequestOutput
     return None
 
 
-def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
+def build_app(
+    engine: Any, served_model_name: str | None = None, api_key: str | None = None
+) -> FastAPI:
     """The OpenAI-compatible app over `engine` (module docstring).
 
     Args:
         engine: A running kvstrata.engine.Engine; its owner shuts it down.
         served_model_name: The model name clients use (default: engine.model_name).
+        api_key: When set, every /v1 request must send `Authorization: Bearer <it>`
+            (a 401 otherwise); /health and /metrics stay open, as in vLLM.
 
     Returns:
         A FastAPI app (serve it with uvicorn).
@@ -662,9 +694,13 @@ def build_app(engine: Any, served_model_name: str | None = None) -> FastAPI:
     name = engine.model_name if served_model_name is None else served_model_name
     if not isinstance(name, str) or not name.strip():
         raise ConfigError.field("served_model_name", name, "a non-empty model name")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ConfigError.field("api_key", api_key, "a non-empty string, or leave it out")
     server = OpenAIServer(engine, name)
     app = FastAPI(title="kvstrata", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    if api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=api_key)
     app.add_middleware(CountRequests, registry=server.http_registry)
 
     @app.exception_handler(APIError)
