@@ -72,3 +72,45 @@ def test_a_flipped_disk_byte_recomputes_only_the_request_that_owned_it(tmp_path,
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     # the owner alone computed its KV again; the others only redid the undone step
     assert recomputes == 1, recomputes
+
+
+def test_a_flipped_byte_in_a_block_shared_through_the_prefix_cache(tmp_path, monkeypatch):
+    """Three requests share a prompt prefix whose blocks the prefix cache holds once; a
+    byte flipped in one of them on disk: each reader recomputes when it meets it, none
+    is served the bad block, and the tokens are an undisturbed run's."""
+    g = torch.Generator().manual_seed(11)
+    common = torch.randint(3, 97, (80,), generator=g).tolist()
+    ps = [common + torch.randint(3, 97, (10 + 7 * i,), generator=g).tolist() for i in range(3)]
+    sp = SamplingParams(max_tokens=24)
+    kwargs = dict(
+        block_size=BS,
+        device_budget="96KiB",
+        host_budget="64KiB",
+        disk_budget="4MiB",
+        disk_dir=str(tmp_path),
+        config=EngineConfig(preemption="off"),
+    )
+    with Engine(tiny_model("llama"), **kwargs) as engine:
+        want = engine.generate(ps, sp)
+        real = AttentionRuntime.attend
+        state = {"calls": 0, "victims": [], "failed": set()}
+
+        def attend(self, layer, seq_id, *args, **kwargs):
+            state["calls"] += 1
+            if state["calls"] > 10 and not state["victims"] and _flip_disk_block(self, seq_id):
+                state["victims"].append(seq_id)
+            try:
+                return real(self, layer, seq_id, *args, **kwargs)
+            except Exception:
+                state["failed"].add(seq_id)
+                raise
+
+        monkeypatch.setattr(AttentionRuntime, "attend", attend)
+        got = engine.generate(ps, sp)
+        monkeypatch.undo()
+        assert state["victims"] and state["failed"], state
+        recomputes = engine.metrics.value("kvstrata_recomputes_total")
+        assert recomputes == len(state["failed"])  # each reader of the bad block, once
+        assert engine.stats()["live_blocks"] == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]

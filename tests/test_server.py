@@ -298,6 +298,7 @@ def test_models_health_metrics(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert served.client().models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    assert httpx.get(f"{served.url}/v1/models/").json()["data"][0]["id"] == MODEL
     other = error_of(httpx.get(f"{served.url}/v1/models/no-such-model"), 404)
     assert other["code"] == "model_not_found" and "no-such-model" in other["message"]
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
@@ -1346,8 +1347,9 @@ def test_stopping_the_server_or_the_engine_answers_503(one_thread):
 def test_an_api_key_guards_the_v1_routes(served):
     """--api-key: /v1 requests need `Authorization: Bearer <key>` (OpenAI's 401 object
     otherwise); /health and /metrics stay open."""
-    with pytest.raises(ConfigError, match="api_key"):
-        build_app(served.engine, api_key=" ")
+    for bad in (" ", "key ", "café", ""):  # no HTTP client could send these
+        with pytest.raises(ConfigError, match="api_key"):
+            build_app(served.engine, api_key=bad)
     server, thread, url = serve_in_thread(build_app(served.engine, api_key="s3cret"))
     try:
         body = {"prompt": "def f", "max_tokens": 2}
@@ -1361,5 +1363,42 @@ def test_an_api_key_guards_the_v1_routes(served):
         assert out.usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+        lower = httpx.get(f"{url}/v1/models", headers={"Authorization": "bearer s3cret"})
+        assert lower.status_code == 200  # the scheme is case-insensitive
     finally:
         stop(server, thread)
+    # mounted under a prefix (or behind a proxy's root_path): it still fails closed
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    mounted = Starlette(routes=[Mount("/api", build_app(served.engine, api_key="s3cret"))])
+    server, thread, url = serve_in_thread(mounted)
+    try:
+        assert httpx.get(f"{url}/api/v1/models").status_code == 401
+        assert httpx.post(f"{url}/api/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(f"{url}/api/health").status_code == 200
+        key = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(f"{url}/api/v1/models", headers=key).status_code == 200
+    finally:
+        stop(server, thread)
+
+
+def test_streamed_token_texts_never_cross_a_stop_string(served):
+    """The engine holds text back while it may still become a stop string; the tokens'
+    logprob entries wait with it, so a stream's tokens join to its text exactly."""
+    for stop_string in ("the s", "ally", "y to"):
+        body = {
+            "model": MODEL, "prompt": "import os\nimport sys\nimport re\n", "max_tokens": 40,
+            "temperature": 0, "logprobs": 2, "stop": [stop_string], "stream": True,
+        }  # fmt: skip
+        text, tokens, offsets = "", [], []
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    if choice.get("logprobs"):
+                        tokens += choice["logprobs"]["tokens"]
+                        offsets += choice["logprobs"]["text_offset"]
+        assert "".join(tokens) == text, stop_string
+        assert all(text[o : o + len(t)] == t for t, o in zip(tokens, offsets, strict=True))

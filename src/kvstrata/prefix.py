@@ -237,13 +237,13 @@ class PrefixIndex:
             assert slots is not None
             try:
                 mgr.copy_blocks(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
+                disk.put_keys(
+                    [
+                        (slot, block.block_hash, list(block.token_ids or ()))
+                        for block, slot in zip(group, slots, strict=True)
+                    ]
+                )
             except BaseException:  # e.g. a full disk: the slots go back, nothing is keyed
                 disk.free(slots)
                 raise
-            disk.put_keys(
-                [
-                    (slot, block.block_hash, list(block.token_ids or ()))
-                    for block, slot in zip(group, slots, strict=True)
-                ]
-            )
         return len(todo)

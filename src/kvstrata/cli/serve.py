@@ -281,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args)
         try:
             name = served_name(args)
-            app = build_app(engine, name, args.api_key or os.environ.get(API_KEY_ENV) or None)
+            key = os.environ.get(API_KEY_ENV) if args.api_key is None else args.api_key
+            app = build_app(engine, name, key or None)  # --api-key "": none
             config = uvicorn.Config(
                 app,
                 log_level=args.uvicorn_log_level,
@@ -336,8 +337,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require Authorization: Bearer <key> on /v1 requests (default: ${API_KEY_ENV}, "
-        "else none)",
+        help=f"require Authorization: Bearer <key> on every route but /health and /metrics "
+        f"(default: ${API_KEY_ENV}; '' for none)",
     )
     p.add_argument(
         "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"

@@ -409,7 +409,7 @@ class Engine:
             self._undo(batch, f"a block could not be read: {err}")  # recomputed instead
             # by the sequence attention was reading for (all of them when unknown); the
             # others only redo the undone step, with nothing charged to their retries
-            owners = err.seq_ids
+            owners = err.seq_ids & {r.seq_id for r, _ in batch}  # none known: all of them
             for req, _ in batch:
                 if owners and req.seq_id not in owners:
                     continue

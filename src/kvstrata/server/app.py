@@ -233,6 +233,7 @@ class ChoiceState:
         self.generated = 0  # characters of generated text so far
         self.text: list[str] = []  # every piece (whole responses)
         self.tokens: list[proto.TokenInfo] = []
+        self.held: list[proto.TokenInfo] = []  # generated tokens past the text sent
         self.final: RequestOutput | None = None
 
     @property
@@ -253,9 +254,21 @@ class ChoiceState:
                     prompt = out.prompt_logprobs or [None] * len(self.job.prompt_ids)
                     tokens += self.pieces.prompt(self.job.prompt_ids, prompt, self.job.echo_text)
         if self.pieces is not None:
-            tokens += self.pieces.generated(out)
-            if out.finished:  # (the tokens sent before a stop string was found stay)
-                self.pieces.clip(tokens, self.generated)
+            # a token goes out once the text sent covers it: the engine holds back text
+            # that may still become a stop string, and a stop string cuts it at the end
+            self.held += self.pieces.generated(out)
+            if out.finished:
+                self.pieces.clip(self.held, self.generated)
+                sent = len(self.held)
+            else:
+                end, sent = self.pieces.base + self.generated, 0
+                while sent < len(self.held):
+                    info = self.held[sent]
+                    if info.offset + len(info.text) > end:
+                        break
+                    sent += 1
+            tokens += self.held[:sent]
+            del self.held[:sent]
         if out.finished:
             self.final = out
         return text, tokens
@@ -312,18 +325,28 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
+def _route_path(scope: Scope) -> str:
+    """The request's path within this app (without a mount's or proxy's root_path)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class RequireApiKey:
     """ASGI middleware: /v1 requests need `Authorization: Bearer <api_key>` (compared in
     constant time); others get OpenAI's 401 error object."""
 
+    OPEN = ("/health", "/metrics")  # what stays open (vLLM's rule); everything else,
+    # under whatever root_path or mount, needs the key: it fails closed
+
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if scope["type"] == "http" and _route_path(scope) not in self.OPEN:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 error = APIError(
                     401,
                     "missing or wrong API key: send the header Authorization: Bearer <key> "
@@ -694,8 +717,19 @@ def build_app(
     name = engine.model_name if served_model_name is None else served_model_name
     if not isinstance(name, str) or not name.strip():
         raise ConfigError.field("served_model_name", name, "a non-empty model name")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-        raise ConfigError.field("api_key", api_key, "a non-empty string, or leave it out")
+    if api_key is not None and not (
+        isinstance(api_key, str)
+        and api_key
+        and api_key.isascii()
+        and api_key.isprintable()
+        and api_key == api_key.strip()
+    ):
+        raise ConfigError.field(
+            "api_key",
+            "<hidden>" if isinstance(api_key, str) else api_key,
+            "printable ASCII without spaces around it (what an HTTP header can carry), "
+            "or leave it out",
+        )
     server = OpenAIServer(engine, name)
     app = FastAPI(title="kvstrata", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -730,6 +764,8 @@ def build_app(
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
+        if not model_id:  # "/v1/models/": the list
+            return server.models()
         return server.model_card(model_id)
 
     @app.get("/health")
