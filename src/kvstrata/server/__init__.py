@@ -19,7 +19,8 @@ def build_app(engine: Any, served_model_name: str | None = None, api_key: str | 
     Args:
         engine: A running kvstrata.engine.Engine (its owner shuts it down).
         served_model_name: The model name clients use (default: engine.model_name).
-        api_key: When set, /v1 requests need `Authorization: Bearer <api_key>`.
+        api_key: When set, every request but /health and /metrics needs
+            `Authorization: Bearer <api_key>`.
 
     Returns:
         A FastAPI app; MissingExtraError when FastAPI or uvicorn is not installed.

@@ -332,8 +332,8 @@ def _route_path(scope: Scope) -> str:
 
 
 class RequireApiKey:
-    """ASGI middleware: /v1 requests need `Authorization: Bearer <api_key>` (compared in
-    constant time); others get OpenAI's 401 error object."""
+    """ASGI middleware: every request but OPEN needs `Authorization: Bearer <api_key>`
+    (compared in constant time); others get OpenAI's 401 error object."""
 
     OPEN = ("/health", "/metrics")  # what stays open (vLLM's rule); everything else,
     # under whatever root_path or mount, needs the key: it fails closed
@@ -708,8 +708,8 @@ def build_app(
     Args:
         engine: A running kvstrata.engine.Engine; its owner shuts it down.
         served_model_name: The model name clients use (default: engine.model_name).
-        api_key: When set, every /v1 request must send `Authorization: Bearer <it>`
-            (a 401 otherwise); /health and /metrics stay open, as in vLLM.
+        api_key: When set, every request but /health and /metrics (open, as in vLLM)
+            must send `Authorization: Bearer <it>` (a 401 otherwise).
 
     Returns:
         A FastAPI app (serve it with uvicorn).
