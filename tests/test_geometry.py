@@ -202,3 +202,12 @@ def test_malformed_config_names_file_and_field(tmp_path, content, pattern):
         load_geometry(str(path))
     assert str(path) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_gpt_bigcode_multi_query_has_one_kv_head():
+    """A StarCoder-style config.json names no KV heads, only multi_query: one K/V head
+    (the planner and the engine's store were sized for all 12)."""
+    data = {"model_type": "gpt_bigcode", "n_layer": 2, "n_head": 12, "n_embd": 768,
+            "multi_query": True, "vocab_size": 100}  # fmt: skip
+    assert KVGeometry.from_hf_config(data).num_kv_heads == 1
+    assert KVGeometry.from_hf_config({**data, "multi_query": False}).num_kv_heads == 12

@@ -164,26 +164,29 @@ def test_model_code_using_cached_kv_as_tensors_gets_one_line_error():
     assert str(again) == str(info.value)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "opt", "gpt_neox", "cohere2", "gemma3n_text"])
+def _argmax_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens with a DynamicCache, end-of-sequence included (the engine runs
+    with ignore_eos; generate's min_new_tokens would instead forbid it)."""
+    cache, ids, out = DynamicCache(config=model.config), torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(ids, cache=cache).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_engine_packed_steps_match_dynamic_cache(model_type, one_thread):
     """The engine packs every running sequence into one row with per-token positions:
-    absolute position embeddings (GPT-2, OPT) and shared-K/V layers (Gemma-3n) too."""
+    every family, absolute position embeddings (GPT-2, OPT) and shared-K/V layers
+    (Gemma-3n) included."""
     from kvstrata.engine import Engine, EngineConfig, SamplingParams
 
     model = _model(model_type, **FAMILIES[model_type])
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (70, 23, 41)]
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([p]),
-                cache=DynamicCache(config=model.config),
-                max_new_tokens=12,
-                min_new_tokens=12,
-                do_sample=False,
-            )
-        refs.append(out[0, len(p) :].tolist())
+    refs = [_argmax_tokens(model, p, 12) for p in prompts]
     config = EngineConfig(max_batched_tokens=32, preemption="off")
     with Engine(model, block_size=16, host_budget="1MiB", config=config) as engine:
         outs = engine.generate(prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * 3)

@@ -278,6 +278,8 @@ class KVGeometry:
         num_kv_heads = _get_int(
             data, ("num_key_value_heads", "multi_query_group_num"), where, num_heads
         )
+        if data.get("multi_query") is True and model_type == "gpt_bigcode":
+            num_kv_heads = 1  # GPTBigCode: one K/V head, whatever else the config says
         hidden = data.get("hidden_size", data.get("n_embd", data.get("d_model")))
         default_dim = hidden // num_heads if isinstance(hidden, int) and hidden > 0 else None
         head_dim = _get_int(data, ("head_dim", "kv_channels"), where, default_dim)
