@@ -204,10 +204,17 @@ def test_malformed_config_names_file_and_field(tmp_path, content, pattern):
     assert "\n" not in str(info.value)
 
 
-def test_gpt_bigcode_multi_query_has_one_kv_head():
-    """A StarCoder-style config.json names no KV heads, only multi_query: one K/V head
-    (the planner and the engine's store were sized for all 12)."""
+def test_multi_query_configs_have_one_kv_head():
+    """A StarCoder or Falcon-7B config.json names no KV heads, only multi_query: one K/V
+    head (the planner sized them for every query head); Falcon-40B's new decoder
+    architecture names its KV heads (num_kv_heads)."""
     data = {"model_type": "gpt_bigcode", "n_layer": 2, "n_head": 12, "n_embd": 768,
             "multi_query": True, "vocab_size": 100}  # fmt: skip
     assert KVGeometry.from_hf_config(data).num_kv_heads == 1
     assert KVGeometry.from_hf_config({**data, "multi_query": False}).num_kv_heads == 12
+    falcon = {"model_type": "falcon", "num_hidden_layers": 2, "num_attention_heads": 71,
+              "hidden_size": 4544, "multi_query": True, "vocab_size": 100}  # fmt: skip
+    assert KVGeometry.from_hf_config(falcon).num_kv_heads == 1
+    big = {**falcon, "num_attention_heads": 128, "hidden_size": 8192,
+           "new_decoder_architecture": True, "num_kv_heads": 8}  # fmt: skip
+    assert KVGeometry.from_hf_config(big).num_kv_heads == 8

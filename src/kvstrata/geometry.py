@@ -276,10 +276,10 @@ class KVGeometry:
                 data = {**data, "layer_types": data["layer_types"][:num_layers]}
         num_heads = _get_int(data, ("num_attention_heads", "n_head", "num_heads"), where)
         num_kv_heads = _get_int(
-            data, ("num_key_value_heads", "multi_query_group_num"), where, num_heads
+            data, ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), where, num_heads
         )
-        if data.get("multi_query") is True and model_type == "gpt_bigcode":
-            num_kv_heads = 1  # GPTBigCode: one K/V head, whatever else the config says
+        if data.get("multi_query") is True and not data.get("new_decoder_architecture"):
+            num_kv_heads = 1  # multi-query (GPTBigCode, Falcon-7B): one K/V head
         hidden = data.get("hidden_size", data.get("n_embd", data.get("d_model")))
         default_dim = hidden // num_heads if isinstance(hidden, int) and hidden > 0 else None
         head_dim = _get_int(data, ("head_dim", "kv_channels"), where, default_dim)
