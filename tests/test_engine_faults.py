@@ -37,39 +37,50 @@ def _flip_disk_block(runtime: AttentionRuntime, seq_id: int) -> bool:
     return False
 
 
-def test_a_flipped_disk_byte_recomputes_only_the_request_that_owned_it(tmp_path, monkeypatch):
-    ps, sp = _prompts(3), SamplingParams(max_tokens=24)
+def _run_with_a_flip(tmp_path, monkeypatch, ps, **over) -> tuple[list, list, dict, float]:
+    """Generate `ps` twice on one engine with a disk tier: undisturbed, then with one
+    byte flipped, mid-generation, in a disk block of the sequence attention is about
+    to read. Returns (undisturbed outputs, disturbed outputs, what happened, recomputes)."""
+    sp = SamplingParams(max_tokens=24)
     kwargs = dict(
         block_size=BS,
         device_budget="96KiB",
         host_budget="64KiB",
         disk_budget="4MiB",
         disk_dir=str(tmp_path),
-        prefix_caching=False,  # every round computes and stores its blocks afresh
         config=EngineConfig(preemption="off"),
+        **over,
     )
     with Engine(tiny_model("llama"), **kwargs) as engine:
         want = engine.generate(ps, sp)
         assert engine.stats()["store"]["tiers"]["disk"]["peak_used_blocks"] > 0
-
         real = AttentionRuntime.attend
-        state = {"calls": 0, "victims": []}
+        state = {"calls": 0, "victims": [], "failed": set()}
 
-        def attend(self, layer, seq_id, *args, **kwargs):
+        def attend(self, layer, seq_id, *args):
             state["calls"] += 1
-            # once, mid-generation: a block of the sequence about to be read goes bad
             if state["calls"] > 10 and not state["victims"] and _flip_disk_block(self, seq_id):
                 state["victims"].append(seq_id)
-            return real(self, layer, seq_id, *args, **kwargs)
+            try:
+                return real(self, layer, seq_id, *args)
+            except Exception:
+                state["failed"].add(seq_id)
+                raise
 
         monkeypatch.setattr(AttentionRuntime, "attend", attend)
         got = engine.generate(ps, sp)
         monkeypatch.undo()
         assert state["victims"], "no disk block was read mid-generation"
+        assert engine.stats()["live_blocks"] == 0  # nothing leaked by the undone steps
         recomputes = engine.metrics.value("kvstrata_recomputes_total")
-        assert engine.stats()["live_blocks"] == 0  # nothing leaked by the undone step
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    return want, got, state, recomputes
+
+
+def test_a_flipped_disk_byte_recomputes_only_the_request_that_owned_it(tmp_path, monkeypatch):
+    # prefix caching off: every round computes and stores its blocks afresh
+    _, _, _, recomputes = _run_with_a_flip(tmp_path, monkeypatch, _prompts(3), prefix_caching=False)
     # the owner alone computed its KV again; the others only redid the undone step
     assert recomputes == 1, recomputes
 
@@ -81,36 +92,6 @@ def test_a_flipped_byte_in_a_block_shared_through_the_prefix_cache(tmp_path, mon
     g = torch.Generator().manual_seed(11)
     common = torch.randint(3, 97, (80,), generator=g).tolist()
     ps = [common + torch.randint(3, 97, (10 + 7 * i,), generator=g).tolist() for i in range(3)]
-    sp = SamplingParams(max_tokens=24)
-    kwargs = dict(
-        block_size=BS,
-        device_budget="96KiB",
-        host_budget="64KiB",
-        disk_budget="4MiB",
-        disk_dir=str(tmp_path),
-        config=EngineConfig(preemption="off"),
-    )
-    with Engine(tiny_model("llama"), **kwargs) as engine:
-        want = engine.generate(ps, sp)
-        real = AttentionRuntime.attend
-        state = {"calls": 0, "victims": [], "failed": set()}
-
-        def attend(self, layer, seq_id, *args, **kwargs):
-            state["calls"] += 1
-            if state["calls"] > 10 and not state["victims"] and _flip_disk_block(self, seq_id):
-                state["victims"].append(seq_id)
-            try:
-                return real(self, layer, seq_id, *args, **kwargs)
-            except Exception:
-                state["failed"].add(seq_id)
-                raise
-
-        monkeypatch.setattr(AttentionRuntime, "attend", attend)
-        got = engine.generate(ps, sp)
-        monkeypatch.undo()
-        assert state["victims"] and state["failed"], state
-        recomputes = engine.metrics.value("kvstrata_recomputes_total")
-        assert recomputes == len(state["failed"])  # each reader of the bad block, once
-        assert engine.stats()["live_blocks"] == 0
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    _, _, state, recomputes = _run_with_a_flip(tmp_path, monkeypatch, ps)
+    assert state["failed"], state
+    assert recomputes == len(state["failed"])  # each reader of the bad block, once

@@ -635,17 +635,11 @@ def test_the_openai_sdk_with_n_logprobs_and_a_prompt_list(served):
     client = served.client()
     messages = [{"role": "user", "content": "import json"}]
     extra = {"ignore_eos": True}
-    chat = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        n=2,
-        max_tokens=5,
-        temperature=1.0,
-        seed=9,
-        logprobs=True,
-        top_logprobs=3,
+    common = dict(
+        model=MODEL, messages=messages, n=2, max_tokens=5, temperature=1.0, seed=9,
         extra_body=extra,
-    )
+    )  # fmt: skip
+    chat = client.chat.completions.create(**common, logprobs=True, top_logprobs=3)
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[0].message.content != chat.choices[1].message.content
     for c in chat.choices:
@@ -655,16 +649,7 @@ def test_the_openai_sdk_with_n_logprobs_and_a_prompt_list(served):
             bytes(b for t in c.logprobs.content for b in t.bytes).decode(errors="replace")
             == c.message.content
         )
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        n=2,
-        max_tokens=5,
-        temperature=1.0,
-        seed=9,
-        stream=True,
-        extra_body=extra,
-    )
+    stream = client.chat.completions.create(**common, stream=True)
     texts = ["", ""]
     for chunk in stream:
         for c in chunk.choices:

@@ -473,28 +473,11 @@ class AttentionRuntime:
             out = merged.transpose(0, 1)
         return done, out
 
-    def attend(
-        self,
-        layer: int,
-        seq_id: int,
-        q: torch.Tensor,
-        new_k: torch.Tensor,
-        new_v: torch.Tensor,
-        scale: float,
-        row_mask: RowMask | None,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attention of one sequence's queries q [Hq, Q, D] over its cached keys in
-        model layer `layer`.
-
-        Returns [Hq, Q, Dv]. A block that cannot be read raises its TierIOError with
-        `seq_ids` naming this sequence (the caller recomputes its owner only)."""
+    def attend(self, layer: int, seq_id: int, *args: Any) -> torch.Tensor:
+        """`_attend`; a block that cannot be read raises its TierIOError with `seq_ids`
+        naming this sequence (the caller recomputes its owner only)."""
         try:
-            return self._attend(
-                layer, seq_id, q, new_k, new_v, scale, row_mask, sliding_window, softcap, sinks
-            )
+            return self._attend(layer, seq_id, *args)
         except TierIOError as err:
             err.seq_ids = err.seq_ids | {seq_id}
             raise
@@ -512,6 +495,10 @@ class AttentionRuntime:
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
+        """Attention of one sequence's queries q [Hq, Q, D] over its cached keys in
+        model layer `layer`.
+
+        Returns [Hq, Q, Dv]."""
         group = self._group_of(layer, sliding_window)
         num_q, total = q.shape[1], self.store.num_tokens(seq_id)
         past = total - num_q
