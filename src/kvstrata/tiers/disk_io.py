@@ -201,8 +201,7 @@ class BlockFile:
             if old_size > size:
                 os.ftruncate(self.fd, size)
             elif hasattr(os, "posix_fallocate"):
-                # before allocating: a failed fallocate keeps what it allocated
-                self._check_space(size - old_size)
+                # (DiskTier checked the free space before: check_free_space)
                 try:
                     os.posix_fallocate(self.fd, 0, size)
                 except OSError as exc:
