@@ -32,7 +32,7 @@ import transformers
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from kvstrata.modelzoo import (
+from kvstrata.model.zoo import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
     EOS_ID,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.blocks.manager import BlockManager, TokenWrites
-from kvstrata.layout import BlockLayout
+from kvstrata.core.layout import BlockLayout
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import MemoryTier
 

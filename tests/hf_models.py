@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from kvstrata.modelzoo import build_byte_tokenizer, tiny_code_config
+from kvstrata.model.zoo import build_byte_tokenizer, tiny_code_config
 
 COMMON = dict(
     vocab_size=97,

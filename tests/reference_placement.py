@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from kvstrata.blocks.eviction import BlockView
 from kvstrata.blocks.manager import BlockManager
 from kvstrata.blocks.placement import PendingBlock, Placement
 from kvstrata.blocks.pool import Block
-from kvstrata.errors import OutOfBlocksError
-from kvstrata.policies.eviction import BlockView
+from kvstrata.core.errors import OutOfBlocksError
+from kvstrata.core.units import format_bytes
 from kvstrata.tiers.base import Tier
-from kvstrata.units import format_bytes
 
 
 def plan_placement(

@@ -78,7 +78,7 @@ def test_decode_exits_1_when_tokens_differ(decode_report, monkeypatch, capsys):
 
 def test_replayed_prefill_decodes_like_a_real_prefill():
     """The benchmark's method: K/V replayed through Cache.update == a prefill forward."""
-    from kvstrata.integrations.hf import TieredCache
+    from kvstrata.integrations.hf.cache import TieredCache
 
     sdpa = bench_decode.tiny_llama(num_layers=1)
     model = bench_decode.kvstrata_twin(sdpa)

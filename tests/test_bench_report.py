@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench import report as bench_report
 from kvstrata.cli import main
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
+from kvstrata.report import command as bench_report
 from kvstrata.report import figures, markdown
 
 FIGURES = ("strategy", "resident", "context", "block_size", "codecs", "serving", "planner")
@@ -344,8 +344,8 @@ def test_bench_all_leaves_the_report_out(monkeypatch, capsys):
     import argparse
     import types
 
-    from kvstrata.bench import report as bench_report
     from kvstrata.cli import bench as cli_bench
+    from kvstrata.report import command as bench_report
 
     ran = []
     other = types.SimpleNamespace(

@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.bench import tiers as bench_tiers
 from kvstrata.cli import main
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
 
 
 def _args(*argv: str) -> argparse.Namespace:

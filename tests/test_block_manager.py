@@ -23,9 +23,9 @@ from blockstore_harness import (
     tiny_layout,
     write_step,
 )
+from kvstrata.blocks.eviction import EvictionPolicy
 from kvstrata.blocks.manager import BlockManager, Run
-from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
-from kvstrata.policies.eviction import EvictionPolicy
+from kvstrata.core.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import DeviceTier, HostTier
 from reference_placement import check_order, compare_with_reference

@@ -9,8 +9,8 @@ import torch
 from kvstrata.bench.codecs import attention_rel_error, roundtrip, synthetic_kv
 from kvstrata.codecs import _kernels
 from kvstrata.codecs.registry import get_codec
-from kvstrata.errors import CodecError, ConfigError
-from kvstrata.layout import BlockLayout
+from kvstrata.core.errors import CodecError, ConfigError
+from kvstrata.core.layout import BlockLayout
 
 LOSSY = ["fp8", "int8", "int4", "int4-g32", "int4-g128"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -8,7 +8,7 @@ import torch
 
 from kvstrata.bench.codecs import synthetic_kv
 from kvstrata.codecs import compress as lossless
-from kvstrata.errors import CodecError
+from kvstrata.core.errors import CodecError
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.config import CacheConfig
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
 
 
 def test_defaults_and_parsing():

@@ -1,4 +1,4 @@
-"""Device attention (kvstrata.device_attention) on the CPU: the partials of any split
+"""Device attention (kvstrata.attention.device) on the CPU: the partials of any split
 of the keys merge into full attention through the same interface the GPU uses, and
 each GPU kernel's adapter (layouts, padded or base-2 LSE) is right — checked with
 stand-in kernels that compute in the real kernels' documented layouts."""
@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 
-from kvstrata import device_attention as da
-from kvstrata.attention import _math_attention, merge_all, pack_gqa, reference_attention
-from kvstrata.errors import ConfigError
+from kvstrata.attention import device as da
+from kvstrata.attention.math import math_attention, merge_all, pack_gqa, reference_attention
+from kvstrata.core.errors import ConfigError
 
 
 def _qkv(heads=2, rows=3, keys=100, dim=16, seed=0):
@@ -41,7 +41,7 @@ def test_merged_partials_equal_full_attention(cuts):
         )
         start += n
     out, lse = merge_all(parts)
-    full_out, full_lse = _math_attention(qp, k[0], v[0], scale, None, None)
+    full_out, full_lse = math_attention(qp, k[0], v[0], scale, None, None)
     torch.testing.assert_close(out, full_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, full_lse, rtol=1e-5, atol=1e-5)
     want = reference_attention(q, k, v, scale)  # [B, Q, Hq, D]
@@ -53,7 +53,7 @@ def test_merged_partials_equal_full_attention(cuts):
 def test_soft_capping_and_empty_parts_on_the_math_path():
     q, k, v = _qkv()
     out, lse = da.lse_attention(q, k, v, 0.25, softcap=5.0)
-    ref_out, ref_lse = _math_attention(q, k, v, 0.25, None, 5.0)
+    ref_out, ref_lse = math_attention(q, k, v, 0.25, None, 5.0)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
 
@@ -63,7 +63,7 @@ def fake_efficient(q, k, v, bias, compute_lse, dropout_p, is_causal, *, scale):
     """aten._scaled_dot_product_efficient_attention: [B, H, S, D] in, out [B, H, M, Dv],
     LSE [B, H, ceil(M / 32) * 32] (padded), philox seed and offset."""
     assert bias is None and compute_lse and dropout_p == 0.0 and not is_causal
-    out, lse = _math_attention(q, k, v, scale, None, None)
+    out, lse = math_attention(q, k, v, scale, None, None)
     padded = torch.full((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), float("nan"))
     padded[..., : lse.shape[-1]] = lse
     return out, padded, torch.tensor(0), torch.tensor(0)
@@ -72,7 +72,7 @@ def fake_efficient(q, k, v, bias, compute_lse, dropout_p, is_causal, *, scale):
 def fake_flash_attn(q, k, v, softmax_scale, causal, return_attn_probs):
     """flash_attn_func: [B, S, H, D] in and out, LSE [B, H, M]."""
     assert return_attn_probs and not causal
-    out, lse = _math_attention(
+    out, lse = math_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, None, None
     )
     return out.transpose(1, 2), lse, None
@@ -82,7 +82,7 @@ def fake_flashinfer(q, k, v, kv_layout, causal, sm_scale, return_lse):
     """single_prefill_with_kv_cache, kv_layout="HND": q [M, H, D], K/V [H, T, D];
     out [M, H, Dv], LSE [M, H] in base 2."""
     assert kv_layout == "HND" and return_lse and not causal
-    out, lse = _math_attention(q.transpose(0, 1), k, v, sm_scale, None, None)
+    out, lse = math_attention(q.transpose(0, 1), k, v, sm_scale, None, None)
     return out.transpose(0, 1), (lse / math.log(2.0)).transpose(0, 1)
 
 
@@ -97,7 +97,7 @@ def fake_flashinfer(q, k, v, kv_layout, causal, sm_scale, return_lse):
 def test_adapters_give_partial_attention(kernel):
     q, k, v = _qkv(rows=5)
     out, lse = kernel(q, k, v, 0.3)
-    ref_out, ref_lse = _math_attention(q, k, v, 0.3, None, None)
+    ref_out, ref_lse = math_attention(q, k, v, 0.3, None, None)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
     assert da.check_kernel(kernel, torch.device("cpu"), torch.float32, 16, 16) == 1.0
@@ -109,7 +109,7 @@ def test_base2_lse_is_detected_and_rescaled():
     assert factor == pytest.approx(math.log(2.0))
     q, k, v = _qkv()
     out, lse = kernel(q, k, v, 0.25)
-    ref_out, ref_lse = _math_attention(q, k, v, 0.25, None, None)
+    ref_out, ref_lse = math_attention(q, k, v, 0.25, None, None)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse * factor, ref_lse)
 
@@ -119,7 +119,7 @@ def test_selection_skips_failing_and_wrong_kernels(monkeypatch):
         raise RuntimeError("no kernel image for this device")
 
     def wrong(q, k, v, scale):
-        out, lse = _math_attention(q, k, v, scale, None, None)
+        out, lse = math_attention(q, k, v, scale, None, None)
         return out * 1.01, lse
 
     cpu = torch.device("cpu")

@@ -48,8 +48,8 @@ def _greedy(model, ids, cache, n):
 
 # -- pieces -------------------------------------------------------------------------------------
 def test_host_arena_is_pinned_and_streams_time_copies():
-    from kvstrata.device_streams import CudaStreams, streams_for
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.layout import BlockLayout
+    from kvstrata.platform.streams import CudaStreams, streams_for
     from kvstrata.tiers.memory import HostTier
 
     tier = HostTier(BlockLayout(2, 2, 64, 64), 8)
@@ -71,8 +71,8 @@ def test_host_arena_is_pinned_and_streams_time_copies():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dim", [64, 128])
 def test_lse_attention_kernels_match_math(dtype, dim):
-    from kvstrata.attention import _math_attention, merge_all
-    from kvstrata.device_attention import kernel_name, lse_attention
+    from kvstrata.attention.device import kernel_name, lse_attention
+    from kvstrata.attention.math import math_attention, merge_all
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(4, 8, dim, generator=g).to(CUDA, dtype)
@@ -85,7 +85,7 @@ def test_lse_attention_kernels_match_math(dtype, dim):
         lse_attention(q, k[:, a : a + 500], v[:, a : a + 500], scale) for a in range(0, 2000, 500)
     ]
     out, lse = merge_all(parts)
-    ref_out, ref_lse = _math_attention(q.float(), k.float(), v.float(), scale, None, None)
+    ref_out, ref_lse = math_attention(q.float(), k.float(), v.float(), scale, None, None)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref_out, rtol=tol, atol=tol)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
@@ -98,7 +98,7 @@ def test_triton_dequant_on_the_gpu_equals_the_reference_bits(codec_name, dtype):
     from kvstrata.codecs import _reference as ref
     from kvstrata.codecs import triton_dequant
     from kvstrata.codecs.registry import get_codec
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.layout import BlockLayout
 
     codec = get_codec(codec_name)
     lay = BlockLayout(1, 4, 128, 64, dtype)
@@ -128,7 +128,7 @@ def test_device_to_host_writes_are_read_back_correctly():
     """A non-blocking GPU -> pinned host copy returns before the bytes land: a CPU read
     right after it must still see them (the tier waits for its event)."""
     from kvstrata.codecs.registry import get_codec
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.tiers.memory import DeviceTier, HostTier
 
     lay = BlockLayout(4, 8, 128, 64)
@@ -188,7 +188,7 @@ def fp32_references():
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_tokens_identical_fp32(family, placement, fp32_references, tmp_path):
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     model, ids, ref = fp32_references[family]
     kwargs = dict(PLACEMENTS[placement])
@@ -216,7 +216,7 @@ def test_fused_dequant_gives_the_tokens_of_the_torch_decode(codec, monkeypatch):
     pytest.importorskip("triton")
     from hf_models import tiny_model
     from kvstrata.codecs import triton_dequant
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     model = enable(tiny_model("llama", "sdpa", head_dim=64).to(CUDA))
     ids = _prompt(1024)
@@ -243,7 +243,7 @@ def test_bf16_within_tolerance():
     from transformers import DynamicCache
 
     from hf_models import tiny_model
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     model = tiny_model("llama", "sdpa").to(CUDA, torch.bfloat16)
     ids = _prompt(1024)
@@ -309,7 +309,7 @@ def test_long_prefill_runs_in_memory_linear_in_the_prompt():
     from transformers import DynamicCache
 
     from hf_models import tiny_model
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     n = 16384
     model = tiny_model("llama", "sdpa", max_position_embeddings=2 * n).to(CUDA)
@@ -343,8 +343,8 @@ KVSTRATA_DIR = str(Path(kvstrata.__file__).resolve().parent)
 # staging path: the token ids read once per step to name blocks for prefix reuse, and
 # the step's write rows (built on the CPU by the block manager) copied to the device.
 SYNCS_PER_STEP = {
-    "integrations/hf.py:_update": 1,
-    "runtime.py:write_plan": 2,
+    "integrations/hf/cache.py:_update": 1,
+    "attention/runtime.py:write_plan": 2,
 }
 
 
@@ -376,7 +376,7 @@ def _staged_decode_model():
     """The tiny Llama decoding with 90 % of its KV staged from the host (after a warm-up:
     the kernel selection checks run once)."""
     from hf_models import tiny_model
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     model = enable(tiny_model("llama", "sdpa").to(CUDA))
     cache = TieredCache(
@@ -422,7 +422,7 @@ def test_staged_attention_returns_before_the_device_has_run_it():
     copy stream, attended, merged) is only enqueued: with the compute stream held up by
     a long sleep, the host is back before the sleep ends — and no kvstrata code
     synchronised on the way."""
-    from kvstrata.attention import merge_all, pack_gqa
+    from kvstrata.attention.math import merge_all, pack_gqa
 
     model, cache, _ = _staged_decode_model()
     model.set_attn_implementation("sdpa")
@@ -458,9 +458,9 @@ def test_staged_loads_hide_behind_compute_slower_than_the_link():
     """Chunks staged from the pinned host arena while each chunk's "attention" (a sleep
     on the compute stream, ~10 ms) takes longer than the next chunk's copy: every load
     but the first is hidden (done before the compute stream waits for it)."""
+    from kvstrata.attention.staging import Stager
     from kvstrata.blocks.runs import Run
-    from kvstrata.layout import BlockLayout
-    from kvstrata.staging import Stager
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.tiers.memory import HostTier
 
     lay = BlockLayout(2, 8, 128, 64)

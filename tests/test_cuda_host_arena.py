@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstrata.codecs.registry import get_codec
-from kvstrata.layout import BlockLayout
+from kvstrata.core.layout import BlockLayout
 from kvstrata.tiers import memory
 from kvstrata.tiers.memory import HostTier, MemoryTier
 

@@ -1,6 +1,6 @@
 """The CUDA staging path's logic on the CPU: copy streams and events simulated.
 
-`SimStreams` implements kvstrata.device_streams' interface with a clock per stream:
+`SimStreams` implements kvstrata.platform.streams' interface with a clock per stream:
 an op on a stream advances its clock, `wait_event` moves it to the event's time, an
 event records its stream's clock. Driving the Stager's CUDA path (loads issued on
 the h2d stream, `StagingGuards` ordering the streams with events) through it checks,
@@ -19,15 +19,15 @@ import itertools
 import pytest
 import torch
 
-import kvstrata.staging
+import kvstrata.attention.staging
+from kvstrata.attention.staging import Stager, StagingGuards
+from kvstrata.attention.transfer import TransferEngine
 from kvstrata.blocks.runs import Run
 from kvstrata.codecs.registry import get_codec
-from kvstrata.device_streams import copy_direction, streams_for
-from kvstrata.layout import BlockLayout
-from kvstrata.staging import Stager, StagingGuards
+from kvstrata.core.layout import BlockLayout
+from kvstrata.platform.streams import copy_direction, streams_for
 from kvstrata.tiers import memory
 from kvstrata.tiers.memory import MemoryTier
-from kvstrata.transfer import TransferEngine
 
 _ids = itertools.count()
 
@@ -71,7 +71,7 @@ class SimStream:
 
 
 class SimStreams:
-    """kvstrata.device_streams.DeviceStreams, simulated."""
+    """kvstrata.platform.streams.DeviceStreams, simulated."""
 
     def __init__(self) -> None:
         self.h2d, self.d2h, self.main = SimStream("h2d"), SimStream("d2h"), SimStream("main")
@@ -117,7 +117,7 @@ def _expected(tier: MemoryTier, layer: int, first: int, count: int):
 @pytest.fixture
 def sim(monkeypatch) -> SimStreams:
     sim = SimStreams()
-    monkeypatch.setattr(kvstrata.staging, "streams_for", lambda device: sim)
+    monkeypatch.setattr(kvstrata.attention.staging, "streams_for", lambda device: sim)
     return sim
 
 
@@ -417,7 +417,7 @@ def test_tokens_through_the_event_path(llama, host_codec, fused, monkeypatch):
     from transformers import DynamicCache
 
     from kvstrata.codecs import triton_dequant
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     kernel_runs = []
     n = 5 if fused else 16  # the interpreter runs the kernel in numpy: a few steps
@@ -441,7 +441,7 @@ def test_tokens_through_the_event_path(llama, host_codec, fused, monkeypatch):
         threaded = _greedy(llama, ids, TieredCache(llama.config, **kw), n)
         assert not kernel_runs  # the worker-thread path decodes with the codec itself
         sim = SimStreams()
-        monkeypatch.setattr(kvstrata.staging, "streams_for", lambda device: sim)
+        monkeypatch.setattr(kvstrata.attention.staging, "streams_for", lambda device: sim)
         cache = TieredCache(llama.config, **kw)
         evented = _greedy(llama, ids, cache, n)
         full = cache.stats()

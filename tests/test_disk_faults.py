@@ -39,9 +39,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockstore_harness import held_deleted_files
-from kvstrata import _native
 from kvstrata.codecs.registry import get_codec
-from kvstrata.errors import (
+from kvstrata.core.errors import (
     BlockCorruptError,
     BlockMissingError,
     ConfigError,
@@ -49,7 +48,8 @@ from kvstrata.errors import (
     TierFullError,
     TierIOError,
 )
-from kvstrata.layout import BlockLayout
+from kvstrata.core.layout import BlockLayout
+from kvstrata.platform import native as _native
 from kvstrata.tiers import disk as disk_mod
 from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 
@@ -560,8 +560,8 @@ def test_full_index_is_tier_full_and_consistent(tmp_path):
 _FSIZE_CHILD = textwrap.dedent(
     """
     import json, os, resource, signal, sys, torch
-    from kvstrata.errors import TierIOError
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.errors import TierIOError
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.tiers.disk import DiskTier
     root = sys.argv[1]
     layout = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
@@ -698,8 +698,8 @@ def _run_child(code: str, *args) -> str:
 _HOLDER = textwrap.dedent(
     """
     import sys
-    from kvstrata.errors import TierIOError
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.errors import TierIOError
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.tiers.disk import DiskTier
     layout = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
     print("imported", flush=True)
@@ -834,7 +834,7 @@ _KILL_LAUNCHER = textwrap.dedent(
     """
     import os, random, signal, sys, time
     import torch
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.tiers.disk import DiskTier
     layout = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
     n = 12

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata import _native
 from kvstrata.codecs.registry import get_codec
-from kvstrata.errors import (
+from kvstrata.core.errors import (
     BlockCorruptError,
     BlockMissingError,
     ConfigError,
     TierFullError,
     TierIOError,
 )
-from kvstrata.hashing import sequence_block_hashes
-from kvstrata.layout import BlockLayout
+from kvstrata.core.hashing import sequence_block_hashes
+from kvstrata.core.layout import BlockLayout
+from kvstrata.platform import native as _native
 from kvstrata.tiers import disk as disk_mod
 from kvstrata.tiers import disk_format
 from kvstrata.tiers.disk import ARENA_FILE, DiskTier
@@ -55,7 +55,7 @@ class _ZlibCompressor:
 @pytest.fixture(autouse=True, params=["native", "numpy"])
 def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs on both I/O paths: the native vectored I/O with XXH3-64
-    (kvstrata/native/pio.cpp) and the staged fallback (pread/pwrite, xxhash package)."""
+    (kvstrata/platform/csrc/pio.cpp) and the staged fallback (pread/pwrite, xxhash package)."""
     if request.param == "numpy":
         monkeypatch.setattr(disk_mod, "load_native", lambda: None)
     elif _native.load_pio() is None:
@@ -327,8 +327,8 @@ def test_reopen_with_other_layout_is_config_error(tmp_path):
 _CHILD = textwrap.dedent(
     """
     import os, sys, torch
-    from kvstrata.hashing import sequence_block_hashes
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.hashing import sequence_block_hashes
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.tiers.disk import DiskTier
     layout = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
     tier = DiskTier(layout, 8, sys.argv[1])
@@ -721,7 +721,7 @@ def test_kv_pio_runs_only_with_verified_xxh3_functions(tmp_path, io_path):
 _NO_XXH3_CHILD = textwrap.dedent(
     """
     import ctypes.util, sys, warnings
-    from kvstrata import _native
+    from kvstrata.platform import native as _native
     _native._xxh3_library = lambda: ctypes.util.find_library("c") or "libc.so.6"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

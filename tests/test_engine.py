@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_models import reference_attn, tiny_model
+from kvstrata.core.errors import ConfigError
 from kvstrata.engine import Engine, EngineConfig, RequestRejected, SamplingParams
-from kvstrata.errors import ConfigError
 
 BS = 16
 
@@ -174,7 +174,7 @@ def test_stream_left_early_aborts_the_request():
 
 
 def test_stream_deltas_add_up_to_the_whole_output():
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model
 
     model, tok = load_model("default")
     with Engine(model, tok, block_size=BS) as engine:
@@ -192,7 +192,7 @@ def test_stream_deltas_add_up_to_the_whole_output():
 
 
 def test_stop_strings_cut_the_text():
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model
 
     model, tok = load_model("default")
     with Engine(model, tok, block_size=BS) as engine:
@@ -352,8 +352,8 @@ def test_an_unreadable_block_is_recomputed_never_served(monkeypatch):
     """A block read that fails its check mid-generation (BlockCorruptError from the
     attention) undoes the step; the requests compute their KV again and give the
     tokens of an undisturbed run. A read that keeps failing ends the request."""
-    from kvstrata.errors import BlockCorruptError
-    from kvstrata.runtime import AttentionRuntime
+    from kvstrata.attention.runtime import AttentionRuntime
+    from kvstrata.core.errors import BlockCorruptError
 
     ps, sp = prompts(3, seed=9), SamplingParams(max_tokens=12)
     calls = {"n": 0, "fail_at": None}
@@ -391,8 +391,8 @@ def test_running_out_of_blocks_preempts_one_request_and_loses_none(monkeypatch):
     """A step that runs out of blocks before the store placed it (nothing to undo)
     preempts the newest request; every request still finishes with the tokens of an
     undisturbed run — none is ended for it."""
-    from kvstrata.errors import OutOfBlocksError
-    from kvstrata.store import KVStore
+    from kvstrata.core.errors import OutOfBlocksError
+    from kvstrata.store.kvstore import KVStore
 
     ps, sp = prompts(4, seed=5), SamplingParams(max_tokens=10)
     real = KVStore.extend
@@ -621,7 +621,7 @@ def test_min_tokens_boundary_first_output_and_a_prompt_alone():
     """Stop strings are looked for from the min_tokens-th token on (vLLM: a stop string
     may end with it); `first_output` sends an output at the first token even when it
     brings no text; max_tokens 0 computes the prompt alone, from the prefix cache."""
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model
 
     model, tok = load_model("default")
     prompt = "def area(radius):\n    return"
@@ -664,9 +664,9 @@ def test_a_request_recomputed_after_scoring_its_prompt_reuses_the_prefix_cache(m
     """Prompt logprobs need every position computed (no prefix-cache lookup), but once
     the prompt is scored a storage-error recompute looks its prefix up like any request;
     the tokens and prompt logprobs are those of an undisturbed run."""
-    from kvstrata.errors import BlockCorruptError
-    from kvstrata.runtime import AttentionRuntime
-    from kvstrata.store import KVStore
+    from kvstrata.attention.runtime import AttentionRuntime
+    from kvstrata.core.errors import BlockCorruptError
+    from kvstrata.store.kvstore import KVStore
 
     prompt = prompts(4, seed=2)[3]  # 64 tokens
     sp = SamplingParams(max_tokens=10, ignore_eos=True, prompt_logprobs=1, logprobs=0)

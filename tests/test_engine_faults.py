@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from hf_models import tiny_model
+from kvstrata.attention.runtime import AttentionRuntime
 from kvstrata.engine import Engine, EngineConfig, SamplingParams
-from kvstrata.runtime import AttentionRuntime
 
 BS = 16
 

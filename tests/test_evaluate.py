@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvstrata.errors import ConfigError
-from kvstrata.evaluate import (
+from kvstrata.core.errors import ConfigError
+from kvstrata.model.zoo import EOS_ID, load_model
+from kvstrata.quality.evaluate import (
     LOSSLESS_TOLERANCE_PCT,
     PplResult,
     compare,
@@ -24,7 +25,6 @@ from kvstrata.evaluate import (
     top1_agreement,
     window_perplexity,
 )
-from kvstrata.modelzoo import EOS_ID, load_model
 
 CONTEXT = 64
 BLOCK = 16

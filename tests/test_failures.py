@@ -20,9 +20,9 @@ import torch
 from blockstore_harness import read_sequence
 from hf_models import tiny_model
 from kvstrata import CacheConfig, KVStore
-from kvstrata.errors import BlockCorruptError, KvstrataError
-from kvstrata.integrations.hf import TieredCache, enable
-from kvstrata.runtime import AttentionRuntime, write_layer, write_plan
+from kvstrata.attention.runtime import AttentionRuntime, write_layer, write_plan
+from kvstrata.core.errors import BlockCorruptError, KvstrataError
+from kvstrata.integrations.hf.cache import TieredCache, enable
 from test_disk_faults import held_deleted_files
 
 STEPS = 8
@@ -191,7 +191,7 @@ def test_aborting_a_sliding_step_that_skipped_its_window_restores_the_history():
 def test_a_full_disk_during_a_prefill_is_undone_and_the_retry_is_exact(llama, tmp_path):
     """Blocks that spill straight to the disk tier in a long prefill: the disk fails
     at its second layer write; the retried prefill equals an undisturbed one."""
-    from kvstrata.errors import TierFullError
+    from kvstrata.core.errors import TierFullError
     from kvstrata.tiers.disk import DiskTier
 
     model = llama
@@ -218,7 +218,7 @@ def test_a_failed_move_to_disk_leaves_the_store_as_it_was(llama, tmp_path):
     """A storage error while a step moves blocks down to the disk tier: the step is
     refused with every table and slot as before, and the next try goes through."""
     from blockstore_harness import check_accounting
-    from kvstrata.errors import TierFullError
+    from kvstrata.core.errors import TierFullError
     from kvstrata.tiers.disk import DiskTier
 
     cfg = CacheConfig(

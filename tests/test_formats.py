@@ -1,4 +1,4 @@
-"""kvstrata.formats mirrors kvstrata/native/common.h: enum values against the header
+"""kvstrata.core.formats mirrors kvstrata/platform/csrc/common.h: enum values against the header
 text (no compiler needed), struct layouts against the compiled library."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import kvstrata
-from kvstrata import _native
-from kvstrata.formats import DType, FieldDesc, FieldFormat, PartDesc
+from kvstrata.core.formats import DType, FieldDesc, FieldFormat, PartDesc
+from kvstrata.platform import native as _native
 
-HEADER = Path(kvstrata.__file__).with_name("native") / "common.h"
+HEADER = Path(kvstrata.__file__).parent / "platform" / "csrc" / "common.h"
 
 
 def _enum(name: str) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""kvstrata.geometry: exact KV bytes per token for MHA/GQA/MLA, sliding windows, codecs."""
+"""kvstrata.model.geometry: exact KV bytes per token for MHA/GQA/MLA, sliding windows, codecs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvstrata.codecs.registry import codec_names
-from kvstrata.errors import ConfigError
-from kvstrata.geometry import PRESETS, KVGeometry, load_geometry
+from kvstrata.core.errors import ConfigError
+from kvstrata.model.geometry import PRESETS, KVGeometry, load_geometry
 
 GIB = 2**30
 
@@ -155,7 +155,7 @@ def test_from_transformers_config_objects():
 def test_tiny_geometry_matches_the_real_model():
     from transformers import LlamaForCausalLM
 
-    from kvstrata.modelzoo import tiny_code_config
+    from kvstrata.model.zoo import tiny_code_config
 
     config = tiny_code_config()
     preset = load_geometry("kvstrata-code-tiny")

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvstrata.errors import ConfigError
-from kvstrata.hashing import HASH_BYTES, block_hash, sequence_block_hashes
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.hashing import HASH_BYTES, block_hash, sequence_block_hashes
 
 EXTRA = {"model": "tiny-llama", "dtype": "float16", "codec": "int8", "layout": 1, "shard": "0/1"}
 
@@ -18,7 +18,7 @@ def test_identical_in_another_process():
     tokens = list(range(1000, 1050))
     here = [h.hex() for h in sequence_block_hashes(tokens, 16, EXTRA)]
     code = (
-        "from kvstrata.hashing import sequence_block_hashes\n"
+        "from kvstrata.core.hashing import sequence_block_hashes\n"
         f"print(' '.join(h.hex() for h in sequence_block_hashes({tokens!r}, 16, {EXTRA!r})))"
     )
     # A different PYTHONHASHSEED would change any use of Python's hash().

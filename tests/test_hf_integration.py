@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import kvstrata
 from hf_models import FAMILIES, reference_attn, tiny_model
-from kvstrata.integrations.hf import TieredCache, enable
+from kvstrata.integrations.hf.cache import TieredCache, enable
 
 PROMPT_LEN = 1024
 NEW_TOKENS = 200
@@ -223,7 +223,7 @@ def test_model_forward_loop_matches_dynamic_cache():
     ref_cache = DynamicCache(config=model.config)
     ref_logits = model(ids, cache=ref_cache).logits
     enable(model)
-    cache = kvstrata.integrations.hf.TieredCache(model.config, block_size=16, max_tokens=512)
+    cache = kvstrata.integrations.hf.cache.TieredCache(model.config, block_size=16, max_tokens=512)
     logits = model(ids, cache=cache).logits
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == 130

@@ -9,8 +9,8 @@ import torch
 
 from kvstrata.blocks.pool import BlockPool
 from kvstrata.codecs.registry import get_codec
-from kvstrata.layout import BlockLayout
-from kvstrata.slots import slot_runs
+from kvstrata.core.layout import BlockLayout
+from kvstrata.core.slots import slot_runs
 from kvstrata.tiers.base import SlotAllocator
 from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier
 

@@ -21,8 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_models
 import kvstrata
-from kvstrata.geometry import KVGeometry
-from kvstrata.integrations.hf import TieredCache, enable
+from kvstrata.integrations.hf.cache import TieredCache, enable
+from kvstrata.model.geometry import KVGeometry
 
 COMMON = {**hf_models.COMMON, "max_position_embeddings": 1024}
 SLIDING = dict(sliding_window=32, layer_types=["sliding_attention", "full_attention"])
@@ -155,7 +155,7 @@ def test_model_code_using_cached_kv_as_tensors_gets_one_line_error():
     # the handle inside a list (torch.cat) is named too; the error pickles
     import pickle
 
-    from kvstrata.integrations.hf_layers import TieredKV
+    from kvstrata.integrations.hf.layers import TieredKV
 
     handle = TieredKV(cache, 0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
     with pytest.raises(kvstrata.UnsupportedModelError, match=r"torch\.cat\(key_states"):
@@ -199,8 +199,8 @@ def test_a_failure_in_a_layer_that_reuses_kv_undoes_the_whole_step():
     failure there still undoes it."""
     from transformers import Gemma3nConfig
 
-    from kvstrata.runtime import AttentionRuntime
-    from kvstrata.store import KVStore
+    from kvstrata.attention.runtime import AttentionRuntime
+    from kvstrata.store.kvstore import KVStore
 
     model = _model("gemma3n_text", **FAMILIES["gemma3n_text"])
     wrapper = Gemma3nConfig(text_config=model.config.to_dict())

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hf_models import make_tiny_model_dir
-from kvstrata.errors import ConfigError
-from kvstrata.modelzoo import (
+from kvstrata.core.errors import ConfigError
+from kvstrata.model.zoo import (
     DEFAULT_MODEL_NAME,
     default_model_dir,
     heldout_files,

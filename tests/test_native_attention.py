@@ -1,4 +1,4 @@
-"""Native decode attention (kvstrata/native/attention.cpp) against torch.
+"""Native decode attention (kvstrata/platform/csrc/attention.cpp) against torch.
 
 Raw parts must match torch attention to fp32 rounding; quantized parts (int8, fp8, int4
 read in place) must match "decode the blocks, then attend" — the kernel changes where
@@ -15,19 +15,19 @@ import pytest
 import torch
 
 from hf_models import tiny_model
-from kvstrata import _native
-from kvstrata.attention import (
+from kvstrata.attention.math import merge_all
+from kvstrata.attention.native import (
     encoded_field,
-    merge_all,
     native_attention,
     native_attention_batch,
-    partial_attention,
     raw_field,
 )
+from kvstrata.attention.partials import partial_attention
 from kvstrata.codecs.registry import get_codec
-from kvstrata.formats import FieldDesc, FieldFormat
-from kvstrata.integrations.hf import TieredCache, enable
-from kvstrata.layout import BlockLayout
+from kvstrata.core.formats import FieldDesc, FieldFormat
+from kvstrata.core.layout import BlockLayout
+from kvstrata.integrations.hf.cache import TieredCache, enable
+from kvstrata.platform import native as _native
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="no C++ compiler")
 
@@ -214,7 +214,7 @@ def test_batched_decodes_equal_one_call_per_sequence(threads):
     soft-capping; a sequence with no parts gets lse -inf."""
     import ctypes
 
-    from kvstrata.formats import PartDesc
+    from kvstrata.core.formats import PartDesc
 
     codec, enc, k8, v8 = _encoded("int8", 64, 8, 64, seed=3)
     fmt = codec.attend_format("k", BlockLayout(1, 2, 64, 64))
@@ -291,8 +291,8 @@ def test_layer_descs_equal_descriptors_built_per_layer() -> None:
     for byte, the arrays built directly for every layer — raw and int8 parts."""
     import ctypes
 
-    from kvstrata.attention import LayerDescs
-    from kvstrata.formats import PartDesc
+    from kvstrata.attention.native import LayerDescs
+    from kvstrata.core.formats import PartDesc
 
     layers, heads, rows, dim = 5, 2, 48, 64
     raw = torch.randn(layers, heads, rows, dim)
@@ -320,7 +320,7 @@ def test_patched_read_plans_equal_rebuilt_ones(monkeypatch, host_codec):
     """A decode step that only grows a sequence's last run patches last step's plan;
     every patched plan must equal, byte for byte, the plan built from scratch — over
     steps that cross block boundaries and spill blocks to the host tier."""
-    from kvstrata.runtime import AttentionRuntime
+    from kvstrata.attention.runtime import AttentionRuntime
 
     real = AttentionRuntime._grown_plan
     checked = []

@@ -1,4 +1,4 @@
-"""Passkey retrieval (kvstrata.needle), greedy agreement (kvstrata.agreement), their
+"""Passkey retrieval (kvstrata.quality.needle), greedy agreement (kvstrata.quality.agreement), their
 `kvstrata eval needle` / `eval greedy` commands, and prompt files, on tiny models."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import sys
 import pytest
 import torch
 
-from kvstrata.agreement import first_difference, greedy_agreement, greedy_tokens
-from kvstrata.budgets import placement
 from kvstrata.cli import main
-from kvstrata.errors import ConfigError
-from kvstrata.evaluate import EXACT
-from kvstrata.integrations.hf import TieredCache
-from kvstrata.modelzoo import build_byte_tokenizer, load_model
-from kvstrata.needle import (
+from kvstrata.core.errors import ConfigError
+from kvstrata.integrations.hf.cache import TieredCache
+from kvstrata.model.budgets import placement
+from kvstrata.model.prompts import read_prompt_file
+from kvstrata.model.zoo import build_byte_tokenizer, load_model
+from kvstrata.quality.agreement import first_difference, greedy_agreement, greedy_tokens
+from kvstrata.quality.evaluate import EXACT
+from kvstrata.quality.needle import (
     ANSWER_PREFIX,
     INSTRUCTION,
     NEEDLE,
@@ -29,7 +30,6 @@ from kvstrata.needle import (
     needle_cases,
     needle_sweep,
 )
-from kvstrata.prompts import read_prompt_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""kvstrata.planner and kvstrata.hardware: the seed's numbers come out of the same code."""
+"""kvstrata.model.planner and kvstrata.platform.hardware: the seed's numbers from the same code."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 
 from kvstrata.codecs.registry import codec_names
-from kvstrata.errors import ConfigError
-from kvstrata.geometry import load_geometry
-from kvstrata.hardware import GIB, get_gpu, get_link, make_hardware
-from kvstrata.planner import Workload, memory_saved, plan, resident_tokens, transfer_seconds
+from kvstrata.core.errors import ConfigError
+from kvstrata.model.geometry import load_geometry
+from kvstrata.model.planner import Workload, memory_saved, plan, resident_tokens, transfer_seconds
+from kvstrata.platform.hardware import GIB, get_gpu, get_link, make_hardware
 
 LLAMA2 = load_geometry("llama-2-7b")
 
@@ -115,8 +115,8 @@ def test_sliding_window_caps_kv():
 
 
 def test_planner_counts_sliding_blocks_like_the_store():
-    from kvstrata.budgets import blocks_held
-    from kvstrata.groups import layer_groups
+    from kvstrata.model.budgets import blocks_held
+    from kvstrata.model.groups import layer_groups
 
     g = load_geometry("mistral-7b")
     groups = layer_groups(g.num_layers, g.sliding_layers, g.sliding_window)

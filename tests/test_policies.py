@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.errors import ConfigError
-from kvstrata.policies.eviction import BlockView, EvictionPolicy
+from kvstrata.blocks.eviction import BlockView, EvictionPolicy
+from kvstrata.core.errors import ConfigError
 
 
 def _views() -> list[BlockView]:

@@ -13,8 +13,9 @@ from transformers import DynamicCache, LlamaConfig
 
 import kvstrata
 from hf_models import tiny_model
-from kvstrata.attention import pack_gqa, partial_attention, unpack_gqa
-from kvstrata.integrations.hf import TieredCache, kvstrata_attention
+from kvstrata.attention.math import pack_gqa, unpack_gqa
+from kvstrata.attention.partials import partial_attention
+from kvstrata.integrations.hf.cache import TieredCache, kvstrata_attention
 
 HEAD_DIM = 64
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 import uvicorn
 
+from kvstrata.core.errors import ConfigError
 from kvstrata.engine import Engine, EngineConfig
-from kvstrata.errors import ConfigError
-from kvstrata.modelzoo import load_model
+from kvstrata.model.zoo import load_model
 from kvstrata.server import build_app
 from kvstrata.server.chat import plain_chat_prompt
 

@@ -16,10 +16,10 @@ from transformers import DynamicCache
 from blockstore_harness import read_sequence
 from hf_models import tiny_model
 from kvstrata import CacheConfig, ConfigError, KVStore, OutOfBlocksError
-from kvstrata.geometry import KVGeometry
-from kvstrata.groups import layer_groups
-from kvstrata.integrations.hf import enable
-from kvstrata.runtime import write_layer, write_plan
+from kvstrata.attention.runtime import write_layer, write_plan
+from kvstrata.integrations.hf.cache import enable
+from kvstrata.model.geometry import KVGeometry
+from kvstrata.model.groups import layer_groups
 from reference_placement import check_order, compare_with_reference
 
 PREFIX = 2048
@@ -517,7 +517,7 @@ def test_a_persist_that_fails_gives_its_disk_slots_back(llama, tmp_path, monkeyp
     """Closing writes memory-only hashed blocks to disk; a copy that fails there (a full
     disk) gives the slots it took back and keys nothing."""
     from kvstrata.blocks.manager import BlockManager
-    from kvstrata.errors import TierFullError
+    from kvstrata.core.errors import TierFullError
 
     model, prompts, refs, counter = llama
     cfg = _config(host_budget="4MiB", disk_dir=str(tmp_path), disk_budget="16MiB")

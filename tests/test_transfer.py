@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from kvstrata.errors import ConfigError
-from kvstrata.hardware import LINK_LATENCY_S, LINKS
-from kvstrata.transfer import LinkModel, Prefetcher, TransferEngine, TransferStats
+from kvstrata.attention.transfer import LinkModel, Prefetcher, TransferEngine, TransferStats
+from kvstrata.core.errors import ConfigError
+from kvstrata.platform.hardware import LINK_LATENCY_S, LINKS
 
 MB = 1 << 20
 
@@ -21,7 +21,7 @@ def test_link_model_and_presets():
     assert LinkModel.preset("pcie4") == LinkModel(25e9, 10e-6)
     assert LinkModel.preset("pcie3") == LinkModel(12e9, 10e-6)
     assert LinkModel.preset("pcie5") == LinkModel(50e9, 10e-6)
-    # one table with the planner's links (kvstrata.hardware.LINKS)
+    # one table with the planner's links (kvstrata.platform.hardware.LINKS)
     for name, spec in LINKS.items():
         assert LinkModel.preset(name) == LinkModel(spec.bandwidth, LINK_LATENCY_S)
     with pytest.raises(ConfigError, match=r"^link='pcie9' is invalid: one of pcie3, pcie3-x8"):

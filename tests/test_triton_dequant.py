@@ -13,7 +13,7 @@ import torch
 from kvstrata.codecs import _reference as ref
 from kvstrata.codecs import triton_dequant as td
 from kvstrata.codecs.registry import get_codec
-from kvstrata.layout import BlockLayout
+from kvstrata.core.layout import BlockLayout
 
 pytest.importorskip("triton", reason="the fused dequant kernel needs the `cuda` extra")
 

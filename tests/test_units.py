@@ -1,11 +1,11 @@
-"""kvstrata.units: sizes and token counts as people write them."""
+"""kvstrata.core.units: sizes and token counts as people write them."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstrata.errors import ConfigError
-from kvstrata.units import format_bytes, parse_size, parse_tokens
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import format_bytes, parse_size, parse_tokens
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,7 @@ def test_format_bytes():
 
 
 def test_parse_fraction():
-    from kvstrata.units import parse_fraction
+    from kvstrata.core.units import parse_fraction
 
     assert parse_fraction("10%", "resident") == 0.1
     assert parse_fraction(0.25) == 0.25

@@ -14,7 +14,7 @@ if "torch" not in _sys.modules:  # read once, when torch loads its OpenMP runtim
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kvstrata.config import CacheConfig
-from kvstrata.errors import (
+from kvstrata.core.errors import (
     BlockCorruptError,
     BlockMissingError,
     CodecError,
@@ -25,16 +25,16 @@ from kvstrata.errors import (
     TierIOError,
     UnsupportedModelError,
 )
-from kvstrata.units import parse_size, parse_tokens
+from kvstrata.core.units import parse_size, parse_tokens
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "TieredCache": "kvstrata.integrations.hf",
-    "KVStore": "kvstrata.store",
-    "enable": "kvstrata.integrations.hf",
-    "plan": "kvstrata.planner",
-    "load_geometry": "kvstrata.geometry",
+    "TieredCache": "kvstrata.integrations.hf.cache",
+    "KVStore": "kvstrata.store.kvstore",
+    "enable": "kvstrata.integrations.hf.cache",
+    "plan": "kvstrata.model.planner",
+    "load_geometry": "kvstrata.model.geometry",
     "get_codec": "kvstrata.codecs.registry",
     "Engine": "kvstrata.engine",
     "EngineConfig": "kvstrata.engine",

@@ -18,14 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.errors import ConfigError
-from kvstrata.units import (
+import torch
+
+from kvstrata.codecs.registry import get_codec
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import (
     MAX_TOKENS,
     format_bytes,
     parse_fraction,
     parse_size,
     parse_tokens,
 )
+from kvstrata.platform.hardware import device_memory, machine_ram
 
 POLICIES = ("window", "lru", "lfu")
 COLD_ATTENTION = ("auto", "local", "stage")
@@ -192,74 +196,6 @@ def check_cache_config(value: Any, field: str = "cache_config") -> CacheConfig |
     )
 
 
-STORE_KEYWORDS = ("model_key", "prefix_caching")  # KVStore keywords TieredCache passes on
-
-
-def check_tiered_cache_args(
-    model_config: Any,
-    cache_config: Any,
-    fields: Mapping[str, Any],
-    *,
-    store: Any = None,
-    prompt_ids: Any = None,
-    salt: Any = "",
-    dtype: Any = None,
-) -> None:
-    """Check `TieredCache(...)`'s arguments before anything is built (ConfigError, one
-    line): the model config, a CacheConfig (not a str or dict), known field names
-    (closest one suggested), dtype, store, salt, the KVStore keywords, and prompt ids
-    (integers, [batch, tokens], within the vocabulary and the model's positions)."""
-    import torch
-
-    from kvstrata.store import KVStore
-
-    if model_config is None or isinstance(model_config, str | bytes | int | float | dict | list):
-        raise ConfigError.field("config", model_config, "the model's config (model.config)")
-    check_cache_config(cache_config)
-    check_field_names(fields, ("store", "prompt_ids", "salt", "dtype", *STORE_KEYWORDS))
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ConfigError.field("dtype", dtype, "a torch.dtype such as torch.float16, or None")
-    if store is not None and not isinstance(store, KVStore):
-        raise ConfigError.field("store", store, "a kvstrata KVStore to share, or None")
-    if not isinstance(salt, str):
-        raise ConfigError.field("salt", salt, "a string naming the tenant ('' = shared)")
-    if fields.get("model_key") is not None and not isinstance(fields["model_key"], str):
-        raise ConfigError.field("model_key", fields["model_key"], "a string, or None")
-    if not isinstance(fields.get("prefix_caching", True), bool):
-        raise ConfigError.field("prefix_caching", fields["prefix_caching"], "True or False")
-    if prompt_ids is not None:
-        _check_prompt_ids(prompt_ids, model_config)
-
-
-def _check_prompt_ids(prompt_ids: Any, model_config: Any) -> None:
-    import torch
-
-    accepted = "token ids: a tensor or list of ints, [tokens] or [batch, tokens]"
-    try:
-        ids = torch.as_tensor(prompt_ids)
-    except (TypeError, ValueError, RuntimeError):
-        raise ConfigError.field("prompt_ids", prompt_ids, accepted) from None
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ConfigError.field("prompt_ids", prompt_ids, accepted)
-    if ids.ndim not in (1, 2) or ids.numel() == 0:
-        return  # the shape is refused where the ids are read (names the shape)
-    vocab = getattr(model_config, "vocab_size", None)
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or (isinstance(vocab, int) and high >= vocab):
-        bad = low if low < 0 else high
-        accepted = "ids >= 0"
-        if isinstance(vocab, int):
-            accepted = f"ids from 0 to {vocab - 1} (vocab_size)"
-        raise ConfigError.field("prompt_ids", f"... {bad} ...", accepted)
-    limit = getattr(model_config, "max_position_embeddings", None)
-    if isinstance(limit, int) and ids.shape[-1] > limit:
-        raise ConfigError.field(
-            "prompt_ids",
-            f"{ids.shape[-1]} tokens",
-            f"at most the model's max_position_embeddings ({limit})",
-        )
-
-
 _dataclass_init = CacheConfig.__init__
 
 
@@ -317,8 +253,6 @@ def _check_device(value: Any) -> str:
         if head != "cuda" or not tail.isdigit():
             raise ConfigError.field("device", value, DEVICE_HELP)
         index = int(tail)
-    import torch
-
     if not torch.cuda.is_available():
         raise ConfigError.field(
             "device",
@@ -332,8 +266,6 @@ def _check_device(value: Any) -> str:
 
 
 def _check_codecs(config: CacheConfig) -> None:
-    from kvstrata.codecs.registry import get_codec
-
     for name in ("device_codec", "host_codec", "disk_codec"):
         value = getattr(config, name)
         if not isinstance(value, str) or not value:
@@ -348,25 +280,8 @@ def _check_codecs(config: CacheConfig) -> None:
             )
 
 
-def device_memory(device: str) -> tuple[str, int]:
-    """(what, bytes) of memory behind `device` ('auto' resolved): the GPU's total
-    memory for CUDA, physical RAM for the CPU (0 when unknown)."""
-    from kvstrata.hardware import machine_ram
-
-    if device == "cpu":
-        return "this machine's RAM", machine_ram()
-    import torch
-
-    if device == "auto" and not torch.cuda.is_available():
-        return "this machine's RAM", machine_ram()
-    index = 0 if device in ("auto", "cuda") else int(device.split(":")[1])
-    return f"cuda:{index}", int(torch.cuda.get_device_properties(index).total_memory)
-
-
 def _check_machine(config: CacheConfig, given: dict[str, Any]) -> None:
     """Budgets this machine cannot hold: the tiers allocate them up front."""
-    from kvstrata.hardware import machine_ram
-
     ram = machine_ram()
     if ram and config.host_budget > ram:
         raise ConfigError.field(
@@ -394,9 +309,6 @@ __all__ = [
     "MAX_TOKENS",
     "POLICIES",
     "CacheConfig",
-    "STORE_KEYWORDS",
     "check_cache_config",
     "check_field_names",
-    "check_tiered_cache_args",
-    "device_memory",
 ]

@@ -111,7 +111,7 @@ def test_c_a_corrupt_block_is_a_miss_and_recomputed(first_run: dict, restart: di
 
 @pytest.fixture(scope="module")
 def control(tiny_llama: Path, engine_factory: Any, first_run: dict, restart: dict) -> dict:
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.tiers.disk import DiskTier
 
     layout = BlockLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, VLLM_BLOCK, torch.float32)

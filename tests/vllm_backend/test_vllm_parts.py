@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvstrata.errors import ConfigError, KvstrataError, TierIOError, UnsupportedModelError
-from kvstrata.geometry import KVGeometry
+from kvstrata.core.errors import ConfigError, KvstrataError, TierIOError, UnsupportedModelError
+from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.vllm import kv_transfer_config
 from kvstrata.integrations.vllm import store as store_module
 from kvstrata.integrations.vllm.index import BlockIndex
@@ -35,7 +35,7 @@ from kvstrata.integrations.vllm.plan import (
 )
 from kvstrata.integrations.vllm.region import HEADER_BYTES, MAGIC
 from kvstrata.integrations.vllm.store import HIT, MISS, PENDING, OffloadStore
-from kvstrata.layout import BlockLayout
+from kvstrata.model.geometry import KVGeometry
 from kvstrata.tiers.disk import DiskTier
 
 L, H, D, N = 2, 2, 32, 32

@@ -202,7 +202,7 @@ def resolve_decode_args(
 
 def check_positive(args: Any, *names: str) -> None:
     """ConfigError (exit 2, one line) unless every named flag is a whole number >= 1."""
-    from kvstrata.errors import ConfigError
+    from kvstrata.core.errors import ConfigError
 
     for name in names:
         value = getattr(args, name)
@@ -213,8 +213,8 @@ def check_positive(args: Any, *names: str) -> None:
 
 def parse_contexts(text: str | Sequence[int], count: int | None = None) -> tuple[int, ...]:
     """ "2048,8k" -> (2048, 8192); ConfigError (exit 2) on bad input or wrong count."""
-    from kvstrata.errors import ConfigError
-    from kvstrata.units import parse_tokens
+    from kvstrata.core.errors import ConfigError
+    from kvstrata.core.units import parse_tokens
 
     if not isinstance(text, str):
         return tuple(text)

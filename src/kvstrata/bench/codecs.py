@@ -19,7 +19,7 @@ import torch
 
 from kvstrata.bench._timing import check_positive, median_seconds
 from kvstrata.codecs.registry import get_codec
-from kvstrata.layout import BlockLayout
+from kvstrata.core.layout import BlockLayout
 
 NAME = "codecs"
 HELP = "codec encode/decode GB/s vs copy_, attention error, lossless ratio"

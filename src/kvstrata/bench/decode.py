@@ -83,7 +83,7 @@ def tiny_llama(
 
 def kvstrata_twin(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of `model` (same weights) switched to the "kvstrata" attention."""
-    from kvstrata.integrations.hf import enable
+    from kvstrata.integrations.hf.cache import enable
 
     return enable(copy.deepcopy(model))
 
@@ -178,7 +178,7 @@ class Variant:
 def _variants(args: argparse.Namespace, sdpa: torch.nn.Module) -> list[Variant]:
     from transformers import DynamicCache
 
-    from kvstrata.integrations.hf import TieredCache
+    from kvstrata.integrations.hf.cache import TieredCache
 
     tiered = kvstrata_twin(sdpa)
     short, long = args.contexts

@@ -6,7 +6,7 @@ its section and fails the run, the others still run):
 
 1. links: host<->device copy GB/s, pinned and pageable, both directions (medians of
    CUDA-synchronised copies of --copy-mib), next to the `--link` preset of
-   kvstrata.hardware the planner and the LinkModel assume.
+   kvstrata.platform.hardware the planner and the LinkModel assume.
 2. memory: peak `torch.cuda.max_memory_allocated` during decode above what was
    allocated before the cache existed — the KV working set: device tier + staging +
    transients — at each --memory-contexts with a fixed device budget and staging
@@ -54,7 +54,7 @@ import torch
 
 from kvstrata.bench import _timing
 from kvstrata.bench._gpu_report import junit_summary, print_summary
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
 
 NAME = "gpu"
 HELP = (
@@ -227,8 +227,8 @@ def _section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
 
 # -- 0. environment -----------------------------------------------------------------------------
 def environment(device: torch.device, s: dict[str, Any]) -> dict[str, Any]:
+    from kvstrata.attention.device import installed_kernels, kernel_name
     from kvstrata.codecs import triton_dequant
-    from kvstrata.device_attention import installed_kernels, kernel_name
 
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -255,7 +255,7 @@ def environment(device: torch.device, s: dict[str, Any]) -> dict[str, Any]:
 
 # -- 1. links -----------------------------------------------------------------------------------
 def links(device: torch.device, s: dict[str, Any], link: str) -> dict[str, Any]:
-    from kvstrata.transfer import LinkModel
+    from kvstrata.attention.transfer import LinkModel
 
     nbytes = s["copy_mib"] * _MIB
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -313,7 +313,7 @@ def memory(
     probe: Any = None,
     on_row: Callable[[list], None] | None = None,
 ) -> dict[str, Any]:
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     if probe is None:
         if device.type != "cuda":
@@ -387,7 +387,7 @@ def decode(
 
     from kvstrata.codecs import triton_dequant
     from kvstrata.codecs.registry import get_codec
-    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
 
     sdpa = model
     per_token = _kv_bytes_per_token(model)
@@ -544,7 +544,7 @@ def measure(
     section(
         "decode", lambda: decode(model, device, s, prefills, h2d, budget, rows_so_far("decode"))
     )
-    from kvstrata import device_attention
+    from kvstrata.attention import device as device_attention
     from kvstrata.codecs import triton_dequant
 
     if "error" not in report["environment"]:  # a kernel that failed during the run

@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def manager_step_seconds(model: Any, args: argparse.Namespace, context: int) -> dict[str, Any]:
     """Mean seconds of the store's work per decode step, and the store's size."""
     from kvstrata import CacheConfig, KVStore
-    from kvstrata.geometry import KVGeometry
-    from kvstrata.runtime import write_plan
+    from kvstrata.attention.runtime import write_plan
+    from kvstrata.model.geometry import KVGeometry
 
     n, bs = args.sequences, args.block_size
     per_token = int(KVGeometry.from_hf_config(model.config).bytes_per_token("fp32"))
@@ -108,7 +108,7 @@ def model_step_seconds(model: Any, args: argparse.Namespace, context: int) -> fl
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model
 
     torch.set_num_threads(args.threads)
     model, _ = load_model("default")

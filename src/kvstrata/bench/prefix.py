@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _prompt(tokenizer: Any, num_tokens: int) -> torch.Tensor:
     """`num_tokens` tokens of real text: the embedded model's held-out stdlib files."""
-    from kvstrata.modelzoo import heldout_files
+    from kvstrata.model.zoo import heldout_files
 
     text = ""
     for path in heldout_files("default"):
@@ -65,9 +65,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from kvstrata import CacheConfig, KVStore
-    from kvstrata.integrations.hf import enable
-    from kvstrata.modelzoo import load_model
-    from kvstrata.units import parse_tokens
+    from kvstrata.core.units import parse_tokens
+    from kvstrata.integrations.hf.cache import enable
+    from kvstrata.model.zoo import load_model
 
     torch.set_num_threads(args.threads)
     prefix = parse_tokens(args.prefix, "prefix")
@@ -164,7 +164,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _token_bytes(model: Any) -> int:
-    from kvstrata.geometry import KVGeometry
+    from kvstrata.model.geometry import KVGeometry
 
     geometry = KVGeometry.from_hf_config(model.config)
     return int(geometry.bytes_per_token("fp32"))

@@ -87,8 +87,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the comparison; returns the report (see module docstring)."""
     from transformers import DynamicCache
 
-    from kvstrata.integrations.hf import TieredCache
-    from kvstrata.layout import BlockLayout
+    from kvstrata.core.layout import BlockLayout
+    from kvstrata.integrations.hf.cache import TieredCache
 
     torch.set_num_threads(args.threads)
     sdpa = tiny_llama(args.layers, args.seed, initializer_range=args.init_range)

@@ -34,12 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstrata.attention.transfer import LinkModel, Prefetcher, TransferEngine
 from kvstrata.bench._timing import check_positive, median_seconds
-from kvstrata.geometry import dtype_name
-from kvstrata.layout import BlockLayout
+from kvstrata.core.layout import BlockLayout
+from kvstrata.model.geometry import dtype_name
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import HostTier
-from kvstrata.transfer import LinkModel, Prefetcher, TransferEngine
 
 NAME = "tiers"
 HELP = "tier GB/s vs raw copy/file I/O, block-size sweep, latency jitter, prefetch overlap"
@@ -352,7 +352,7 @@ def bench_prefetch(args: argparse.Namespace) -> dict[str, object]:
 # -- report -------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     """Run all four parts and print tables (or JSON with --json)."""
-    from kvstrata.errors import ConfigError
+    from kvstrata.core.errors import ConfigError
 
     check_positive(args, "size_mib", "repeats", "samples")
     if args.quick:

@@ -54,7 +54,7 @@ def _prompts(model_dir: Path, count: int, num_tokens: int) -> list[list[int]]:
     """`count` prompts of `num_tokens` tokens of real text (stdlib sources), disjoint."""
     from transformers import AutoTokenizer
 
-    from kvstrata.modelzoo import heldout_files
+    from kvstrata.model.zoo import heldout_files
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids: list[int] = []
@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from kvstrata.integrations.vllm import kv_transfer_config
-    from kvstrata.modelzoo import resolve_model_dir
+    from kvstrata.model.zoo import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     warning = _timing.load_warning(os.cpu_count() or 1)  # vLLM uses every core
@@ -189,8 +189,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _layout(model_dir: Path, block_tokens: int) -> Any:
     import torch
 
+    from kvstrata.core.layout import BlockLayout
     from kvstrata.integrations.vllm.plan import model_geometry
-    from kvstrata.layout import BlockLayout
 
     g = model_geometry(str(model_dir))
     return BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, block_tokens, torch.float32)
@@ -209,7 +209,7 @@ def _host_block_bytes(model_dir: Path, block_tokens: int, codec: str) -> int:
 def _codec_bytes(model_dir: Path, block_tokens: int, final: dict[str, Any]) -> dict[str, Any]:
     """Stored bytes of one block per codec (exact), plus what this run measured."""
     from kvstrata.codecs.registry import codec_names, get_codec
-    from kvstrata.errors import ConfigError
+    from kvstrata.core.errors import ConfigError
 
     layout = _layout(model_dir, block_tokens)
     out: dict[str, Any] = {}

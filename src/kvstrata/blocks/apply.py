@@ -21,10 +21,10 @@ from kvstrata.tiers.base import Tier
 COPY_CHUNK_BYTES = 32 * 2**20
 
 if TYPE_CHECKING:
+    from kvstrata.blocks.order import BlockOrder
     from kvstrata.blocks.pool import BlockPool
     from kvstrata.blocks.table import BlockTable
-    from kvstrata.layout import BlockLayout
-    from kvstrata.policies.order import BlockOrder
+    from kvstrata.core.layout import BlockLayout
 
 
 class ApplyPlacement:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from kvstrata.blocks.pool import Block
 
 if TYPE_CHECKING:
+    from kvstrata.blocks.order import BlockOrder
     from kvstrata.blocks.pool import BlockPool
-    from kvstrata.policies.order import BlockOrder
     from kvstrata.tiers.base import Tier
 
 

@@ -21,17 +21,17 @@ from collections.abc import Hashable, Sequence
 
 from kvstrata.blocks.apply import ApplyPlacement
 from kvstrata.blocks.cached import CachedBlocks
+from kvstrata.blocks.eviction import EvictionPolicy
+from kvstrata.blocks.order import BlockOrder
 from kvstrata.blocks.placement import PendingBlock, Placement, PlacementView, plan_placement
 from kvstrata.blocks.pool import Block, BlockPool
 from kvstrata.blocks.runs import Run, TokenWrites, pack_writes, table_runs
 from kvstrata.blocks.table import BlockTable
-from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError
-from kvstrata.layout import BlockLayout
-from kvstrata.policies.eviction import EvictionPolicy
-from kvstrata.policies.order import BlockOrder
+from kvstrata.core.errors import ConfigError, KvstrataError, OutOfBlocksError
+from kvstrata.core.layout import BlockLayout
+from kvstrata.core.units import format_bytes
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import MemoryTier
-from kvstrata.units import format_bytes
 
 
 class BlockManager(ApplyPlacement, CachedBlocks):

@@ -23,10 +23,10 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstrata.blocks.order import TableState
 from kvstrata.blocks.pool import Block
-from kvstrata.errors import OutOfBlocksError
-from kvstrata.policies.order import TableState
-from kvstrata.units import format_bytes
+from kvstrata.core.errors import OutOfBlocksError
+from kvstrata.core.units import format_bytes
 
 if TYPE_CHECKING:
     from kvstrata.blocks.manager import BlockManager

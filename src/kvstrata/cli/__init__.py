@@ -19,7 +19,7 @@ import pkgutil
 import sys
 from typing import NoReturn
 
-from kvstrata.errors import ConfigError, KvstrataError, UnsupportedModelError
+from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
 
 
 class UsageError(Exception):

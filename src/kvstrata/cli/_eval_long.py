@@ -20,11 +20,12 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.cli.generate import apply_threads, model_help, parse_threads, quiet_transformers
+from kvstrata.cli.generate import apply_threads, model_help, parse_threads
 from kvstrata.config import BLOCK_SIZE_MAX
-from kvstrata.errors import ConfigError
-from kvstrata.evaluate import EXACT
-from kvstrata.units import parse_float, parse_fraction, parse_int, parse_tokens
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import parse_float, parse_fraction, parse_int, parse_tokens
+from kvstrata.model.zoo import quiet_transformers
+from kvstrata.quality.evaluate import EXACT
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _block_size(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model
 
     quiet_transformers()
     model, tokenizer = load_model(args.model)
@@ -96,7 +97,7 @@ _DISK_DIRS = itertools.count()
 def _placement_factory(model: Any, point: GridPoint, block_size: int, disk: str | None) -> Any:
     """context -> CacheConfig fields; each call gets a disk directory of its own, so no
     cache finds the blocks (prefix) an earlier one left on disk."""
-    from kvstrata.budgets import placement
+    from kvstrata.model.budgets import placement
 
     def make(context: int) -> dict[str, Any]:
         sub = None if disk is None else f"{disk}/config-{next(_DISK_DIRS)}"
@@ -147,8 +148,8 @@ def _lengths(args: argparse.Namespace) -> list[int]:
 
 def run_needle(args: argparse.Namespace) -> int:
     """Run `kvstrata eval needle`; exit 1 when a lossless configuration answers differently."""
-    from kvstrata.needle import needle_cases, needle_sweep
-    from kvstrata.prompts import uses_chat
+    from kvstrata.model.prompts import uses_chat
+    from kvstrata.quality.needle import needle_cases, needle_sweep
 
     points = parse_grid(args, "int8,fp8,int4")
     lengths, depths = _lengths(args), _depths(args)
@@ -233,8 +234,8 @@ def render_needle(
 # -- greedy ---------------------------------------------------------------------------------
 def run_greedy(args: argparse.Namespace) -> int:
     """Run `kvstrata eval greedy`; exit 1 when a lossless configuration diverges."""
-    from kvstrata.agreement import greedy_agreement
-    from kvstrata.evaluate import heldout_windows
+    from kvstrata.quality.agreement import greedy_agreement
+    from kvstrata.quality.evaluate import heldout_windows
 
     points = parse_grid(args, "none,int8,fp8,int4")
     prompts_n = parse_int(args.prompts, "prompts", minimum=1)
@@ -287,7 +288,7 @@ def run_greedy(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser, default_codecs: str) -> None:
-    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
 
     p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     p.add_argument(

@@ -19,8 +19,9 @@ import pkgutil
 from collections.abc import Callable
 
 import kvstrata.bench as bench_pkg
-from kvstrata.errors import ConfigError
-from kvstrata.units import MAX_TOKENS, format_bytes
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import MAX_TOKENS, format_bytes
+from kvstrata.report import command as report_command
 
 # Limits of flags the scenarios share, checked before any scenario runs (ConfigError:
 # one line, exit 2): torch's thread pool, torch.manual_seed, transformers' range.
@@ -34,7 +35,7 @@ FLAG_LIMITS: dict[str, tuple[float, float]] = {
 def check_flags(args: argparse.Namespace) -> None:
     """ConfigError for a numeric flag that is not finite, outside FLAG_LIMITS, a count
     above 2**31 - 1, or a --size-mib larger than this machine's RAM."""
-    from kvstrata.hardware import machine_ram
+    from kvstrata.platform.hardware import machine_ram
 
     for name, value in vars(args).items():
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -66,14 +67,16 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 
 
 def _scenarios() -> dict[str, object]:
+    """The scenario modules of kvstrata.bench, and the evidence report (which runs them)."""
     found = {}
-    for info in sorted(pkgutil.iter_modules(bench_pkg.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
+    names = [f"kvstrata.bench.{info.name}" for info in pkgutil.iter_modules(bench_pkg.__path__)]
+    for name in [*names, report_command.__name__]:
+        if name.rpartition(".")[2].startswith("_"):
             continue
-        module = importlib.import_module(f"kvstrata.bench.{info.name}")
+        module = importlib.import_module(name)
         if hasattr(module, "NAME") and hasattr(module, "run"):
             found[module.NAME] = module
-    return found
+    return dict(sorted(found.items()))
 
 
 def _run_all(args: argparse.Namespace) -> int:

@@ -40,10 +40,10 @@ from kvstrata.cli.generate import (
     model_help,
     parse_threads,
     prompt_then_stream,
-    quiet_transformers,
     render_stats,
 )
-from kvstrata.units import format_bytes, parse_tokens
+from kvstrata.core.units import format_bytes, parse_tokens
+from kvstrata.model.zoo import quiet_transformers
 
 PLAN_GPU = "l4"
 PLAN_CONTEXT = 32 * 1024
@@ -93,13 +93,13 @@ def print_plan(spec: str, name: str, context: int = PLAN_CONTEXT) -> None:
     """Print a few-line memory plan of a model (a preset name or a model directory).
 
     Args:
-        spec: What kvstrata.geometry.load_geometry accepts.
+        spec: What kvstrata.model.geometry.load_geometry accepts.
         name: The model's name to show.
         context: Tokens per request to plan for.
     """
-    from kvstrata.geometry import load_geometry
-    from kvstrata.hardware import make_hardware
-    from kvstrata.planner import Workload, plan
+    from kvstrata.model.geometry import load_geometry
+    from kvstrata.model.planner import Workload, plan
+    from kvstrata.platform.hardware import make_hardware
 
     result = plan(load_geometry(spec), make_hardware(PLAN_GPU), Workload(context_tokens=context))
     row = next((r for r in result.table if r.context_tokens == context), None)
@@ -159,7 +159,7 @@ def demo_document() -> tuple[str, str, str]:
 
 def make_job(tokenizer: Any, args: argparse.Namespace) -> DemoJob:
     """The document question for an instruct model; a code completion otherwise."""
-    from kvstrata.prompts import encode_prompt, uses_chat
+    from kvstrata.model.prompts import encode_prompt, uses_chat
 
     if uses_chat(tokenizer):
         where, text, question = demo_document()
@@ -189,8 +189,8 @@ def _max_new(state: DemoState) -> int:
 def _tiered_cache(state: DemoState, codec: str, subdir: str) -> Any:
     """A TieredCache for the job: 10 % of the KV on the device, half of the rest on the
     host and half on disk, both in `codec`."""
-    from kvstrata.budgets import placement
-    from kvstrata.integrations.hf import TieredCache
+    from kvstrata.integrations.hf.cache import TieredCache
+    from kvstrata.model.budgets import placement
 
     job = state.job
     assert job is not None
@@ -225,7 +225,7 @@ def _generate(state: DemoState, cache: Any, streamer: Any = None) -> list[int]:
 # -- the sections ----------------------------------------------------------------------------
 def section_model(state: DemoState) -> int:
     """Load the model (converting it first if it is not in the cache yet)."""
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model
 
     quiet_transformers()
     start = time.perf_counter()
@@ -242,7 +242,7 @@ def section_model(state: DemoState) -> int:
 
 def section_plan(state: DemoState) -> int:
     """A memory plan of the model on a small GPU, at its context length."""
-    from kvstrata.modelzoo import resolve_model_dir
+    from kvstrata.model.zoo import resolve_model_dir
 
     limit = getattr(state.model.config, "max_position_embeddings", None)
     context = min(PLAN_CONTEXT, limit) if isinstance(limit, int) else PLAN_CONTEXT
@@ -253,7 +253,7 @@ def section_plan(state: DemoState) -> int:
 
 def section_answer(state: DemoState) -> int:
     """The job with 10 % of the KV on the device, the rest int8 on host and disk."""
-    from kvstrata.integrations.hf import enable
+    from kvstrata.integrations.hf.cache import enable
 
     job = state.job
     assert job is not None
@@ -300,7 +300,7 @@ def section_exact(state: DemoState) -> int:
     """Lossless codecs over the same placement give DynamicCache's tokens."""
     from transformers import DynamicCache
 
-    from kvstrata.integrations.hf import enable
+    from kvstrata.integrations.hf.cache import enable
 
     cache = _tiered_cache(state, "none", "exact")
     enable(state.model)
@@ -334,8 +334,8 @@ def section_exact(state: DemoState) -> int:
 
 def section_engine(state: DemoState) -> int:
     """The serving engine: several long-context requests at once over one store whose
-    device budget holds a quarter of their KV (kvstrata.engine.demo)."""
-    from kvstrata.engine import demo as engine_demo
+    device budget holds a quarter of their KV (kvstrata.cli.demo_engine)."""
+    from kvstrata.cli import demo_engine as engine_demo
 
     exact = engine_demo.run(
         state.model_name,
@@ -359,7 +359,7 @@ SECTIONS: list[Section] = [
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata demo`: every section in order; the worst exit code."""
-    from kvstrata.modelzoo import (
+    from kvstrata.model.zoo import (
         DEFAULT_MODEL_NAME,
         EMBEDDED_NAMES,
         default_model_dir,
@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
-    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
 
     p = sub.add_parser(
         "demo",

@@ -21,17 +21,18 @@ import sys
 import tempfile
 from typing import Any
 
-from kvstrata.cli.generate import apply_threads, model_help, parse_threads, quiet_transformers
+from kvstrata.cli.generate import apply_threads, model_help, parse_threads
 from kvstrata.config import BLOCK_SIZE_MAX
-from kvstrata.errors import ConfigError
-from kvstrata.evaluate import (
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import parse_fraction, parse_int, parse_tokens
+from kvstrata.model.zoo import quiet_transformers
+from kvstrata.quality.evaluate import (
     LOSSLESS_TOLERANCE_PCT,
     Comparison,
     compare,
     heldout_windows,
     placement,
 )
-from kvstrata.units import parse_fraction, parse_int, parse_tokens
 
 DEFAULT_CODECS = "none,int8,fp8,int4"
 
@@ -179,7 +180,7 @@ def render(
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Run `kvstrata eval ppl`; exit 1 when a lossless configuration is not exact."""
-    from kvstrata.modelzoo import BYTE_VOCAB_SIZE, EOS_ID, load_model
+    from kvstrata.model.zoo import BYTE_VOCAB_SIZE, EOS_ID, load_model
 
     context = parse_tokens(args.context, "context")
     if context < 2:
@@ -231,7 +232,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         from kvstrata.codecs.registry import get_codec
-        from kvstrata.evaluate import block_layout
+        from kvstrata.quality.evaluate import block_layout
 
         block_size = _block_size(args)
         none_bytes = get_codec("none").block_nbytes(block_layout(model, block_size))
@@ -249,7 +250,7 @@ def run_ppl(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `eval` subcommand (with its `ppl`, `needle` and `greedy` actions)."""
     from kvstrata.cli._eval_long import register_actions
-    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
 
     p = sub.add_parser(
         "eval",

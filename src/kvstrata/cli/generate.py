@@ -21,9 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstrata.config import BLOCK_SIZE_MAX
-from kvstrata.errors import ConfigError
-from kvstrata.prompts import encode_prompt, read_prompt_file, uses_chat
-from kvstrata.units import (
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import (
     format_bytes,
     parse_float,
     parse_fraction,
@@ -31,6 +30,8 @@ from kvstrata.units import (
     parse_size,
     parse_tokens,
 )
+from kvstrata.model.prompts import encode_prompt, read_prompt_file, uses_chat
+from kvstrata.model.zoo import quiet_transformers
 
 DEFAULT_PROMPT = "def fibonacci(n):"  # a completion prompt (models without a chat template)
 DEFAULT_CHAT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -74,18 +75,11 @@ def check_positions(model: Any, prompt_tokens: int, max_new: int, new_field: str
     )
 
 
-def quiet_transformers() -> None:
-    """No per-weight loading bars on stderr: the commands print their own output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 def apply_threads(model: Any, value: str) -> None:
-    """Set torch's thread count: the given number, or kvstrata.evaluate.auto_threads."""
+    """Set torch's thread count: the given number, or kvstrata.quality.evaluate.auto_threads."""
     import torch
 
-    from kvstrata.evaluate import auto_threads
+    from kvstrata.quality.evaluate import auto_threads
 
     threads = parse_threads(value)
     if threads is None:
@@ -165,7 +159,7 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
     Returns:
         Keyword fields for TieredCache.
     """
-    from kvstrata.budgets import lower_tier_bytes
+    from kvstrata.model.budgets import lower_tier_bytes
 
     block_size = parse_tokens(args.block_size, "block_size", maximum=BLOCK_SIZE_MAX)
     if args.max_tokens is not None and parse_tokens(args.max_tokens, "max_tokens") < max_tokens:
@@ -374,8 +368,8 @@ def live_status(text: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata generate`; exit code 0."""
     check_sampling(args)  # before the slow imports: bad flags answer at once
-    from kvstrata.integrations.hf import TieredCache, enable
-    from kvstrata.modelzoo import load_model
+    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.model.zoo import load_model
 
     max_new = parse_tokens(args.max_new_tokens, "max_new_tokens")
     quiet_transformers()
@@ -424,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
 
 def model_help() -> str:
     """The --model help text: the names, then a model directory or a GGUF file."""
-    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
 
     return (
         f"{CLI_DEFAULT_MODEL} (default: SmolLM2-135M-Instruct, extra 'model'), tiny (the "
@@ -462,7 +456,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="generate text with the KV cache spread over device, host and disk",
         description="Generate text with a kvstrata TieredCache (transformers generate).",
     )
-    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
 
     p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     p.add_argument(

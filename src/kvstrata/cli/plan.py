@@ -11,11 +11,8 @@ import json
 import math
 import sys
 
-from kvstrata.errors import ConfigError
-from kvstrata.geometry import DTYPES, load_geometry
-from kvstrata.hardware import DISKS, GPUS, LINKS, make_hardware
-from kvstrata.planner import PRIORITIES, Plan, Workload, plan
-from kvstrata.units import (
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import (
     MAX_BYTES,
     format_bytes,
     parse_float,
@@ -24,6 +21,9 @@ from kvstrata.units import (
     parse_size,
     parse_tokens,
 )
+from kvstrata.model.geometry import DTYPES, load_geometry
+from kvstrata.model.planner import PRIORITIES, Plan, Workload, plan
+from kvstrata.platform.hardware import DISKS, GPUS, LINKS, make_hardware
 
 BANDWIDTH_HELP = "a bandwidth > 0 such as '25GB/s', '1TB/s' or 25e9 (bytes/s)"
 

@@ -28,18 +28,18 @@ from kvstrata.cli.generate import (
     add_placement_flags,
     apply_threads,
     parse_threads,
-    quiet_transformers,
 )
 from kvstrata.config import BLOCK_SIZE_MAX
-from kvstrata.errors import ConfigError
-from kvstrata.units import format_bytes, parse_float, parse_int, parse_size, parse_tokens
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import format_bytes, parse_float, parse_int, parse_size, parse_tokens
+from kvstrata.model.zoo import quiet_transformers
 
 KV_CACHE_DTYPES = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8"}
 DEFAULT_MAX_TOKENS = 32768  # CacheConfig's: what the cache holds across all requests
 GRACEFUL_SHUTDOWN_S = 5  # open requests get this long after Ctrl-C, then are aborted
 API_KEY_ENV = "KVSTRATA_API_KEY"  # --api-key's default (vLLM reads VLLM_API_KEY)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-EMBEDDED_NAMES = ("default", "tiny")  # the embedded model's names in kvstrata.modelzoo
+EMBEDDED_NAMES = ("default", "tiny")  # the embedded model's names in kvstrata.model.zoo
 
 
 def _conflict(field: str, value: Any, other: str) -> ConfigError:
@@ -136,7 +136,7 @@ def weight_bytes(model: Any) -> int:
 def device_budget_from_utilization(args: argparse.Namespace, model: Any) -> int:
     """vLLM's rule: KV budget = utilization x device memory - the model's weights (on a
     CPU-only machine the "device" is this machine's RAM)."""
-    from kvstrata.config import device_memory
+    from kvstrata.platform.hardware import device_memory
 
     fraction = _utilization(args)
     what, memory = device_memory("auto")
@@ -161,7 +161,7 @@ def device_budget_from_utilization(args: argparse.Namespace, model: Any) -> int:
 
 def served_name(args: argparse.Namespace) -> str:
     """--served-model-name, else the model's own name."""
-    from kvstrata.modelzoo import DEFAULT_MODEL_NAME
+    from kvstrata.model.zoo import DEFAULT_MODEL_NAME
 
     if args.served_model_name is not None:
         return args.served_model_name
@@ -227,7 +227,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     """Load the model and start the engine the flags describe."""
     from kvstrata.cli.generate import cache_kwargs
     from kvstrata.engine import Engine, EngineConfig
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model
 
     quiet_transformers()
     model, tokenizer = load_model(args.model)
@@ -324,7 +324,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     from kvstrata.cli.generate import model_help
-    from kvstrata.modelzoo import CLI_DEFAULT_MODEL
+    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
 
     p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.errors import CodecError
-from kvstrata.layout import KINDS, BlockLayout
+from kvstrata.core.errors import CodecError
+from kvstrata.core.layout import KINDS, BlockLayout
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

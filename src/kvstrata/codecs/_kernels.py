@@ -1,7 +1,7 @@
 """Fast CPU kernels for the quantizing codecs, and when they are used.
 
-The kernels are plain C++ (`kvstrata/native/codecs.cpp`) in the library that
-`kvstrata._native` builds once per machine and loads once per process. Without a
+The kernels are plain C++ (`kvstrata/platform/csrc/codecs.cpp`) in the library that
+`kvstrata.platform.native` builds once per machine and loads once per process. Without a
 compiler, or with `KVSTRATA_NATIVE=0`, `kernel_call` returns False and the
 codecs fall back to the eager torch reference in `_reference.py` (same bits,
 30-100x slower).
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata._native import available, load
-from kvstrata.errors import CodecError
-from kvstrata.formats import DType
+from kvstrata.core.errors import CodecError
+from kvstrata.core.formats import DType
+from kvstrata.platform.native import available, load
 
 __all__ = ["as_3d", "available", "kernel_call", "load", "raise_for_flags"]
 

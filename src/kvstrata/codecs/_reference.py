@@ -1,6 +1,6 @@
 """Eager torch quantize/dequantize primitives: the fallback and the test oracle.
 
-These define the codecs' exact bits; the C++ kernels (kvstrata/native/codecs.cpp)
+These define the codecs' exact bits; the C++ kernels (kvstrata/platform/csrc/codecs.cpp)
 compute the same operations in the same order (fp32 arithmetic, a*b+c rounded twice, round half
 to even), so both paths produce identical fields and decoded values.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.errors import CodecError
+from kvstrata.core.errors import CodecError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kvstrata.formats import FieldFormat
-from kvstrata.layout import KINDS, BlockLayout, FieldSpec
+from kvstrata.core.formats import FieldFormat
+from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
 
 
 class Codec(ABC):
@@ -46,7 +46,7 @@ class Codec(ABC):
 
     def attend_format(self, kind: str, layout: BlockLayout) -> tuple[FieldFormat, int] | None:
         """(format, group) under which the native decode attention reads this
-        codec's stored fields in place (kvstrata/native/attention.cpp), or None when
+        codec's stored fields in place (kvstrata/platform/csrc/attention.cpp), or None when
         it cannot (the blocks are then decoded into a staging buffer first)."""
         return None
 

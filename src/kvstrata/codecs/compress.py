@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from kvstrata.errors import CodecError
+from kvstrata.core.errors import CodecError
 
 _MAGIC = b"KVZ1"
 _HEADER = struct.Struct("<4sBQ")

@@ -25,9 +25,9 @@ from kvstrata.codecs._common import check_raw, dim_of
 from kvstrata.codecs._kernels import kernel_call
 from kvstrata.codecs.base import Codec
 from kvstrata.codecs.registry import register_codec
-from kvstrata.errors import CodecError, ConfigError
-from kvstrata.formats import FieldFormat
-from kvstrata.layout import BlockLayout, FieldSpec
+from kvstrata.core.errors import CodecError, ConfigError
+from kvstrata.core.formats import FieldFormat
+from kvstrata.core.layout import BlockLayout, FieldSpec
 
 DEFAULT_GROUP = 64
 

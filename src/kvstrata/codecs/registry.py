@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstrata.codecs.base import Codec, NoneCodec
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
 
 _FACTORIES: dict[str, Callable[[], Codec]] = {"none": NoneCodec}
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from kvstrata.errors import UnsupportedModelError
-from kvstrata.integrations.hf_layers import _TieredLayer
-from kvstrata.runtime import write_layer, write_plan
-from kvstrata.store import KVStore
+from kvstrata.attention.runtime import write_layer, write_plan
+from kvstrata.core.errors import UnsupportedModelError
+from kvstrata.integrations.hf.layers import _TieredLayer
+from kvstrata.store.kvstore import KVStore
 
 
 @dataclass

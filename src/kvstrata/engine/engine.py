@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from kvstrata.config import CacheConfig
+from kvstrata.core.errors import ConfigError, KvstrataError, OutOfBlocksError, TierIOError
+from kvstrata.core.units import format_bytes
 from kvstrata.engine.batch import StepCache
 from kvstrata.engine.metrics import EngineMetrics
 from kvstrata.engine.params import (
@@ -37,9 +39,7 @@ from kvstrata.engine.params import (
 )
 from kvstrata.engine.sampling import sample, token_logprobs
 from kvstrata.engine.scheduler import Request, Scheduler
-from kvstrata.errors import ConfigError, KvstrataError, OutOfBlocksError, TierIOError
-from kvstrata.store import KVStore
-from kvstrata.units import format_bytes
+from kvstrata.store.kvstore import KVStore
 
 log = logging.getLogger("kvstrata.engine")
 OnOutput = Callable[[RequestOutput], None]
@@ -68,7 +68,7 @@ class Engine:
         prefix_caching: bool = True,
         **cache_fields: Any,
     ) -> None:
-        from kvstrata.integrations.hf import enable
+        from kvstrata.integrations.hf.cache import enable
 
         if cache_config is None:
             cache_config = CacheConfig(**cache_fields)

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstrata.errors import ConfigError, KvstrataError
+from kvstrata.core.errors import ConfigError, KvstrataError
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default limit)

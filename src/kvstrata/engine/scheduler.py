@@ -28,10 +28,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from kvstrata import budgets
+from kvstrata.core.errors import KvstrataError
 from kvstrata.engine.params import SamplingParams, TokenLogprobs
 from kvstrata.engine.sampling import LogitsAdjuster, TextOutput, make_generator
-from kvstrata.errors import KvstrataError
+from kvstrata.model import budgets
 
 log = logging.getLogger("kvstrata.engine")
 MAX_RECOMPUTES = 2  # storage errors one request survives before it is ended
@@ -39,7 +39,7 @@ MAX_RECOMPUTES = 2  # storage errors one request survives before it is ended
 if TYPE_CHECKING:
     from kvstrata.engine.metrics import EngineMetrics
     from kvstrata.engine.params import EngineConfig
-    from kvstrata.store import KVStore
+    from kvstrata.store.kvstore import KVStore
 
 
 class Request:

@@ -12,6 +12,6 @@ promises measured in one run, then rendered from the measured data alone.
     markdown.py   report.md
     output.py     writes report.json, the figures and report.md from the data alone
 
-The measuring code is the benchmarks' own (`kvstrata.bench.*`, `kvstrata.evaluate`,
-`kvstrata.agreement`): the sections choose variants and sizes and collect the results.
+The measuring code is the benchmarks' own (`kvstrata.bench.*`, `kvstrata.quality.evaluate`,
+`kvstrata.quality.agreement`): the sections choose variants and sizes and collect the results.
 """

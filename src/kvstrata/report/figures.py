@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
 from kvstrata.report.markdown import PPL_LABEL
 
 MIB = 2**20

@@ -71,7 +71,7 @@ def describe(threads: int) -> dict[str, Any]:
         torch threads and the 1-minute load average now.
     """
     from kvstrata.bench._timing import machine_load
-    from kvstrata.hardware import machine_ram
+    from kvstrata.platform.hardware import machine_ram
 
     load, cores = machine_load()
     return {

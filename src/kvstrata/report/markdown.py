@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.core.units import format_bytes
 from kvstrata.report.predicted import STEP_TOLERANCE
-from kvstrata.units import format_bytes
 
 SECTION_TITLES = {
     "strategy": "Offloading strategies (seed kv-cache-optimization §4, kv-offloading §5-6)",

@@ -15,7 +15,7 @@ def write(report: dict[str, Any], out: Path) -> list[Path]:
     """Write the JSON, the figures and the Markdown of `report` into `out` (created).
 
     Args:
-        report: the run's data (`kvstrata.bench.report.measure`).
+        report: the run's data (`kvstrata.report.command.measure`).
         out: the output directory.
 
     Returns:

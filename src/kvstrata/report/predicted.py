@@ -47,7 +47,7 @@ def case(
         variant: the timed `kvstrata.bench.decode.Variant` (its last cache's bytes).
         cache_kwargs: the TieredCache's CacheConfig fields; None for a DynamicCache.
         step_s: median seconds per decode step.
-        asked: the device share the section asked `kvstrata.budgets.placement` for
+        asked: the device share the section asked `kvstrata.model.budgets.placement` for
             (1.0: everything on the device).
 
     Returns:
@@ -83,7 +83,7 @@ def case(
 
 def floor_tokens(cache_kwargs: dict[str, Any]) -> int:
     """Tokens per layer group an offloaded cache keeps on the device whatever the asked
-    share (`kvstrata.budgets.placement`'s rule, from the cache's config): with a lossy
+    share (`kvstrata.model.budgets.placement`'s rule, from the cache's config): with a lossy
     host codec the sinks', the residual window's and the open block's blocks, else one
     block."""
     from kvstrata.codecs.registry import get_codec
@@ -99,7 +99,7 @@ def floor_tokens(cache_kwargs: dict[str, Any]) -> int:
 
 
 def _hardware(bandwidth: dict[str, float], host_memory: int) -> Any:
-    from kvstrata.hardware import GPUSpec, Hardware, LinkSpec, machine_ram
+    from kvstrata.platform.hardware import GPUSpec, Hardware, LinkSpec, machine_ram
 
     return Hardware(
         gpu=GPUSpec("this machine (device tier = RAM)", machine_ram() or 2**40,
@@ -121,9 +121,9 @@ def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int
     Returns:
         predicted / measured bytes per tier, the tolerance, step seconds and ratio.
     """
-    from kvstrata.geometry import KVGeometry
-    from kvstrata.hardware import machine_ram
-    from kvstrata.planner import HOST_USABLE_FRACTION, Workload, plan
+    from kvstrata.model.geometry import KVGeometry
+    from kvstrata.model.planner import HOST_USABLE_FRACTION, Workload, plan
+    from kvstrata.platform.hardware import machine_ram
 
     geometry = KVGeometry(
         **{**c["geometry"], "sliding_layers": tuple(c["geometry"]["sliding_layers"])}

@@ -2,13 +2,13 @@
 section (bits per element vs attention error, ΔPPL and speed).
 
 Strategy: on the real model when it is installed (the embedded one otherwise), each
-strategy is a TieredCache placement (`kvstrata.budgets.placement`, as `kvstrata eval`
+strategy is a TieredCache placement (`kvstrata.model.budgets.placement`, as `kvstrata eval`
 builds them). Decode speed and bytes come from `kvstrata bench decode`'s method
 (`time_variants`: exact prefill replayed into fresh caches, greedy steps timed, all
-strategies round-robin, medians); ΔPPL and top-1 agreement as `kvstrata.evaluate.compare`
-computes them (teacher-forced, one token per forward, `kvstrata.evaluate.perplexity`), each
+strategies round-robin, medians); ΔPPL and top-1 agreement as `kvstrata.quality.evaluate.compare`
+computes them (teacher-forced, one token per forward, `kvstrata.quality.evaluate.perplexity`), each
 cache watched for how many scored predictions attended over blocks in a lower tier; greedy
-agreement from `kvstrata.agreement.greedy_agreement`.
+agreement from `kvstrata.quality.agreement.greedy_agreement`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
 from kvstrata.report.session import Session
 
 # label, codec of the lower tiers, offloaded, with a disk tier
@@ -29,15 +29,14 @@ STRATEGIES: tuple[tuple[str, str, bool, bool], ...] = (
     ("offload + int4 + disk", "int4", True, True),
 )
 DYNAMIC = "DynamicCache (transformers)"
-SINK_TOKENS = 4  # kvstrata.budgets.placement's default sinks
+SINK_TOKENS = 4  # kvstrata.model.budgets.placement's default sinks
 
 
 def load(session: Session) -> tuple[Any, Any]:
     """The quality sections' model (fp32, sdpa) and tokenizer, with the session's threads."""
     import torch
 
-    from kvstrata.cli.generate import quiet_transformers
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.zoo import load_model, quiet_transformers
 
     quiet_transformers()
     torch.set_num_threads(session.threads)
@@ -49,7 +48,7 @@ def load(session: Session) -> tuple[Any, Any]:
 def geometry_of(model: Any) -> dict[str, Any]:
     """The planner's view of a model as JSON: its KV geometry with the dtype it runs in
     and the parameters it really has (every decode step reads them)."""
-    from kvstrata.geometry import KVGeometry, dtype_name
+    from kvstrata.model.geometry import KVGeometry, dtype_name
 
     dtype = dtype_name(next(model.parameters()).dtype)
     geometry = KVGeometry.from_hf_config(model.config)
@@ -59,8 +58,8 @@ def geometry_of(model: Any) -> dict[str, Any]:
 
 def _text(session: Session, tokenizer: Any, tokens: int, count: int) -> tuple[list, Any]:
     """Held-out windows and the bytes-of-text function of `kvstrata eval ppl`."""
-    from kvstrata.evaluate import heldout_windows
-    from kvstrata.modelzoo import BYTE_VOCAB_SIZE, EOS_ID
+    from kvstrata.model.zoo import BYTE_VOCAB_SIZE, EOS_ID
+    from kvstrata.quality.evaluate import heldout_windows
 
     byte_level = len(tokenizer) == BYTE_VOCAB_SIZE and tokenizer.eos_token_id == EOS_ID
     windows = heldout_windows(
@@ -82,7 +81,7 @@ def exact_span(block_size: int, residual_tokens: int, sink_tokens: int = SINK_TO
 
 
 class _LowerTierWatch:
-    """A cache factory for `kvstrata.evaluate.perplexity` that watches its caches: after
+    """A cache factory for `kvstrata.quality.evaluate.perplexity` that watches its caches: after
     each forward (the progress callback) it notes whether a lower tier (host or disk)
     holds blocks, so the next forward — one scored prediction — reads them back."""
 
@@ -117,7 +116,7 @@ def score(
     bytes_of: Any,
 ) -> tuple[Any, dict[str, dict[str, Any]]]:
     """ΔPPL and top-1 agreement of every TieredCache configuration against the exact
-    cache (DynamicCache), as `kvstrata.evaluate.compare` computes them, window-major.
+    cache (DynamicCache), as `kvstrata.quality.evaluate.compare` computes them, window-major.
 
     Returns:
         The exact run's `PplResult` and, per configuration, delta_ppl_pct,
@@ -126,7 +125,7 @@ def score(
         saw only exact device blocks) and device_fraction (blocks on the device at the
         end of the last window).
     """
-    from kvstrata.evaluate import (
+    from kvstrata.quality.evaluate import (
         REFERENCE_ATTENTION,
         PplResult,
         exact_cache_factory,
@@ -166,7 +165,7 @@ def strategy_configs(
     model: Any, session: Session, context: int, disk_dir: Path
 ) -> dict[str, dict[str, Any]]:
     """Strategy label -> CacheConfig fields for a `context`-token sequence."""
-    from kvstrata.budgets import placement
+    from kvstrata.model.budgets import placement
 
     scale = session.scale
     return {
@@ -188,10 +187,10 @@ def strategy(session: Session) -> dict[str, Any]:
     """Measure the strategy table: speed and bytes, ΔPPL, greedy agreement."""
     from transformers import DynamicCache
 
-    from kvstrata.agreement import greedy_agreement
     from kvstrata.bench import _timing
     from kvstrata.bench.decode import Variant, kvstrata_twin, prefill, time_variants
-    from kvstrata.evaluate import tiered_cache_factory
+    from kvstrata.quality.agreement import greedy_agreement
+    from kvstrata.quality.evaluate import tiered_cache_factory
     from kvstrata.report.predicted import case
 
     scale = session.scale
@@ -299,9 +298,9 @@ def codecs(session: Session) -> dict[str, Any]:
     import torch
 
     from kvstrata.bench.codecs import bench_codec
-    from kvstrata.budgets import placement
-    from kvstrata.geometry import dtype_name
-    from kvstrata.modelzoo import load_model
+    from kvstrata.model.budgets import placement
+    from kvstrata.model.geometry import dtype_name
+    from kvstrata.model.zoo import load_model
 
     scale = session.scale
     torch.set_num_threads(session.threads)
@@ -357,8 +356,8 @@ def _block_size_for(model: Any, codec: str, block_size: int) -> int:
     Raises:
         ConfigError: the codec does not fit the model at all (the last refusal).
     """
-    from kvstrata.budgets import group_layout
     from kvstrata.codecs.registry import get_codec
+    from kvstrata.model.budgets import group_layout
 
     impl = get_codec(codec)
     error = None
@@ -374,6 +373,6 @@ def _block_size_for(model: Any, codec: str, block_size: int) -> int:
 
 
 def _byte_tokenizer() -> Any:
-    from kvstrata.modelzoo import load_tokenizer
+    from kvstrata.model.zoo import load_tokenizer
 
     return load_tokenizer("tiny")

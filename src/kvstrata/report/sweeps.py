@@ -32,7 +32,7 @@ def _model(session: Session, max_tokens: int) -> tuple[Any, Any]:
 
 def _describe(model: Any) -> tuple[str, str]:
     """The sweeps' model in words, and its dtype ("fp32")."""
-    from kvstrata.geometry import dtype_name
+    from kvstrata.model.geometry import dtype_name
 
     cfg = model.config
     dtype = dtype_name(next(model.parameters()).dtype)
@@ -43,7 +43,7 @@ def _describe(model: Any) -> tuple[str, str]:
 
 
 def _tiered(model: Any, kwargs: dict[str, Any]) -> Any:
-    from kvstrata.integrations.hf import TieredCache
+    from kvstrata.integrations.hf.cache import TieredCache
 
     return TieredCache(model.config, **kwargs)
 
@@ -71,7 +71,7 @@ def resident(session: Session) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from kvstrata.bench.decode import Variant, prefill, time_variants
-    from kvstrata.budgets import placement
+    from kvstrata.model.budgets import placement
 
     scale = session.scale
     ctx, steps, bs = scale.resident_context, scale.decode_steps, scale.block_size
@@ -150,7 +150,7 @@ def context(session: Session) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from kvstrata.bench.decode import Variant, time_variants
-    from kvstrata.budgets import placement
+    from kvstrata.model.budgets import placement
     from kvstrata.report.predicted import case
     from kvstrata.report.quality import geometry_of
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstrata.server.deps import MissingExtraError, require_serve
+from kvstrata.core.errors import MissingExtraError
+from kvstrata.server.deps import require_serve
 
 
 def build_app(engine: Any, served_model_name: str | None = None, api_key: str | None = None) -> Any:

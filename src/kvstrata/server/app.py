@@ -36,8 +36,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvstrata.core.errors import ConfigError, KvstrataError
 from kvstrata.engine.params import RequestOutput, RequestRejected, SamplingParams
-from kvstrata.errors import ConfigError, KvstrataError
 from kvstrata.server import protocol as proto
 from kvstrata.server.chat import chat_prompt_ids, check_messages, template_options
 from kvstrata.server.protocol import CHAT, COMPLETIONS, APIError, ResponseHead

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from kvstrata.errors import KvstrataError
+from kvstrata.core.errors import MissingExtraError
 
 SERVE_PACKAGES = ("fastapi", "uvicorn")
-
-
-class MissingExtraError(KvstrataError, ImportError):
-    """An optional dependency is not installed; the message names the extra to install."""
 
 
 def require_serve() -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvstrata.core.errors import ConfigError
 from kvstrata.engine.params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -24,7 +25,6 @@ from kvstrata.engine.params import (
     TokenLogprobs,
 )
 from kvstrata.engine.sampling import LOGPROB_FLOOR, Detokenizer
-from kvstrata.errors import ConfigError
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.layout import BlockLayout
+from kvstrata.core.layout import BlockLayout
 
 Encoded = dict[str, torch.Tensor]
 """Encoded blocks: key f"{kind}.{field}" -> tensor [L, Hkv, n*rows, cols]."""

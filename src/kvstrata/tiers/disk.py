@@ -34,16 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstrata._native import load_pio as load_native
 from kvstrata.codecs.base import Codec, NoneCodec
-from kvstrata.errors import (
+from kvstrata.core.errors import (
     BlockCorruptError,
     BlockMissingError,
     ConfigError,
     TierFullError,
     TierIOError,
 )
-from kvstrata.layout import KINDS, BlockLayout
+from kvstrata.core.layout import KINDS, BlockLayout
+from kvstrata.platform.native import load_pio as load_native
 from kvstrata.tiers.base import Encoded, Tier
 from kvstrata.tiers.disk_files import ARENA_FILE, INDEX_FILE, DiskFiles
 from kvstrata.tiers.disk_format import (
@@ -228,7 +228,7 @@ class DiskTier(Tier):
 
         Args:
             slot: a written slot.
-            block_hash: the block's chained hash (kvstrata.hashing.block_hash).
+            block_hash: the block's chained hash (kvstrata.core.hashing.block_hash).
             token_ids: the block's tokens, returned by `lookup` to verify a hit.
         """
         self.put_keys([(slot, block_hash, token_ids)])

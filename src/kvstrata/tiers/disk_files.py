@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstrata.errors import TierIOError
+from kvstrata.core.errors import TierIOError
 from kvstrata.tiers.disk_format import SlotFormat
 from kvstrata.tiers.disk_index import DiskIndex
 from kvstrata.tiers.disk_io import BlockFile

@@ -20,7 +20,7 @@ the README for what each detects).
 The direct path (native kernels only) moves bytes between the arena file and the
 caller's tensors, one iovec per contiguous piece: for a field stored as [Hkv, rows,
 cols] per (block, layer), one piece per head of each block. One native call per chunk
-(`native_io`, kvstrata/native/pio.cpp) batches the pieces into preadv/pwritev calls,
+(`native_io`, kvstrata/platform/csrc/pio.cpp) batches the pieces into preadv/pwritev calls,
 feeds each batch to a streaming XXH3 state per region while it is in cache (right
 after it is read, right before it is written) and splits the chunk over threads at
 region boundaries. Field padding, the slot tail and fields that cannot be viewed
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from kvstrata.codecs.base import Codec
-from kvstrata.errors import ConfigError
-from kvstrata.layout import KINDS, BlockLayout, FieldSpec
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
 
 CHECKSUMS = ("xxh3-64", "crc32")
 DEFAULT_CHECKSUM = "xxh3-64"
@@ -173,7 +173,7 @@ class Checksum:
         if name not in CHECKSUMS:
             raise ConfigError.field("checksum", name, f"one of {', '.join(CHECKSUMS)}")
         self.name = name
-        # the native I/O kernels compute this checksum (kvstrata/native/pio.cpp)
+        # the native I/O kernels compute this checksum (kvstrata/platform/csrc/pio.cpp)
         self.native = name == "xxh3-64"
         self._fn = _xxh3_64() if name == "xxh3-64" else zlib.crc32
 
@@ -321,7 +321,7 @@ def native_io(
     write: bool,
     threads: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Move c items in one native call (kvstrata/native/pio.cpp), checksumming every
+    """Move c items in one native call (kvstrata/platform/csrc/pio.cpp), checksumming every
     region (XXH3-64) while it is in cache, split over `threads` threads.
 
     Args:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.errors import ConfigError, TierFullError, TierIOError
+from kvstrata.core.errors import ConfigError, TierFullError, TierIOError
 from kvstrata.tiers.disk_format import RETIRED_CHECKSUMS
 from kvstrata.tiers.disk_io import os_error, tier_error
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvstrata.errors import ConfigError, TierFullError, TierIOError
-from kvstrata.slots import slot_runs
+from kvstrata.core.errors import ConfigError, TierFullError, TierIOError
+from kvstrata.core.slots import slot_runs
 from kvstrata.tiers.disk_format import (
     SLOT_ALIGN,
     Checksum,

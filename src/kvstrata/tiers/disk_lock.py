@@ -26,7 +26,7 @@ import time
 import weakref
 from pathlib import Path
 
-from kvstrata.errors import TierIOError
+from kvstrata.core.errors import TierIOError
 from kvstrata.tiers.disk_io import os_error, tier_error
 
 LOCK_FILE = "tier.lock"

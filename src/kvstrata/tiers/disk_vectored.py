@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvstrata.errors import TierIOError
+from kvstrata.core.errors import TierIOError
 from kvstrata.tiers.disk_format import (
     SlotFormat,
     Template,
@@ -27,7 +27,7 @@ class VectoredIO:
 
     Args:
         fmt: the slot format.
-        native: the native library (kvstrata/native/pio.cpp).
+        native: the native library (kvstrata/platform/csrc/pio.cpp).
         io_threads: threads the native call may split a chunk over.
         stored_sums: the index's per-layer checksums [num_slots, L], which reads verify.
         io_error: (OSError, slots, what) -> the TierIOError a failed call raises.

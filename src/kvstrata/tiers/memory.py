@@ -4,7 +4,7 @@ Each keeps, per kind (K/V) and codec field, one preallocated arena
 
     [num_layers, num_kv_heads, num_slots * rows, cols]
 
-(see kvstrata.layout). With the `none` codec a run of consecutive slots of one
+(see kvstrata.core.layout). With the `none` codec a run of consecutive slots of one
 layer is a zero-copy `[Hkv, run_tokens, D]` view that attention kernels take as is.
 Reads and writes of arbitrary slot lists are one `index_select` / `index_copy_` per
 arena, never a Python loop per block.
@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from kvstrata.codecs.base import Codec, NoneCodec
-from kvstrata.device_streams import DeviceEvent, DeviceStreams, streams_for
-from kvstrata.layout import KINDS, BlockLayout, FieldSpec
-from kvstrata.slots import slot_runs
+from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
+from kvstrata.core.slots import slot_runs
+from kvstrata.platform.streams import DeviceEvent, DeviceStreams, streams_for
 from kvstrata.tiers.base import Encoded, Tier
 
 # Up to this many runs of consecutive slots, a raw read/write is one strided copy per

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstrata.server.deps import MissingExtraError
+from kvstrata.core.errors import MissingExtraError
 
 try:
     import vllm  # noqa: F401 - the extra's presence is the point

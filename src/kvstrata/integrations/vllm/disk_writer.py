@@ -33,14 +33,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvstrata.errors import ConfigError, TierIOError
+from kvstrata.core.errors import ConfigError, TierIOError
+from kvstrata.core.units import format_bytes
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import BackendPlan
 from kvstrata.tiers.base import SlotAllocator, Tier
 from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 from kvstrata.tiers.disk_format import SlotFormat
 from kvstrata.tiers.disk_lock import DirLock
-from kvstrata.units import format_bytes
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from sortedcontainers import SortedList
 
-from kvstrata.policies.eviction import BlockView, EvictionPolicy
+from kvstrata.blocks.eviction import BlockView, EvictionPolicy
 
 TIERS = ("host", "disk")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.config import FIELD_NAMES, CacheConfig
-from kvstrata.errors import ConfigError
+from kvstrata.core.errors import ConfigError
 
 # CacheConfig fields that mean something here; vLLM owns the device KV (its blocks,
 # budget and eviction), so the device-tier fields do not.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.errors import UnsupportedModelError
+from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.plan import BackendPlan
 
 

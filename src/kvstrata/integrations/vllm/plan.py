@@ -34,13 +34,13 @@ from typing import Any
 
 import xxhash
 
-from kvstrata.budgets import lower_slots
 from kvstrata.codecs.base import Codec
 from kvstrata.codecs.registry import get_codec
-from kvstrata.errors import ConfigError, UnsupportedModelError
-from kvstrata.geometry import DTYPES, KVGeometry, dtype_name
+from kvstrata.core.errors import ConfigError, UnsupportedModelError
+from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.layout import BlockLayout
+from kvstrata.model.budgets import lower_slots
+from kvstrata.model.geometry import DTYPES, KVGeometry, dtype_name
 
 NAMESPACE_VERSION = 1  # bump when the key derivation or the page reading changes
 KEY_BYTES = 16

@@ -7,7 +7,7 @@ it promotes from disk. So the host tier's arenas live in one file in shared memo
 (/dev/shm), mapped by both:
 
     [ header 4 KiB: magic, JSON line ][ arena k.<field> ][ arena v.<field> ] ...
-    arena = [num_layers, num_kv_heads, num_slots * rows, cols] (kvstrata.layout), each
+    arena = [num_layers, num_kv_heads, num_slots * rows, cols] (kvstrata.core.layout), each
     starting on a 64-byte boundary, in sorted field order
 
 Roles. vLLM builds the worker before the scheduler (EngineCore initializes the KV
@@ -43,12 +43,12 @@ from typing import Any
 import torch
 
 from kvstrata.codecs.base import Codec
-from kvstrata.errors import ConfigError, KvstrataError
-from kvstrata.layout import KINDS, BlockLayout
+from kvstrata.core.errors import ConfigError, KvstrataError
+from kvstrata.core.layout import KINDS, BlockLayout
+from kvstrata.core.units import format_bytes
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.disk_lock import pid_alive
 from kvstrata.tiers.memory import MemoryTier
-from kvstrata.units import format_bytes
 
 log = logging.getLogger(__name__)
 HEADER_BYTES = 4096

@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvstrata.errors import UnsupportedModelError
+from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.manager import KvstrataOffloadingManager
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry, model_identity

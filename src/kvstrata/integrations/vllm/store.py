@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # builtin only from 3.11
 from typing import Any
 
-from kvstrata.errors import TierIOError
+from kvstrata.core.errors import TierIOError
 from kvstrata.integrations.vllm.disk_writer import DiskWriter, make_room
 from kvstrata.integrations.vllm.index import BlockIndex, Entry
 from kvstrata.integrations.vllm.options import VllmOptions

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvstrata.errors import UnsupportedModelError
+from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.manager import HostSlotsSpec
 from kvstrata.integrations.vllm.pages import Pages
 from kvstrata.integrations.vllm.plan import BackendPlan

@@ -1,0 +1,180 @@
+"""The native decode kernel's side of attention: descriptors of raw and encoded K/V
+fields (`raw_field`, `encoded_field`), the per-step `LayerDescs` arrays, and the calls
+into kvstrata/platform/csrc/attention.cpp that attend all parts of a decode step at once,
+reading quantized host blocks in place (no partial per part, no merge, no staging copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from kvstrata.core.formats import FieldDesc, FieldFormat, PartDesc
+from kvstrata.platform.native import load
+
+# -- native decode attention ------------------------------------------------------------------
+NATIVE_MAX_ROWS = 64  # packed query rows per KV head (R * new tokens)
+NATIVE_MAX_DIM = 512
+
+
+def raw_field(t: torch.Tensor) -> FieldDesc | None:
+    """Descriptor of a raw K or V view [Hkv, T, D] (rows contiguous, on the CPU), or
+    None when the native kernel cannot read it in place."""
+    fmt = FieldFormat.raw(t.dtype)
+    if fmt is None or t.device.type != "cpu" or (t.stride(-1) != 1 and t.shape[-1] > 1):
+        return None
+    es = t.element_size()
+    return FieldDesc(
+        data=t.data_ptr(),
+        data_head_stride=t.stride(0) * es,
+        data_row_stride=t.stride(1) * es,
+        format=fmt,
+    )
+
+
+def encoded_field(
+    fmt: tuple[FieldFormat, int],
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    row0: int,
+) -> FieldDesc | None:
+    """Descriptor of a codec's fields for one layer ([Hkv, rows, cols] arenas, rows
+    contiguous, CPU), starting at arena token row `row0`; `fmt` is the codec's
+    `attend_format` (format, group); `zero` None for codecs without a zero point (fp8)."""
+    zero = scale if zero is None else zero
+    if any(t.device.type != "cpu" or not t[0].is_contiguous() for t in (data, scale, zero)):
+        return None
+    code, group = fmt
+    return FieldDesc(
+        data=data.data_ptr(),
+        scale=scale.data_ptr(),
+        zero=zero.data_ptr(),
+        data_head_stride=data.stride(0) * data.element_size(),
+        data_row_stride=data.stride(1) * data.element_size(),
+        scale_head_stride=scale.stride(0) * scale.element_size(),
+        zero_head_stride=zero.stride(0) * zero.element_size(),
+        group=group,
+        row0=row0,
+        format=code,
+    )
+
+
+def native_attention(
+    q: torch.Tensor,
+    parts: list[tuple[int, FieldDesc, FieldDesc]],
+    dim_v: int,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Packed queries q [Hkv, M, D] over the union of `parts`, in one native call.
+
+    Args:
+        q: packed queries (any device/dtype; computed in fp32 on the CPU).
+        parts: (tokens, K descriptor, V descriptor) per part (`raw_field`,
+            `encoded_field`); every query sees every key.
+        dim_v: value head dim.
+        scale, softcap: as `partial_attention`.
+
+    Returns:
+        (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M] fp32), or None when
+        the native library is unavailable or the shapes are beyond it.
+    """
+    if not parts:
+        return None
+    desc = (PartDesc * len(parts))(*parts)  # one contiguous kv_part array
+    return native_attention_desc(q, ctypes.addressof(desc), len(parts), dim_v, scale, softcap)
+
+
+def native_attention_desc(
+    q: torch.Tensor, desc: int, num_parts: int, dim_v: int, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`native_attention` over a ready `PartDesc` array at address `desc`."""
+    lib = load()
+    hkv, m, d = q.shape
+    if lib is None or not num_parts or m > NATIVE_MAX_ROWS or max(d, dim_v) > NATIVE_MAX_DIM:
+        return None
+    qf = q.detach().to("cpu", torch.float32).contiguous()
+    out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
+    lse = torch.empty((hkv, m), dtype=torch.float32)
+    rc = lib.kv_attn_decode(
+        num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), qf.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native decode attention failed with status {rc}")
+    return out.to(q.device, q.dtype), lse.to(q.device)
+
+
+def native_attention_batch(
+    q: torch.Tensor,
+    descs: np.ndarray,
+    nparts: np.ndarray,
+    dim_v: int,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of S sequences in one native call: q [S, Hkv, M, D] (packed
+    queries per sequence), sequence s over the `nparts[s]` parts of the `PartDesc`
+    array at address `descs[s]`. Each sequence gets the bits `native_attention_desc`
+    gives it alone.
+
+    Returns (out [S, Hkv, M, Dv] in q's dtype, lse [S, Hkv, M] fp32). The caller checks
+    the native library is available and M, D, Dv are within NATIVE_MAX_*."""
+    lib = load()
+    num, hkv, m, d = q.shape
+    qf = q.detach().to("cpu", torch.float32).contiguous()
+    out = torch.empty((num, hkv, m, dim_v), dtype=torch.float32)
+    lse = torch.empty((num, hkv, m), dtype=torch.float32)
+    descs = np.ascontiguousarray(descs, dtype=np.uint64)
+    nparts = np.ascontiguousarray(nparts, dtype=np.intc)
+    rc = lib.kv_attn_decode_batch(
+        num, nparts.ctypes.data, descs.ctypes.data, qf.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native batched decode attention failed with status {rc}")
+    return out.to(q.device, q.dtype), lse.to(q.device)
+
+
+class LayerDescs:
+    """The `PartDesc` arrays of every layer of a group, built once per step: the
+    arenas are [layers, ...] tensors, so one layer's descriptors differ from the
+    previous layer's by a fixed distance per pointer (the layer strides).
+
+    Built from the descriptors of local layers 0 and 1 (`second` None for a one-layer
+    group) with one vectorised op; `at(layer)` is then the address of that layer's
+    array, no per-layer work."""
+
+    # uint64 word of each pointer (K and V: data, scale, zero) within one PartDesc
+    _WORDS = [
+        (part.offset + ptr.offset) // 8
+        for part in (PartDesc.k, PartDesc.v)
+        for ptr in (FieldDesc.data, FieldDesc.scale, FieldDesc.zero)
+    ]
+
+    def __init__(self, first: list[tuple], second: list[tuple] | None, num_layers: int) -> None:
+        self.num_parts = n = len(first)
+        per_part = ctypes.sizeof(PartDesc) // 8
+        idx = np.array([p * per_part + w for p in range(n) for w in self._WORDS])
+        base = np.frombuffer(bytes((PartDesc * n)(*first)), dtype=np.uint64)
+        p0 = base[idx].astype(np.int64)
+        delta = np.zeros_like(p0)
+        if second is not None:
+            p1 = np.frombuffer(bytes((PartDesc * n)(*second)), dtype=np.uint64)[idx]
+            delta = np.where(p0 != 0, p1.astype(np.int64) - p0, 0)
+        self._bufs = np.tile(base, (num_layers, 1))
+        layers = np.arange(num_layers, dtype=np.int64)[:, None]
+        self._bufs[:, idx] = (p0 + layers * delta).astype(np.uint64)
+        self._addr, self._stride = self._bufs.ctypes.data, self._bufs.strides[0]
+
+    def at(self, layer: int) -> int:
+        """Address of the `PartDesc` array of local layer `layer`."""
+        return self._addr + layer * self._stride
+
+    def set_tokens(self, part: int, tokens: int) -> None:
+        """Set part `part`'s token count in every layer's array (a run that grew)."""
+        per_part = ctypes.sizeof(PartDesc) // 8
+        self._bufs[:, part * per_part + PartDesc.tokens.offset // 8] = tokens

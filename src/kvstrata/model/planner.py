@@ -1,0 +1,500 @@
+"""Memory planner: model geometry + hardware + workload -> budgets, bounds and a verdict.
+
+Pure maths, no I/O. The numbers follow the seed documents and are checked by tests:
+
+    Llama-2-7B fp16: 524,288 B/token; 8k tokens = 4 GiB per request.
+    Keep the newest 1k of 8k tokens resident: saves (4 - 0.5) / 4 = 87.5 % of device KV.
+    int8 + 80 % offloaded: (4 - 0.4) / 4 = 90 % (89.7 % once int8's scales are counted).
+    4 GiB over PCIe 4.0 (25 GB/s measured): >= 172 ms per decode step.
+
+Tiers, per request (newest tokens on the right):
+
+    | cold: host RAM, then disk (oldest)          | hot: device (resident) |
+    |<---------- context - resident ------------->|<---- resident ------->|
+
+Decode-step lower bounds assume perfect overlap: every stored KV byte is read once from
+device memory (HBM bound), and every cold byte crosses the host link once per step (the
+staging path), disk bytes also crossing the disk link.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvstrata.core.errors import ConfigError
+from kvstrata.core.units import MAX_TOKENS, format_bytes
+from kvstrata.model.geometry import DTYPES, KVGeometry, dtype_name
+from kvstrata.platform.hardware import GIB, SLOW_LINK_BANDWIDTH, Hardware
+
+PRIORITIES = ("throughput", "latency")
+PLAN_BLOCK_MIN, PLAN_BLOCK_MAX = 16, 512  # block sizes a plan models (the cache takes 1-4096)
+TABLE_CONTEXTS = tuple(1024 * k for k in (1, 2, 4, 8, 16, 32, 64, 128))
+TABLE_CODECS = ("fp16", "fp8", "int8", "int4")  # "fp16" stands for any 16-bit dtype
+HOT_TOKENS = 1024  # the seed: "GPU keeps the most recent ~1k tokens"
+RESIDENT_MIN, RESIDENT_MAX = 0.05, 0.20  # the seed: "keep 5-20 % on the GPU"
+HOST_USABLE_FRACTION = 0.8  # leave host RAM for the OS, the process and pinned limits
+STAGING_TOKENS = 4096  # per layer, double-buffered (CacheConfig.staging_tokens default)
+
+# The seed's decision guide (section 5), as thresholds.
+SMALL_GPU, LARGE_GPU = 32 * GIB, 80 * GIB
+LONG_CONTEXT, SHORT_CONTEXT = 8 * 1024, 2 * 1024
+MANY_REQUESTS = 4
+PLENTY_HOST_RAM, PLENTY_DISK = 64 * GIB, 10**12
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the model must serve.
+
+    Fields:
+        context_tokens: tokens per request (prompt + generated).
+        concurrency: requests decoded together.
+        priority: "throughput" or "latency".
+        weights_dtype: dtype of the weights (sizes them); None = the model's dtype.
+        kv_dtype: dtype of the KV; None = the model's dtype.
+        codec: codec of the stored KV in every tier ("none" = kv_dtype).
+        block_size: tokens per block, 16-512 (the sizes whose per-block overhead and
+            transfer granularity the planner's bounds model); None = chosen (64-256).
+        params: parameter count; None = from the geometry.
+        reserve_fraction / reserve_bytes: GPU memory kept for activations, the CUDA
+            context and fragmentation (reserve_bytes wins when given).
+        resident_fraction: fraction of each request kept on the device; None = the
+            newest ~1k tokens, clamped to 5-20 % of the context.
+    """
+
+    context_tokens: int
+    concurrency: int = 1
+    priority: str = "throughput"
+    weights_dtype: str | None = None
+    kv_dtype: str | None = None
+    codec: str = "none"
+    block_size: int | None = None
+    params: int | None = None
+    reserve_fraction: float = 0.10
+    reserve_bytes: int | None = None
+    resident_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("context_tokens", "concurrency"):
+            value = getattr(self, name)
+            if not _whole(value) or not 0 < value <= MAX_TOKENS:
+                raise ConfigError.field(name, value, f"a whole number from 1 to {MAX_TOKENS:,}")
+        if self.priority not in PRIORITIES:
+            raise ConfigError.field("priority", self.priority, f"one of {', '.join(PRIORITIES)}")
+        if self.block_size is not None and (
+            not _whole(self.block_size) or not PLAN_BLOCK_MIN <= self.block_size <= PLAN_BLOCK_MAX
+        ):
+            raise ConfigError.field(
+                "block_size",
+                self.block_size,
+                f"{PLAN_BLOCK_MIN}-{PLAN_BLOCK_MAX} tokens for a plan (64-256 typical)",
+            )
+        if not _real(self.reserve_fraction) or not 0 <= self.reserve_fraction < 1:
+            raise ConfigError.field("reserve", self.reserve_fraction, "a fraction in [0, 1)")
+        reserve = self.reserve_bytes
+        if reserve is not None and (not _whole(reserve) or reserve < 0):
+            raise ConfigError.field("reserve", self.reserve_bytes, "a whole number of bytes >= 0")
+        frac = self.resident_fraction
+        if frac is not None and (not _real(frac) or not 0 < frac <= 1):
+            raise ConfigError.field("resident_fraction", frac, "a fraction in (0, 1]")
+        if self.params is not None and (not _whole(self.params) or self.params <= 0):
+            raise ConfigError.field("params", self.params, "a positive whole parameter count")
+
+
+def _whole(value: object) -> bool:
+    """An int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """KV bytes at one context length: per request and for `concurrency` requests."""
+
+    context_tokens: int
+    per_request: dict[str, float]
+    total: dict[str, float]
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Where the KV goes when it is offloaded (bytes are stored bytes, after the codec)."""
+
+    resident_tokens: int
+    resident_fraction: float
+    device_bytes: int
+    staging_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    host_capacity: int
+    disk_capacity: int | None
+    unplaced_bytes: int
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """Decode-step lower bounds (seconds) for all requests, one token each."""
+
+    all_on_gpu_s: float
+    hbm_s: float
+    host_link_s: float
+    disk_link_s: float
+    tiered_s: float
+
+    @property
+    def slowdown(self) -> float:
+        """Tiered bound over the all-on-GPU bound."""
+        return self.tiered_s / self.all_on_gpu_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer (see `plan`). `to_dict()` is the JSON form."""
+
+    model: str
+    geometry: KVGeometry
+    hardware: Hardware
+    workload: Workload
+    kv_dtype: str
+    codec: str
+    block_size: int
+    bytes_per_token: float
+    stored_bytes_per_token: float
+    weights_bytes: int
+    reserve_bytes: int
+    kv_room_bytes: int
+    kv_per_request_bytes: float
+    kv_total_bytes: float
+    stored_total_bytes: float
+    fits_on_gpu: bool
+    table: list[MemoryRow]
+    tiers: TierPlan | None
+    bounds: StepBounds | None
+    memory_saved: float | None
+    feasible: bool
+    verdict: str
+    reasons_for: list[str] = field(default_factory=list)
+    reasons_against: list[str] = field(default_factory=list)
+    raise_hint: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (bandwidths in bytes/s, sizes in bytes, times in s)."""
+        data = asdict(self)
+        if self.bounds is not None:
+            data["bounds"]["slowdown"] = self.bounds.slowdown
+        data["geometry"]["sliding_layers"] = list(self.geometry.sliding_layers)
+        return data
+
+
+def transfer_seconds(num_bytes: float, bandwidth: float) -> float:
+    """Time to move `num_bytes` at `bandwidth` bytes/s (a lower bound, no latency)."""
+    return num_bytes / bandwidth
+
+
+def memory_saved(baseline_bytes: float, device_bytes: float) -> float:
+    """Fraction of device KV memory saved: (baseline - device) / baseline.
+
+    The seed's examples: memory_saved(4, 0.5) = 0.875; memory_saved(4, 0.4) = 0.9.
+    """
+    return (baseline_bytes - device_bytes) / baseline_bytes
+
+
+def _round_up(value: float, multiple: int) -> int:
+    return int(math.ceil(value / multiple)) * multiple
+
+
+def choose_block_size(workload: Workload) -> int:
+    """64-256 tokens (seed 4.2.3): small blocks waste less transfer on latency-bound
+    work; large ones cut per-block overhead on long contexts."""
+    if workload.block_size is not None:
+        return workload.block_size
+    if workload.priority == "latency":
+        return 64
+    return 256 if workload.context_tokens >= 32 * 1024 else 128
+
+
+def resident_tokens(workload: Workload, block_size: int) -> int:
+    """Tokens of each request kept on the device, in whole blocks, <= the context."""
+    ctx = workload.context_tokens
+    if workload.resident_fraction is not None:
+        tokens = workload.resident_fraction * ctx
+    else:
+        tokens = min(max(HOT_TOKENS, RESIDENT_MIN * ctx), RESIDENT_MAX * ctx)
+    return min(ctx, max(block_size, _round_up(tokens, block_size)))
+
+
+def _memory_table(geometry: KVGeometry, workload: Workload, kv_dtype: str, block_size: int):
+    from kvstrata.codecs.registry import codec_names
+
+    names = set(codec_names())
+    codecs = []
+    for codec in TABLE_CODECS:
+        if codec in DTYPES:
+            codecs.append(codec)
+            continue
+        try:  # a codec may not fit this geometry (int4 g64 on an 8-wide head): leave it out
+            geometry.bytes_per_token(codec, kv_dtype, block_size)
+        except ConfigError:
+            continue
+        if codec in names:
+            codecs.append(codec)
+    rows = []
+    for ctx in TABLE_CONTEXTS:
+        per = {
+            c: geometry.bytes_for_context(ctx, c, kv_dtype if c not in DTYPES else None, block_size)
+            for c in codecs
+        }
+        rows.append(MemoryRow(ctx, per, {c: v * workload.concurrency for c, v in per.items()}))
+    return rows
+
+
+def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
+    """Size the KV cache of `workload` on `hardware` and decide whether to offload.
+
+    Args:
+        geometry: the model's KV geometry (`kvstrata.model.geometry.load_geometry`).
+        hardware: GPU, links and host RAM (`kvstrata.platform.hardware.make_hardware`).
+        workload: context, concurrency, priority, dtypes, codec.
+
+    Returns:
+        A `Plan`: memory table, fit, tier budgets, decode-step bounds, verdict + reasons.
+
+    Raises:
+        ConfigError: unknown codec/dtype, or no parameter count (pass `params`).
+    """
+    _check_hardware(hardware)
+    kv_dtype = dtype_name(workload.kv_dtype or geometry.dtype, "kv_dtype")
+    weights_dtype = dtype_name(workload.weights_dtype or geometry.dtype, "weights_dtype")
+    codec = workload.codec
+    block_size = choose_block_size(workload)
+    params = workload.params if workload.params is not None else geometry.num_params
+    if params is None:
+        raise ConfigError.field("params", None, "unknown for this model: pass --params, e.g. 7e9")
+    n, ctx = workload.concurrency, workload.context_tokens
+    gpu = hardware.gpu
+
+    def stored(tokens: int) -> float:
+        return geometry.bytes_for_context(tokens, codec, kv_dtype, block_size)
+
+    bpt = geometry.bytes_per_token(kv_dtype)
+    stored_bpt = geometry.bytes_per_token(codec, kv_dtype, block_size)
+    weights = params * DTYPES[weights_dtype][1]
+    if workload.reserve_bytes is not None:
+        reserve = workload.reserve_bytes
+        if reserve >= gpu.memory_bytes:
+            raise ConfigError.field(
+                "reserve",
+                format_bytes(reserve),
+                f"must be less than the GPU's memory ({format_bytes(gpu.memory_bytes)}, "
+                f"{gpu.name}): e.g. '10%' or '2GiB'",
+            )
+    else:
+        reserve = int(workload.reserve_fraction * gpu.memory_bytes)
+    kv_room = gpu.memory_bytes - weights - reserve
+    per_request = geometry.bytes_for_context(ctx, kv_dtype)
+    kv_total = per_request * n
+    stored_total = stored(ctx) * n
+    fits = stored_total <= kv_room
+    notes: list[str] = []
+    raise_hint = None
+
+    # The tier plan (computed even when everything fits: it is what offload would cost).
+    res_tokens = resident_tokens(workload, block_size)
+    # Cold blocks stream through a device buffer one layer at a time, double-buffered.
+    staging_tokens = min(STAGING_TOKENS, n * ctx)
+    staging = int(math.ceil(2 * staging_tokens * stored_bpt / geometry.num_layers))
+    if kv_room > 0 and n * stored(res_tokens) + staging > kv_room:
+        fit_tokens = (kv_room - staging) / n / stored_bpt
+        cut = max(block_size, int(fit_tokens // block_size) * block_size)
+        if cut < res_tokens:
+            notes.append(
+                f"resident tokens cut from {res_tokens} to {cut} per request to fit the GPU"
+            )
+            res_tokens = min(res_tokens, cut)
+    device = int(math.ceil(n * stored(res_tokens)))
+    cold = int(math.ceil(stored_total - device))
+    host_cap = int(hardware.host_memory * HOST_USABLE_FRACTION)
+    host = min(cold, host_cap)
+    disk = 0
+    if hardware.disk is not None:
+        disk = cold - host
+        if hardware.disk_capacity is not None:
+            disk = min(disk, hardware.disk_capacity)
+    unplaced = cold - host - disk
+    tiers = TierPlan(
+        resident_tokens=res_tokens,
+        resident_fraction=res_tokens / ctx,
+        device_bytes=device,
+        staging_bytes=staging,
+        host_bytes=host,
+        disk_bytes=disk,
+        host_capacity=host_cap,
+        disk_capacity=hardware.disk_capacity,
+        unplaced_bytes=unplaced,
+    )
+    feasible = True
+    if kv_room <= 0:
+        feasible = False
+        raise_hint = (
+            f"the weights ({weights / GIB:.2f} GiB {weights_dtype}) plus the reserve "
+            f"({reserve / GIB:.2f} GiB) leave no GPU memory for KV: use a larger GPU or "
+            "quantized weights (KV offloading keeps the weights resident)"
+        )
+    elif device + staging > kv_room:
+        feasible = False
+        raise_hint = (
+            f"even one {block_size}-token block per request does not fit the "
+            f"{max(kv_room, 0) / GIB:.2f} GiB left for KV: lower --concurrency or raise "
+            "--gpu-memory"
+        )
+    elif unplaced > 0:
+        feasible = False
+        need_host = int(math.ceil(cold / HOST_USABLE_FRACTION))
+        raise_hint = (
+            f"{unplaced / GIB:.2f} GiB of cold KV has nowhere to go: raise --host-memory to "
+            f">= {need_host / GIB:.1f} GiB"
+        )
+        if hardware.disk is None:
+            raise_hint += (
+                f" or add a disk tier (--disk-link nvme-gen4, >= {unplaced / GIB:.1f} GiB)"
+            )
+        else:
+            raise_hint += f" or --disk-capacity by {unplaced / GIB:.1f} GiB"
+        if codec == "none":
+            raise_hint += ", or store KV compressed (--codec int8 / int4)"
+
+    hbm = transfer_seconds(weights + stored_total, gpu.bandwidth)
+    host_link = transfer_seconds(host + disk, hardware.link.bandwidth)
+    disk_link = transfer_seconds(disk, hardware.disk.bandwidth) if hardware.disk else 0.0
+    bounds = StepBounds(
+        all_on_gpu_s=hbm,
+        hbm_s=hbm,
+        host_link_s=host_link,
+        disk_link_s=disk_link,
+        tiered_s=max(hbm, host_link, disk_link),
+    )
+    saved = memory_saved(kv_total, device)
+    if kv_room > 0 and bounds.slowdown > 2:
+        notes.append(
+            f"streaming every cold byte over {hardware.link.name} each step is "
+            f"{bounds.slowdown:.1f}x the all-on-GPU bound; attending cold blocks where they "
+            "live (cold_attention='local') or fetching only selected blocks avoids that traffic"
+        )
+    if geometry.is_mla:
+        notes.append("MLA: sizes are the compressed latent, as MLA-aware attention caches it")
+
+    reasons_for, reasons_against = _reasons(hardware, workload, fits, kv_room, stored_total, bounds)
+    score = len(reasons_for) - len(reasons_against)
+    if kv_room <= 0:
+        verdict = "advise against"
+    elif fits:
+        verdict = "neutral" if score > 0 else "advise against"
+    else:
+        # Any of the seed's "not recommended" conditions (5.2) rules out a plain
+        # recommendation: offload is then the price of fitting, not a win.
+        if not reasons_against and score >= 1:
+            verdict = "recommend"
+        else:
+            verdict = "neutral" if score >= 0 else "advise against"
+    return Plan(
+        model=geometry.name,
+        geometry=geometry,
+        hardware=hardware,
+        workload=workload,
+        kv_dtype=kv_dtype,
+        codec=codec,
+        block_size=block_size,
+        bytes_per_token=bpt,
+        stored_bytes_per_token=stored_bpt,
+        weights_bytes=weights,
+        reserve_bytes=reserve,
+        kv_room_bytes=kv_room,
+        kv_per_request_bytes=per_request,
+        kv_total_bytes=kv_total,
+        stored_total_bytes=stored_total,
+        fits_on_gpu=fits,
+        table=_memory_table(geometry, workload, kv_dtype, block_size),
+        tiers=tiers,
+        bounds=bounds,
+        memory_saved=saved,
+        feasible=feasible,
+        verdict=verdict,
+        reasons_for=reasons_for,
+        reasons_against=reasons_against,
+        raise_hint=raise_hint,
+        notes=notes,
+    )
+
+
+def _check_hardware(hardware: Hardware) -> None:
+    """ConfigError for a bandwidth or size that is not a finite positive number (an
+    infinite bandwidth would make every bound 0 and the slowdown 0/0)."""
+    values = {
+        "gpu_memory": hardware.gpu.memory_bytes,
+        "gpu_bandwidth": hardware.gpu.bandwidth,
+        "link_bandwidth": hardware.link.bandwidth,
+        "disk_bandwidth": hardware.disk.bandwidth if hardware.disk is not None else 1.0,
+    }
+    for name, value in values.items():
+        if not _real(value) or value <= 0:
+            raise ConfigError.field(name, value, "a finite number > 0")
+    if not _real(hardware.host_memory) or hardware.host_memory < 0:
+        raise ConfigError.field("host_memory", hardware.host_memory, "a byte count >= 0")
+
+
+def _reasons(
+    hardware: Hardware,
+    workload: Workload,
+    fits: bool,
+    kv_room: float,
+    stored_total: float,
+    bounds: StepBounds,
+) -> tuple[list[str], list[str]]:
+    """The seed's decision guide (5.1 recommend / 5.2 advise against), with the numbers."""
+    pro: list[str] = []
+    con: list[str] = []
+    gpu, link = hardware.gpu, hardware.link
+    mem, ctx, n = gpu.memory_bytes / GIB, workload.context_tokens, workload.concurrency
+    if kv_room <= 0:
+        con.append(f"the weights do not leave room for KV on a {mem:.0f} GiB GPU")
+    elif fits:
+        con.append(
+            f"all KV ({stored_total / GIB:.2f} GiB) fits in the {kv_room / GIB:.2f} GiB free "
+            "on the GPU: offload would only add transfers"
+        )
+    else:
+        pro.append(
+            f"KV needs {stored_total / GIB:.2f} GiB but only {kv_room / GIB:.2f} GiB is free "
+            "on the GPU after weights and reserve"
+        )
+    if gpu.memory_bytes <= SMALL_GPU:
+        pro.append(f"GPU memory {mem:.0f} GiB <= 32 GiB")
+    if gpu.memory_bytes >= LARGE_GPU:
+        con.append(f"GPU memory {mem:.0f} GiB >= 80 GiB")
+    if hardware.host_memory >= PLENTY_HOST_RAM:
+        pro.append(f"host RAM {hardware.host_memory / GIB:.0f} GiB >= 64 GiB for cold blocks")
+    if hardware.disk is not None and (
+        hardware.disk_capacity is None or hardware.disk_capacity >= PLENTY_DISK
+    ):
+        pro.append(f"fast NVMe tier available ({hardware.disk.name})")
+    if ctx >= LONG_CONTEXT:
+        pro.append(f"context {ctx} tokens >= 8k")
+    if ctx <= SHORT_CONTEXT:
+        con.append(f"context {ctx} tokens <= 2k: little history to offload")
+    if n >= MANY_REQUESTS:
+        pro.append(f"{n} concurrent requests >= 4")
+    if workload.priority == "throughput":
+        pro.append("throughput matters more than single-request latency")
+    else:
+        step = bounds.tiered_s * 1e3
+        con.append(f"latency-sensitive: offloaded decode step >= {step:.1f} ms (bandwidth bound)")
+    if link.bandwidth <= SLOW_LINK_BANDWIDTH:
+        con.append(f"host link {link.bandwidth / 1e9:.0f} GB/s ({link.name}) is PCIe 3.0 x8 class")
+    return pro, con

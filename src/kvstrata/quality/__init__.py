@@ -1,0 +1,2 @@
+"""Quality measurements: perplexity and greedy agreement against the exact cache, and
+needle retrieval."""

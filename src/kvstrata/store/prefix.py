@@ -1,0 +1,249 @@
+"""The prefix index of a KVStore: content hashes of full blocks, lookups, persistence.
+
+Every full block of a sequence whose tokens are known gets a chained content hash
+(kvstrata.core.hashing) whose extra keys name the model, dtype, codecs, layout version,
+layer group and an optional tenant salt, so two stores, processes or tenants share
+a block only when its bytes are interchangeable. A lookup walks the prompt's chain
+per group and takes the longest prefix every group can serve (a sliding group only
+needs the blocks its window sees); a hit is checked against the stored token ids,
+and a disk hit against its checksums: a corrupt block is a miss (dropped from the
+index and recomputed by the caller), never served. Hashed blocks that reach the
+disk tier are keyed in its durable index (found again after a restart); `persist`
+writes those still in memory there when the store closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.core.errors import TierIOError
+from kvstrata.core.hashing import block_hash
+
+if TYPE_CHECKING:
+    from kvstrata.store.kvstore import KVStore, _Sequence
+
+LAYOUT_VERSION = 2  # part of every block hash: bump when stored bytes change meaning
+_CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
+VERIFY_CHUNK_BYTES = 64 << 20  # disk hits are read back (checksums) this much at a time
+
+
+@dataclass
+class PrefixStats:
+    """Prefix-cache counters."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    corrupt_blocks: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "lookups": self.lookups,
+            "lookup_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+            "corrupt_blocks": self.corrupt_blocks,
+        }
+
+
+class PrefixIndex:
+    """Hashing, lookup and persistence of a store's full blocks (see module doc)."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self.stats = PrefixStats()
+        self._extra: dict[tuple[int, str], dict[str, str | int]] = {}
+
+    def _extra_keys(self, group: int, salt: str) -> dict[str, str | int]:
+        extra = self._extra.get((group, salt))
+        if extra is None:
+            assert self.store.layout is not None
+            extra = {
+                "model": self.store.model_key,
+                "dtype": str(self.store.layout.dtype).removeprefix("torch."),
+                "codecs": "/".join(self.store.codecs[f].name for f in _CODEC_FIELDS),
+                "layout": LAYOUT_VERSION,
+                "group": f"{group}:{self.store.groups[group].window or 0}:{len(self.store.groups)}",
+                "salt": salt,
+            }
+            self._extra[(group, salt)] = extra
+        return extra
+
+    def hash_full_blocks(self, seq_id: int) -> None:
+        mgr = self.store._require()
+        seq = self.store._seqs[seq_id]
+        if seq.token_ids is None:
+            return
+        bs = self.store.config.block_size
+        num_full = min(len(seq.token_ids), self.store.num_tokens(seq_id)) // bs
+        indexed = []
+        for i in range(seq.num_hashed, num_full):
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            for g, key in enumerate(self.store.tables(seq_id)):
+                h = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
+                seq.parents[g] = h
+                block_id = mgr.block_at(key, i)
+                if block_id is not None and mgr.set_hash(block_id, h, tuple(tokens)):
+                    indexed.append(mgr.pool.blocks[block_id])
+        seq.num_hashed = max(seq.num_hashed, num_full)
+        self.key_on_disk(indexed)
+
+    def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
+        """Block ids of the cached prefix of one group (None where a block is absent),
+        for up to `limit` full blocks."""
+        mgr = self.store._require()
+        bs = self.store.config.block_size
+        found: list[int | None] = []
+        parent = None
+        extra = self._extra_keys(group, salt)
+        for i in range(limit):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            parent = block_hash(parent, tokens, extra)
+            block_id = mgr.hash_to_block.get(parent)
+            if block_id is not None and mgr.pool.blocks[block_id].token_ids != tuple(tokens):
+                block_id = None  # a hash collision: never serve it
+            found.append(block_id)
+        return found
+
+    def attach(self, seq_id: int, token_ids: list[int]) -> int:
+        mgr = self.store._require()
+        bs = self.store.config.block_size
+        seq = self.store._seqs[seq_id]
+        limit = max(0, len(token_ids) - 1) // bs
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += len(token_ids)
+        for _attempt in range(8):
+            found = [
+                self._lookup_blocks(g.index, seq.salt, token_ids, limit) for g in self.store.groups
+            ]
+            k = self._longest_match(found)
+            if k == 0:
+                break
+            chosen = []
+            for group, ids in zip(self.store.groups, found, strict=True):
+                first = group.first_live_block(k * bs, bs)
+                chosen.append((first, ids[first:k]))
+            bad = self._verify_disk([b for _, ids in chosen for b in ids])
+            if bad:
+                continue
+            for key, (first, ids) in zip(self.store.tables(seq_id), chosen, strict=True):
+                mgr.attach(key, ids, first, k * bs)
+            seq.token_ids = list(token_ids[: k * bs])
+            seq.num_hashed = k
+            seq.parents = [
+                mgr.pool.blocks[ids[-1]].block_hash if ids else None for _, ids in chosen
+            ]
+            if any(p is None for p in seq.parents):  # a group keeps no block: re-derive
+                seq.num_hashed, seq.parents = 0, [None] * len(self.store.groups)
+                self._rechain(seq, k)
+            self.stats.hit_tokens += k * bs
+            for block_id in chosen[0][1]:
+                tier = mgr.pool.blocks[block_id].tier
+                self.stats.hit_tokens_by_tier[tier] = (
+                    self.stats.hit_tokens_by_tier.get(tier, 0) + bs
+                )
+            return k * bs
+        return 0
+
+    def _rechain(self, seq: _Sequence, num_blocks: int) -> None:
+        bs = self.store.config.block_size
+        assert seq.token_ids is not None
+        for i in range(num_blocks):
+            for g in range(len(self.store.groups)):
+                tokens = seq.token_ids[i * bs : (i + 1) * bs]
+                seq.parents[g] = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
+        seq.num_hashed = num_blocks
+
+    def _longest_match(self, found: list[list[int | None]]) -> int:
+        """The most full blocks k such that every group holds the blocks it needs
+        after k blocks (all of them for full attention, its window for sliding)."""
+        bs = self.store.config.block_size
+        k = len(found[0]) if found else 0
+        for group, ids in zip(self.store.groups, found, strict=True):
+            if group.window is None:
+                k = min(k, next((i for i, b in enumerate(ids) if b is None), len(ids)))
+        while k > 0:
+            ok = True
+            for group, ids in zip(self.store.groups, found, strict=True):
+                first = group.first_live_block(k * bs, bs)
+                if any(b is None for b in ids[first:k]):
+                    ok = False
+                    break
+            if ok:
+                return k
+            k -= 1
+        return 0
+
+    def _verify_disk(self, block_ids: list[int]) -> bool:
+        """Read back the disk blocks of a hit (checksums); drop corrupt ones from the
+        index. True when one was bad."""
+        mgr = self.store._require()
+        if self.store.disk_tier is None:
+            return False
+        disk = self.store.disk_tier.name
+        slots = [mgr.pool.blocks[b].slot for b in block_ids if mgr.pool.blocks[b].tier == disk]
+        if not slots:
+            return False
+        per_read = max(1, VERIFY_CHUNK_BYTES // self.store.disk_tier.block_bytes)
+        try:
+            for i in range(0, len(slots), per_read):  # bounded memory for long hits
+                self.store.disk_tier.read_encoded(slots[i : i + per_read])
+        except TierIOError as exc:
+            bad_slots = set(getattr(exc, "slots", None) or slots[i : i + per_read])
+            for block_id in block_ids:
+                block = mgr.pool.blocks[block_id]
+                if block.tier == disk and block.slot in bad_slots:
+                    self.stats.corrupt_blocks += 1
+                    if block.ref_count == 0:
+                        mgr.evict_cached(block_id)
+                    else:
+                        mgr.unhash(block)
+            return True
+        return False
+
+    def key_on_disk(self, blocks: list) -> None:
+        """Key the hashed ones of these blocks that live on the disk tier in its durable
+        index (one transaction), so a restarted process finds them."""
+        disk = self.store.disk_tier
+        if disk is None:
+            return
+        entries = [
+            (b.slot, b.block_hash, list(b.token_ids or ()))
+            for b in blocks
+            if b.tier == disk.name and b.block_hash is not None
+        ]
+        if entries:
+            disk.put_keys(entries)
+
+    def persist(self) -> int:
+        """Write hashed blocks that live only in memory tiers to free disk slots and
+        key them there (a restarted process finds them). Returns blocks written."""
+        mgr = self.store.manager
+        if mgr is None or self.store.disk_tier is None or not self.store.prefix_caching:
+            return 0
+        disk = self.store.disk_tier
+        todo = [
+            b for b in mgr.pool.blocks.values() if b.block_hash is not None and b.tier != disk.name
+        ]
+        todo.sort(key=lambda b: b.block_id)
+        todo = todo[: disk.num_free]
+        for tier_name in mgr.tier_order[:-1]:
+            group = [b for b in todo if b.tier == tier_name]
+            if not group:
+                continue
+            slots = disk.allocate(len(group))
+            assert slots is not None
+            try:
+                mgr.copy_blocks(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
+                disk.put_keys(
+                    [
+                        (slot, block.block_hash, list(block.token_ids or ()))
+                        for block, slot in zip(group, slots, strict=True)
+                    ]
+                )
+            except BaseException:  # e.g. a full disk: the slots go back, nothing is keyed
+                disk.free(slots)
+                raise
+        return len(todo)
