@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from kvstrata.bench import gpu
+from kvstrata.bench import _gpu_report, _gpu_sections, _gpu_setup, gpu
 from kvstrata.cli import main
 
 
@@ -80,11 +80,11 @@ def test_fused_dequant_must_cover_a_cuda_run(monkeypatch):
     }  # fmt: skip
     monkeypatch.setattr(triton_dequant, "available", lambda: False)
     monkeypatch.setattr(triton_dequant, "disabled", "RuntimeError: no kernel image")
-    problems = gpu.fused_dequant_problems(torch.device("cuda"), report)
+    problems = _gpu_report.fused_dequant_problems(torch.device("cuda"), report)
     assert len(problems) == 4, problems
     assert "kvstrata[cuda]" in problems[0] and "no kernel image" in problems[1]
     assert "skipped" in problems[2] and "int4: the fused kernel never ran" in problems[3]
-    assert gpu.fused_dequant_problems(torch.device("cpu"), report) == []
+    assert _gpu_report.fused_dequant_problems(torch.device("cpu"), report) == []
 
 
 def test_quick_cpu_run_reports_every_section(quick_report):
@@ -134,13 +134,15 @@ def test_memory_section_with_stand_in_statistics():
         quick=True, contexts=None, memory_contexts="256,1024", codecs=None, steps=None,
         repeats=None, copy_mib=None, fractions="1", dtype="fp32",
     )  # fmt: skip
-    s = gpu._settings(args)
+    s = _gpu_setup.settings(args)
     device = torch.device("cpu")
-    model = gpu._model(s, device)
+    model = _gpu_setup.build_model(s, device)
     probe = Probe()
-    out = gpu.memory(model, device, s, lambda ctx: gpu._prefill(model, ctx), gpu.Budget(60), probe)
+    out = _gpu_sections.memory(
+        model, device, s, lambda ctx: _gpu_setup.prefill(model, ctx), _gpu_setup.Budget(60), probe
+    )
     assert out["flat"] is True and probe.calls == ["reset", "reset"]
-    per_token = gpu._kv_bytes_per_token(model)
+    per_token = _gpu_setup.kv_bytes_per_token(model)
     for row, ctx in zip(out["rows"], (256, 1024), strict=True):
         assert row["context"] == ctx and row["peak_kv_bytes"] == 4000
         assert row["device_budget_bytes"] == 128 * per_token  # fixed, whatever the context
@@ -161,7 +163,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def test_junit_summary(tmp_path):
     path = tmp_path / "junit.xml"
     path.write_text(JUNIT)
-    summary = gpu.junit_summary(str(path))
+    summary = _gpu_report.junit_summary(str(path))
     assert (summary["tests"], summary["failures"], summary["errors"], summary["skipped"]) == (
         3, 1, 0, 1,
     )  # fmt: skip

@@ -279,16 +279,18 @@ def test_bf16_within_tolerance():
 def test_device_kv_peak_is_budget_plus_staging_and_flat_from_4k_to_64k():
     import argparse
 
-    from kvstrata.bench import gpu
+    from kvstrata.bench import _gpu_sections, _gpu_setup
 
     args = argparse.Namespace(
         quick=True, contexts=None, memory_contexts="4k,16k,64k", codecs=None, steps=8,
         repeats=None, copy_mib=None, fractions="1", dtype="fp32",
     )  # fmt: skip
-    s = gpu._settings(args)
+    s = _gpu_setup.settings(args)
     s["memory_budget_tokens"], s["memory_staging_tokens"] = 2048, 2048
-    model = gpu._model(s, CUDA)
-    out = gpu.memory(model, CUDA, s, lambda ctx: gpu._prefill(model, ctx), gpu.Budget(600))
+    model = _gpu_setup.build_model(s, CUDA)
+    out = _gpu_sections.memory(
+        model, CUDA, s, lambda ctx: _gpu_setup.prefill(model, ctx), _gpu_setup.Budget(600)
+    )
     rows = out["rows"]
     assert [r["context"] for r in rows] == [4096, 16384, 65536]
     assert out["flat"], [r["peak_kv_bytes"] for r in rows]
@@ -344,7 +346,7 @@ KVSTRATA_DIR = str(Path(kvstrata.__file__).resolve().parent)
 # the step's write rows (built on the CPU by the block manager) copied to the device.
 SYNCS_PER_STEP = {
     "integrations/hf/cache.py:_update": 1,
-    "attention/runtime.py:write_plan": 2,
+    "attention/writes.py:write_plan": 2,
 }
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kvstrata.codecs.registry import get_codec
 from kvstrata.core.layout import BlockLayout
-from kvstrata.tiers import memory
+from kvstrata.platform import host_memory
 from kvstrata.tiers.memory import HostTier, MemoryTier
 
 LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
@@ -116,10 +116,10 @@ def test_pinning_without_a_cuda_runtime_falls_back():
 
 def test_pinned_empty_shapes_and_dtypes(cudart):
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
-        t = memory.pinned_empty((2, 3, 5), dtype)
+        t = host_memory.pinned_empty((2, 3, 5), dtype)
         assert t.shape == (2, 3, 5) and t.dtype == dtype and t.is_contiguous()
         assert cudart.registered[t.data_ptr()] == 30 * t.element_size()
-    assert memory.pinned_empty((0, 4), torch.float16).numel() == 0  # nothing to register
+    assert host_memory.pinned_empty((0, 4), torch.float16).numel() == 0  # nothing to register
 
 
 def test_other_allocation_errors_are_not_swallowed(monkeypatch):

@@ -21,8 +21,8 @@ def _prompts(n: int) -> list[list[int]]:
 
 def _flip_disk_block(runtime: AttentionRuntime, seq_id: int) -> bool:
     """Flip one byte inside the first disk block of `seq_id`; False if it has none."""
-    disk = runtime.store.tiers["disk"]
-    for group in range(len(runtime.store.groups)):
+    disk = runtime.tiers["disk"]
+    for group in range(len(runtime.groups)):
         for run in runtime.manager.runs((seq_id, group)):
             if run.tier == "disk":  # a byte in each layer's part of the block
                 start = run.first_slot * disk.slot_bytes

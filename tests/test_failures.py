@@ -20,7 +20,8 @@ import torch
 from blockstore_harness import read_sequence
 from hf_models import tiny_model
 from kvstrata import CacheConfig, KVStore
-from kvstrata.attention.runtime import AttentionRuntime, write_layer, write_plan
+from kvstrata.attention.runtime import AttentionRuntime
+from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.core.errors import BlockCorruptError, KvstrataError
 from kvstrata.integrations.hf.cache import TieredCache, enable
 from test_disk_faults import held_deleted_files

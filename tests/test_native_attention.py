@@ -320,9 +320,9 @@ def test_patched_read_plans_equal_rebuilt_ones(monkeypatch, host_codec):
     """A decode step that only grows a sequence's last run patches last step's plan;
     every patched plan must equal, byte for byte, the plan built from scratch — over
     steps that cross block boundaries and spill blocks to the host tier."""
-    from kvstrata.attention.runtime import AttentionRuntime
+    from kvstrata.attention.reads import ReadPlanner
 
-    real = AttentionRuntime._grown_plan
+    real = ReadPlanner._grown_plan
     checked = []
 
     def grown(self, group, seq_id, start, end, native, runs):
@@ -335,7 +335,7 @@ def test_patched_read_plans_equal_rebuilt_ones(monkeypatch, host_codec):
             checked.append(end)
         return plan
 
-    monkeypatch.setattr(AttentionRuntime, "_grown_plan", grown)
+    monkeypatch.setattr(ReadPlanner, "_grown_plan", grown)
     size = dict(hidden_size=256, intermediate_size=512, initializer_range=0.05)
     model = enable(tiny_model("llama", **size))
     ids = torch.randint(3, 97, (1, 700), generator=torch.Generator().manual_seed(4))

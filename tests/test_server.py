@@ -830,7 +830,8 @@ def test_token_texts_keep_a_sentencepiece_words_leading_space():
     from transformers import PreTrainedTokenizerFast
 
     from kvstrata.engine.params import RequestOutput, TokenLogprobs
-    from kvstrata.server import protocol as proto
+    from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
+    from kvstrata.server.responses import chat_logprobs, completion_logprobs
 
     vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁Paris": 4, ".": 5, "▁é": 6}
     raw = Tokenizer(models.WordLevel({**vocab, "<s>": 7}, unk_token="<unk>"))
@@ -846,8 +847,8 @@ def test_token_texts_keep_a_sentencepiece_words_leading_space():
     def lp(token: int) -> TokenLogprobs:
         return TokenLogprobs(token, -1.0, ((2, -0.5), (token, -1.0)))
 
-    texts = proto.TokenTexts(tok)
-    pieces = proto.ChoiceTokens(tok, texts, prompt, set())
+    texts = TokenTexts(tok)
+    pieces = ChoiceTokens(tok, texts, prompt, set())
     infos = pieces.prompt(prompt, [None, lp(1), lp(2), lp(3)], echo)
     outputs = [
         RequestOutput("r", out[:2], " Paris", logprobs=[lp(t) for t in out[:2]]),
@@ -855,18 +856,18 @@ def test_token_texts_keep_a_sentencepiece_words_leading_space():
     ]
     for output in outputs:
         infos += pieces.generated(output)
-    lps = proto.completion_logprobs(infos)
+    lps = completion_logprobs(infos)
     text = echo + " Paris. é Paris"
     assert lps["tokens"] == ["", "The", " capital", " is", " Paris", ".", " é", " Paris"]
     assert lps["text_offset"] == [0, 0, 3, 11, 14, 20, 21, 23]
     check_placed(text, lps)
     assert lps["top_logprobs"][4] == {" capital": -0.5, " Paris": -1.0}  # in context too
-    chat = proto.chat_logprobs(infos[4:], texts)["content"]
+    chat = chat_logprobs(infos[4:], texts)["content"]
     assert [e["token"] for e in chat] == [" Paris", ".", " é", " Paris"]
     assert bytes(b for e in chat for b in e["bytes"]) == " Paris. é Paris".encode()
     # a prompt of token ids echoes <s> by name
-    assert proto.prompt_text(tok, prompt) == "<s>The capital is"
-    again = proto.ChoiceTokens(tok, texts, prompt, set())
+    assert prompt_text(tok, prompt) == "<s>The capital is"
+    again = ChoiceTokens(tok, texts, prompt, set())
     placed = again.prompt(prompt, [None] * 4, "<s>The capital is")
     assert [(i.text, i.offset) for i in placed] == [
         ("<s>", 0),
@@ -1013,7 +1014,7 @@ def test_choices_after_the_first_are_not_started_once_the_server_stops():
     import asyncio
 
     from kvstrata.engine.params import RequestOutput, SamplingParams
-    from kvstrata.server.app import Choices, Job
+    from kvstrata.server.choices import Choices, Job
 
     class Engine:
         def __init__(self) -> None:
@@ -1046,7 +1047,7 @@ def test_choices_after_the_first_are_not_started_once_the_server_stops():
 
 def test_chat_template_kwargs_take_template_variables_only():
     from kvstrata.server.chat import template_options
-    from kvstrata.server.protocol import APIError
+    from kvstrata.server.errors import APIError
 
     class Tokenizer:  # an apply_chat_template with a parameter of its own
         def apply_chat_template(self, conversation, *, strict_roles=False, **kwargs):

@@ -16,8 +16,8 @@ from transformers import DynamicCache
 from blockstore_harness import read_sequence
 from hf_models import tiny_model
 from kvstrata import CacheConfig, ConfigError, KVStore, OutOfBlocksError
-from kvstrata.attention.runtime import write_layer, write_plan
-from kvstrata.integrations.hf.cache import enable
+from kvstrata.attention.writes import write_layer, write_plan
+from kvstrata.integrations.hf.cache import TieredCache, enable
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import layer_groups
 from reference_placement import check_order, compare_with_reference
@@ -69,11 +69,11 @@ def _config(**kw) -> CacheConfig:
 def test_prefix_hit_in_process_runs_only_the_suffix(llama):
     model, prompts, refs, counter = llama
     store = KVStore(model.config, _config(resident_fraction=0.25, host_budget="64MiB"))
-    first = store.cache(prompts[0])
+    first = TieredCache.from_store(store, prompts[0])
     assert first.matched_tokens == 0
     assert torch.equal(_greedy(model, prompts[0], first), refs[0])
     first.close()
-    second = store.cache(prompts[1])
+    second = TieredCache.from_store(store, prompts[1])
     assert second.matched_tokens == PREFIX
     counter.seen.clear()
     out = _greedy(model, prompts[1], second)
@@ -93,10 +93,10 @@ def test_prefix_hit_after_restart_comes_from_disk(llama, tmp_path):
         resident_fraction=0.1, host_budget="256KiB", disk_dir=str(tmp_path), disk_budget="64MiB"
     )
     with KVStore(model.config, cfg) as store:
-        cache = store.cache(prompts[0])
+        cache = TieredCache.from_store(store, prompts[0])
         assert torch.equal(_greedy(model, prompts[0], cache), refs[0])
     with KVStore(model.config, cfg) as restarted:  # a new process, the same directory
-        cache = restarted.cache(prompts[1])
+        cache = TieredCache.from_store(restarted, prompts[1])
         assert cache.matched_tokens == PREFIX
         counter.seen.clear()
         assert torch.equal(_greedy(model, prompts[1], cache), refs[1])
@@ -110,7 +110,9 @@ def test_corrupt_disk_block_is_a_miss_and_is_recomputed(llama, tmp_path):
         resident_fraction=0.1, host_budget="256KiB", disk_dir=str(tmp_path), disk_budget="64MiB"
     )
     with KVStore(model.config, cfg) as store:
-        assert torch.equal(_greedy(model, prompts[0], store.cache(prompts[0])), refs[0])
+        assert torch.equal(
+            _greedy(model, prompts[0], TieredCache.from_store(store, prompts[0])), refs[0]
+        )
     arena = Path(tmp_path) / "blocks.bin"
     data = bytearray(arena.read_bytes())
     assert any(data), "nothing was written to disk"
@@ -118,7 +120,7 @@ def test_corrupt_disk_block_is_a_miss_and_is_recomputed(llama, tmp_path):
         data[pos] ^= 0x01
     arena.write_bytes(bytes(data))
     with KVStore(model.config, cfg) as restarted:
-        cache = restarted.cache(prompts[1])
+        cache = TieredCache.from_store(restarted, prompts[1])
         assert cache.matched_tokens < PREFIX
         assert restarted.stats()["prefix"]["corrupt_blocks"] >= 1
         counter.seen.clear()
@@ -129,10 +131,10 @@ def test_corrupt_disk_block_is_a_miss_and_is_recomputed(llama, tmp_path):
 def test_generate_with_another_prompt_than_the_cache_was_made_for_is_refused(llama):
     model, prompts, refs, counter = llama
     store = KVStore(model.config, _config(host_budget="64MiB"))
-    first = store.cache(prompts[0])
+    first = TieredCache.from_store(store, prompts[0])
     _greedy(model, prompts[0], first, n=2)
     first.close()
-    made_for_0 = store.cache(prompts[0])
+    made_for_0 = TieredCache.from_store(store, prompts[0])
     assert made_for_0.matched_tokens == PREFIX  # shared with prompt 1 too
     with pytest.raises(ConfigError, match="input_ids"):
         _greedy(model, prompts[1], made_for_0, n=2)  # its suffix is not prompt 0's
@@ -142,7 +144,7 @@ def test_generate_with_another_prompt_than_the_cache_was_made_for_is_refused(lla
 def test_a_cache_dropped_without_close_gives_its_blocks_back_to_the_store(llama):
     model, prompts, refs, counter = llama
     store = KVStore(model.config, _config(host_budget="64MiB"))
-    cache = store.cache(prompts[0])
+    cache = TieredCache.from_store(store, prompts[0])
     _greedy(model, prompts[0], cache, n=2)
     assert store.sequence_ids and store.manager.live_bytes() > 0
     del cache  # no reference cycle: the finalizer runs now, and queues the sequence
@@ -150,20 +152,22 @@ def test_a_cache_dropped_without_close_gives_its_blocks_back_to_the_store(llama)
     new, _ = store.add_sequence(None)
     assert store.sequence_ids == [new] and store.manager.live_bytes() == 0
     store.free(new)
-    assert store.cache(prompts[1]).matched_tokens == PREFIX  # its blocks stayed cached
+    assert (
+        TieredCache.from_store(store, prompts[1]).matched_tokens == PREFIX
+    )  # its blocks stayed cached
     store.close()
 
 
 def test_tenant_salts_never_share_a_block(llama):
     model, prompts, refs, counter = llama
     store = KVStore(model.config, _config(host_budget="64MiB"))
-    a = store.cache(prompts[0], salt="tenant-a")
+    a = TieredCache.from_store(store, prompts[0], salt="tenant-a")
     assert torch.equal(_greedy(model, prompts[0], a), refs[0])
     a.close()
-    b = store.cache(prompts[1], salt="tenant-b")
+    b = TieredCache.from_store(store, prompts[1], salt="tenant-b")
     assert b.matched_tokens == 0
     b.close()
-    a2 = store.cache(prompts[1], salt="tenant-a")
+    a2 = TieredCache.from_store(store, prompts[1], salt="tenant-a")
     assert a2.matched_tokens == PREFIX
     a2.close()
     store.close()
@@ -176,7 +180,7 @@ def test_other_weights_under_the_same_config_name_never_share_a_block(tmp_path):
     for seed in (0, 1, 0):  # same architecture and (empty) name, other weights, then back
         model = enable(tiny_model("llama", seed=seed))
         with KVStore(model.config, cfg) as store:
-            cache = store.cache(prompt)
+            cache = TieredCache.from_store(store, prompt)
             keys.append((store.model_key, cache.matched_tokens))
             _greedy(model, prompt, cache, n=4)
     assert keys[0][0] != keys[1][0] and keys[0][0] == keys[2][0]
@@ -186,7 +190,7 @@ def test_other_weights_under_the_same_config_name_never_share_a_block(tmp_path):
 def test_multi_turn_chat_with_one_cache_reuses_its_own_history(llama):
     model, prompts, refs, counter = llama
     store = KVStore(model.config, _config(host_budget="64MiB"))
-    cache = store.cache()
+    cache = TieredCache.from_store(store)
     first = _greedy(model, prompts[0][:, :300], cache, n=10)
     follow = torch.cat([first, _ids(11, 30)], dim=1)
     counter.seen.clear()
@@ -213,10 +217,10 @@ def test_prefix_hit_on_sliding_window_models(family):
     enable(model)
     try:
         store = KVStore(model.config, _config(block_size=16, host_budget="4MiB"))
-        first = store.cache(prompts[0])
+        first = TieredCache.from_store(store, prompts[0])
         assert torch.equal(_greedy(model, prompts[0], first, n=20), refs[0])
         first.close()
-        second = store.cache(prompts[1])
+        second = TieredCache.from_store(store, prompts[1])
         assert second.matched_tokens == 320
         assert torch.equal(_greedy(model, prompts[1], second, n=20), refs[1])
         sliding = [g for g in store.groups if g.window]
@@ -282,7 +286,7 @@ def test_sliding_groups_hold_the_window_not_the_context():
     dyn_bytes = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in dyn.layers)
     enable(model)
     store = KVStore(model.config, _config(max_tokens=8192))
-    cache = store.cache()
+    cache = TieredCache.from_store(store)
     try:
         out = _greedy(model, ids, cache, n=24)
     finally:
@@ -522,7 +526,9 @@ def test_a_persist_that_fails_gives_its_disk_slots_back(llama, tmp_path, monkeyp
     model, prompts, refs, counter = llama
     cfg = _config(host_budget="4MiB", disk_dir=str(tmp_path), disk_budget="16MiB")
     store = KVStore(model.config, cfg)
-    assert torch.equal(_greedy(model, prompts[0], store.cache(prompts[0])), refs[0])
+    assert torch.equal(
+        _greedy(model, prompts[0], TieredCache.from_store(store, prompts[0])), refs[0]
+    )
     disk = store.disk_tier
     free = disk.num_free
 

@@ -134,7 +134,7 @@ class CacheConfig:
                 )
             put("resident_fraction", frac)
         if self.disk_dir is not None:
-            put("disk_dir", _check_disk_dir(self.disk_dir))
+            put("disk_dir", check_disk_dir(self.disk_dir))
             if self.disk_budget == 0:
                 raise ConfigError.field("disk_budget", 0, "a disk tier needs a budget, e.g. '8GiB'")
         elif self.disk_budget:
@@ -219,7 +219,7 @@ def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError.field(field, value, f"one of {', '.join(choices)}")
 
 
-def _check_disk_dir(value: Any) -> str:
+def check_disk_dir(value: Any) -> str:
     """A usable directory path as a str: not '', not a file, not bytes."""
     if isinstance(value, bytes) or not isinstance(value, str | os.PathLike):
         raise ConfigError.field("disk_dir", value, "a directory path (str or Path)")

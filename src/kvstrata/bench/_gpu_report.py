@@ -1,9 +1,12 @@
 """The parts of `kvstrata bench gpu`'s report that need no GPU: the pytest JUnit
-summary folded into it and the printed summary."""
+summary folded into it, the check that the fused dequant covered a CUDA run, and the
+printed summary."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from kvstrata.bench import _timing
 
@@ -30,6 +33,40 @@ def junit_summary(path: str) -> dict[str, Any]:
         if node is not None:
             skipped.append({"test": name, "reason": (node.get("message") or "")[:200]})
     return {**counts, "failed": failed, "skipped_tests": skipped}
+
+
+def fused_dequant_problems(device: torch.device, report: dict[str, Any]) -> list[str]:
+    """On CUDA, why the fused Triton dequant did not cover the run (empty: it did):
+    not installed, disabled after a failure, its tests skipped, or a variant with a
+    quantized host codec that never launched it."""
+    from kvstrata.codecs import triton_dequant
+    from kvstrata.codecs.registry import get_codec
+
+    if device.type != "cuda":
+        return []
+    problems = []
+    if not triton_dequant.available():
+        problems.append("Triton is not installed (pip install 'kvstrata[cuda]')")
+    if triton_dequant.disabled:
+        problems.append(f"the kernel was disabled: {triton_dequant.disabled}")
+    tests = report.get("tests") or {}
+    skipped = [
+        t["test"]
+        for t in tests.get("skipped_tests", [])
+        if "fused" in t["test"] or "triton" in t["test"]
+    ]
+    if skipped:
+        problems.append(f"{len(skipped)} fused dequant tests skipped, e.g. {skipped[0]}")
+    for row in (report.get("decode") or {}).get("rows", []):
+        codec = row.get("codec")
+        if codec in (None, "none") or row.get("fused_dequant", 0) > 0:
+            continue
+        if triton_dequant.kernel_codec(get_codec(codec)):
+            problems.append(
+                f"decode @ {row['context']}, {row['resident_fraction']:.0%} resident, {codec}: "
+                "the fused kernel never ran"
+            )
+    return problems
 
 
 def print_summary(report: dict[str, Any]) -> None:

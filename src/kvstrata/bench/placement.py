@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def manager_step_seconds(model: Any, args: argparse.Namespace, context: int) -> dict[str, Any]:
     """Mean seconds of the store's work per decode step, and the store's size."""
     from kvstrata import CacheConfig, KVStore
-    from kvstrata.attention.runtime import write_plan
+    from kvstrata.attention.writes import write_plan
     from kvstrata.model.geometry import KVGeometry
 
     n, bs = args.sequences, args.block_size

@@ -64,10 +64,11 @@ def _prompt(tokenizer: Any, num_tokens: int) -> torch.Tensor:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    from kvstrata import CacheConfig, KVStore
+    from kvstrata.config import CacheConfig
     from kvstrata.core.units import parse_tokens
-    from kvstrata.integrations.hf.cache import enable
+    from kvstrata.integrations.hf.cache import TieredCache, enable
     from kvstrata.model.zoo import load_model
+    from kvstrata.store.kvstore import KVStore
 
     torch.set_num_threads(args.threads)
     prefix = parse_tokens(args.prefix, "prefix")
@@ -95,7 +96,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     def run(name: str, store: Any) -> float:
         before = dict(store.prefix.hit_tokens_by_tier)
         t0 = time.perf_counter()
-        cache = store.cache(prompt)  # the prefix lookup (and disk verification) counts
+        # the prefix lookup (and disk verification) counts
+        cache = TieredCache.from_store(store, prompt)
         out = model.generate(prompt, cache=cache, max_new_tokens=1)
         seconds = time.perf_counter() - t0
         tokens_ok[name] = tokens_ok.get(name, True) and torch.equal(out, ref)
@@ -105,11 +107,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         return seconds
 
     shared = KVStore(model.config, memory.replace(host_budget=disk_budget))
-    warmup = shared.cache(first)
+    warmup = TieredCache.from_store(shared, first)
     model.generate(first, cache=warmup, max_new_tokens=1)
     warmup.close()
     with KVStore(model.config, on_disk) as filler:  # the process before the restart
-        cache = filler.cache(first)
+        cache = TieredCache.from_store(filler, first)
         model.generate(first, cache=cache, max_new_tokens=1)
 
     def timed_store(name: str, config: Any, clear: Path | None = None) -> float:

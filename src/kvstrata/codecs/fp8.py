@@ -14,7 +14,6 @@ from kvstrata.codecs import _reference as ref
 from kvstrata.codecs._common import check_raw, dim_of
 from kvstrata.codecs._kernels import kernel_call
 from kvstrata.codecs.base import Codec
-from kvstrata.codecs.registry import register_codec
 from kvstrata.core.errors import CodecError
 from kvstrata.core.formats import FieldFormat
 from kvstrata.core.layout import BlockLayout, FieldSpec
@@ -60,6 +59,3 @@ class Fp8Codec(Codec):
         block = self._block_size(out, scale)
         if not kernel_call("fp8", "dec", out, data, scale, None, block):
             ref.fp8_decode(data, scale, out, block)
-
-
-register_codec("fp8", Fp8Codec)

@@ -24,7 +24,6 @@ from kvstrata.codecs import _reference as ref
 from kvstrata.codecs._common import check_raw, dim_of
 from kvstrata.codecs._kernels import kernel_call
 from kvstrata.codecs.base import Codec
-from kvstrata.codecs.registry import register_codec
 from kvstrata.core.errors import CodecError, ConfigError
 from kvstrata.core.formats import FieldFormat
 from kvstrata.core.layout import BlockLayout, FieldSpec
@@ -106,8 +105,3 @@ class Int4Codec(Codec):
             return
         decode = ref.int4k_decode if kind == "k" else ref.int4v_decode
         decode(data, scale, zero, out, self.group)
-
-
-register_codec("int4", Int4Codec)
-for _group in (32, 128):
-    register_codec(f"int4-g{_group}", lambda g=_group: Int4Codec(g))

@@ -12,7 +12,6 @@ from kvstrata.codecs import _reference as ref
 from kvstrata.codecs._common import check_raw, dim_of
 from kvstrata.codecs._kernels import kernel_call
 from kvstrata.codecs.base import Codec
-from kvstrata.codecs.registry import register_codec
 from kvstrata.core.formats import FieldFormat
 from kvstrata.core.layout import BlockLayout, FieldSpec
 
@@ -46,6 +45,3 @@ class Int8Codec(Codec):
         data, scale, zero = enc["data"], enc["scale"], enc["zero"]
         if not kernel_call("int8", "dec", out, data, scale, zero, 1):
             ref.int8_decode(data, scale, zero, out)
-
-
-register_codec("int8", Int8Codec)

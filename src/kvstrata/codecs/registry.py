@@ -5,31 +5,28 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstrata.codecs.base import Codec, NoneCodec
+from kvstrata.codecs.fp8 import Fp8Codec
+from kvstrata.codecs.int4 import Int4Codec
+from kvstrata.codecs.int8 import Int8Codec
 from kvstrata.core.errors import ConfigError
 
-_FACTORIES: dict[str, Callable[[], Codec]] = {"none": NoneCodec}
+INT4_GROUPS = (32, 128)  # int4-gN names besides plain int4 (group 64)
+
+_FACTORIES: dict[str, Callable[[], Codec]] = {
+    "none": NoneCodec,
+    "fp8": Fp8Codec,
+    "int8": Int8Codec,
+    "int4": Int4Codec,
+    **{f"int4-g{g}": (lambda g=g: Int4Codec(g)) for g in INT4_GROUPS},
+}
 
 
 def register_codec(name: str, factory: Callable[[], Codec]) -> None:
-    """Make `name` available to `get_codec` (codec modules call this on import)."""
+    """Make `name` available to `get_codec` (a codec defined outside kvstrata)."""
     _FACTORIES[name] = factory
 
 
-def _load_builtin() -> None:
-    # Import codec modules for their register_codec side effect. Kept lazy so a
-    # module that fails to import does not break the `none` codec.
-    import importlib
-    import pkgutil
-
-    import kvstrata.codecs as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name not in ("base", "registry") and not info.name.startswith("_"):
-            importlib.import_module(f"kvstrata.codecs.{info.name}")
-
-
 def codec_names() -> list[str]:
-    _load_builtin()
     return sorted(_FACTORIES)
 
 
@@ -39,7 +36,6 @@ def get_codec(name: str, field: str = "codec") -> Codec:
     Raises:
         ConfigError: unknown name; the message lists the valid names.
     """
-    _load_builtin()
     factory = _FACTORIES.get(name)
     if factory is None:
         raise ConfigError.field(field, name, f"valid codecs: {', '.join(sorted(_FACTORIES))}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from kvstrata.attention.runtime import write_layer, write_plan
+from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.hf.layers import _TieredLayer
 from kvstrata.store.kvstore import KVStore

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from kvstrata.server.protocol import APIError, invalid
+from kvstrata.server.errors import APIError, invalid
 
 ROLES = ("system", "developer", "user", "assistant")
 _MESSAGE_KEYS = ("role", "content", "name")

@@ -5,8 +5,8 @@ manager (tables, placement, eviction), the layer groups and the prefix index; a
 `TieredCache` (transformers), the engine and other adapters are views over it.
 
     store = KVStore(model.config, CacheConfig(host_budget="4GiB", disk_dir=...))
-    cache = store.cache(prompt_ids)        # a TieredCache over the shared store
-    cache.matched_tokens                   # prompt tokens found in the store
+    cache = TieredCache.from_store(store, prompt_ids)   # kvstrata.integrations.hf
+    cache.matched_tokens                                # prompt tokens found in the store
 
 Prefix reuse (DESIGN.md decision 6): every full block of a sequence whose tokens are
 known gets a chained content hash (kvstrata.core.hashing) whose extra keys name the model,
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvstrata.attention.runtime import AttentionRuntime
 from kvstrata.blocks.eviction import EvictionPolicy
 from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
 from kvstrata.blocks.runs import token_writes
@@ -39,22 +39,13 @@ from kvstrata.core.layout import BlockLayout
 from kvstrata.model import budgets
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import LayerGroup, layer_groups
-from kvstrata.store.prefix import _CODEC_FIELDS, PrefixIndex, PrefixStats
+from kvstrata.store.prefix import PrefixIndex, PrefixStats
+from kvstrata.store.sequences import SequenceState, table_keys
 from kvstrata.store.threads import OneThread
+from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import DeviceTier, HostTier, resolve_device
 
-
-@dataclass
-class _Sequence:
-    """What the store knows of one sequence beyond its block tables."""
-
-    salt: str = ""
-    token_ids: list[int] | None = field(default_factory=list)  # None: unknown, no hashing
-    num_hashed: int = 0  # leading full blocks hashed
-    in_step: bool = False  # extended, step_done not yet called
-    step_start: int = 0  # tokens before the step in progress
-    failed: str | None = None  # why the sequence is unusable (a step that could not be undone)
-    parents: list[bytes | None] = field(default_factory=list)  # last hash per group
+CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
 
 
 class KVStore(OneThread):
@@ -100,7 +91,7 @@ class KVStore(OneThread):
         self._default_key = f"{g.model_type}:{name}"
         self._model_config = model_config
         self.prefix_caching = prefix_caching
-        self.codecs = {f: get_codec(getattr(cache_config, f), f) for f in _CODEC_FIELDS}
+        self.codecs = {f: get_codec(getattr(cache_config, f), f) for f in CODEC_FIELDS}
         if not self.codecs["device_codec"].lossless:
             raise ConfigError.field(
                 "device_codec",
@@ -114,8 +105,8 @@ class KVStore(OneThread):
         self.disk_tier = None  # the DiskTier, once built with one
         self.layout: BlockLayout | None = None
         self.runtime = None
-        self.prefix_index = PrefixIndex(self)
-        self._seqs: dict[int, _Sequence] = {}
+        self.prefix_index = PrefixIndex(self.groups, cache_config.block_size)
+        self._seqs: dict[int, SequenceState] = {}
         self._ids = itertools.count()
         self._closed = False
         self._thread: int | None = None  # the thread that uses the store (bound at first use)
@@ -181,8 +172,6 @@ class KVStore(OneThread):
             slots = budgets.lower_slots(cc.host_budget, codec.block_nbytes(layout), "host_budget")
             tiers.append(HostTier(layout, slots, codec))
         if cc.disk_dir:
-            from kvstrata.tiers.disk import DiskTier
-
             codec = self.codecs["disk_codec"]
             tiers.append(
                 DiskTier(
@@ -199,16 +188,31 @@ class KVStore(OneThread):
         self.manager.on_move = self.prefix_index.key_on_disk
         self.manager.keep_skipped_blocks = self.prefix_caching
         self.disk_tier = tiers[-1] if cc.disk_dir else None
+        self.prefix_index.bind(
+            self.manager,
+            self.disk_tier if self.prefix_caching else None,
+            model_key=lambda: self.model_key,
+            dtype=str(layout.dtype).removeprefix("torch."),
+            codecs="/".join(self.codecs[f].name for f in CODEC_FIELDS),
+        )
         if self.disk_tier is not None and self.prefix_caching:
             for slot, key in sorted(self.disk_tier.keyed_slots().items()):
                 hit = self.disk_tier.lookup(key)
                 if hit is not None:
                     self.manager.adopt_cached(self.disk_tier.name, slot, key, tuple(hit[1]))
-        from kvstrata.attention.runtime import AttentionRuntime
+        self.runtime = AttentionRuntime(
+            self.manager,
+            layout,
+            cc,
+            self.device,
+            self.groups,
+            self.layer_map,
+            native=native,
+        )
 
-        self.runtime = AttentionRuntime(self, native=native)
-
-    def _require(self) -> BlockManager:
+    def checked_manager(self) -> BlockManager:
+        """The block manager, after checking the store is open, built, and used from
+        its own thread (KvstrataError / RuntimeError otherwise)."""
         if self._closed:
             raise KvstrataError("this KVStore is closed: create a new one")
         if self.manager is None:
@@ -237,7 +241,7 @@ class KVStore(OneThread):
         seq = self._seqs.get(seq_id)
         return None if seq is None else seq.failed
 
-    def _usable(self, seq_id: int) -> _Sequence:
+    def _usable(self, seq_id: int) -> SequenceState:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise ConfigError.field("seq_id", seq_id, "a sequence of this store (add_sequence)")
@@ -254,12 +258,12 @@ class KVStore(OneThread):
 
     @property
     def tiers(self) -> dict:
-        return self._require().tiers
+        return self.checked_manager().tiers
 
     # -- sequences ----------------------------------------------------------------------------
     def tables(self, seq_id: int) -> list[tuple[int, int]]:
         """Block-table keys of a sequence, one per layer group."""
-        return [(seq_id, g.index) for g in self.groups]
+        return table_keys(seq_id, self.groups)
 
     def add_sequence(
         self, token_ids: Sequence[int] | None = None, salt: str = "", lookup: bool = True
@@ -275,18 +279,19 @@ class KVStore(OneThread):
             (sequence id, tokens already in the store); at least one prompt token is
             always left to compute, so the model produces logits for the next one.
         """
-        mgr = self._require()
+        mgr = self.checked_manager()
         self._free_orphans()
         if not isinstance(salt, str):
             raise ConfigError.field("salt", salt, "a string naming the tenant")
         seq_id = next(self._ids)
-        self._seqs[seq_id] = _Sequence(salt=salt, parents=[None] * len(self.groups))
+        self._seqs[seq_id] = SequenceState(salt=salt, parents=[None] * len(self.groups))
         for key, group in zip(self.tables(seq_id), self.groups, strict=True):
             mgr.add_sequence(key, window=group.window)
         matched = 0
         if token_ids is not None and lookup and self.prefix_caching:
             try:
-                matched = self.prefix_index.attach(seq_id, [int(t) for t in token_ids])
+                ids = [int(t) for t in token_ids]
+                matched = self.prefix_index.attach(seq_id, self._seqs[seq_id], ids)
             except BaseException:  # nothing half-attached stays behind
                 self.free(seq_id)
                 raise
@@ -308,7 +313,7 @@ class KVStore(OneThread):
             Per layer group, where the tokens go (TokenWrites; `src` indexes the
             flattened order of the step: each sequence's new tokens in turn).
         """
-        mgr = self._require()
+        mgr = self.checked_manager()
         self._free_orphans()
         seqs = [self._usable(s) for s in seq_ids]
         counts = [num_new] * len(seq_ids) if isinstance(num_new, int) else list(num_new)
@@ -337,14 +342,14 @@ class KVStore(OneThread):
     def step_done(self, seq_ids: list[int]) -> None:
         """The forward that extended these sequences finished: their full blocks are
         complete in every layer and can be hashed (found by later lookups)."""
-        mgr = self._require()
+        mgr = self.checked_manager()
         for seq_id in seq_ids:
             seq = self._usable(seq_id)
             if not seq.in_step:
                 continue
             seq.in_step = False
             if self.prefix_caching:  # before end_step: the step's skipped blocks get cached
-                self.prefix_index.hash_full_blocks(seq_id)
+                self.prefix_index.hash_full_blocks(seq_id, seq, self.num_tokens(seq_id))
         mgr.end_step([k for s in seq_ids for k in self.tables(s)])
 
     def abort_step(self, seq_ids: list[int] | None = None) -> list[int]:
@@ -352,7 +357,7 @@ class KVStore(OneThread):
         tokens they had before it, the step's blocks released, as if it never ran. A
         sequence whose step cannot be undone is marked unusable (any further use
         raises). Returns the sequences that were rolled back."""
-        mgr = self._require()
+        mgr = self.checked_manager()
         ids = self.sequence_ids if seq_ids is None else seq_ids
         undone = []
         for seq_id in ids:
@@ -374,7 +379,7 @@ class KVStore(OneThread):
         return undone
 
     def num_tokens(self, seq_id: int) -> int:
-        return self._require().num_tokens((seq_id, 0))
+        return self.checked_manager().num_tokens((seq_id, 0))
 
     def has_sequence(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -385,10 +390,10 @@ class KVStore(OneThread):
 
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block of `seq_id` (copy on write)."""
-        mgr = self._require()
+        mgr = self.checked_manager()
         src = self._usable(seq_id)
         new_id = next(self._ids)
-        self._seqs[new_id] = _Sequence(
+        self._seqs[new_id] = SequenceState(
             salt=src.salt,
             token_ids=None if src.token_ids is None else list(src.token_ids),
             num_hashed=src.num_hashed,
@@ -402,7 +407,7 @@ class KVStore(OneThread):
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep the first `num_tokens` tokens of a sequence."""
-        mgr = self._require()
+        mgr = self.checked_manager()
         self._usable(seq_id)
         if num_tokens >= self.num_tokens(seq_id):
             return
@@ -419,7 +424,7 @@ class KVStore(OneThread):
     def free(self, seq_id: int) -> None:
         """Release a sequence; its hashed blocks stay cached (an unfinished step's
         blocks are never indexed: they are released)."""
-        mgr = self._require()
+        mgr = self.checked_manager()
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise ConfigError.field("seq_id", seq_id, "a sequence of this store (add_sequence)")
@@ -442,23 +447,15 @@ class KVStore(OneThread):
         budgets allow (preemption without recompute); it keeps the open block, its
         sinks, shared blocks and, above a lossy tier, its residual window. Returns the
         blocks moved; the sequence stays usable (its blocks are read where they are)."""
-        mgr = self._require()
+        mgr = self.checked_manager()
         self._usable(seq_id)
         keep = self.config.residual_tokens if self.lossy_below else 0
         return sum(mgr.demote(key, keep) for key in self.tables(seq_id))
 
     def runs(self, seq_id: int, group: int) -> list[Run]:
-        return self._require().runs((seq_id, group))
+        return self.checked_manager().runs((seq_id, group))
 
-    # -- adapters, stats, lifetime ------------------------------------------------------------
-    def cache(self, prompt_ids: Any = None, salt: str = "", dtype: Any = None) -> Any:
-        """A transformers `TieredCache` over this store; with `prompt_ids`, starting
-        from the prompt's cached prefix (see `TieredCache.matched_tokens`). `dtype`:
-        the model's KV dtype when the store is not built yet (default: the config's)."""
-        from kvstrata.integrations.hf.cache import TieredCache
-
-        return TieredCache(self.geometry, store=self, prompt_ids=prompt_ids, salt=salt, dtype=dtype)
-
+    # -- stats, lifetime ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Tier occupancy, bytes moved, prefix-cache counters, tokens per sequence."""
         if self.manager is None:

@@ -14,17 +14,18 @@ writes those still in memory there when the store closes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvstrata.blocks.manager import BlockManager
 from kvstrata.core.errors import TierIOError
 from kvstrata.core.hashing import block_hash
-
-if TYPE_CHECKING:
-    from kvstrata.store.kvstore import KVStore, _Sequence
+from kvstrata.model.groups import LayerGroup
+from kvstrata.store.sequences import SequenceState, table_keys
+from kvstrata.tiers.disk import DiskTier
 
 LAYOUT_VERSION = 2  # part of every block hash: bump when stored bytes change meaning
-_CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
 VERIFY_CHUNK_BYTES = 64 << 20  # disk hits are read back (checksums) this much at a time
 
 
@@ -49,39 +50,65 @@ class PrefixStats:
 
 
 class PrefixIndex:
-    """Hashing, lookup and persistence of a store's full blocks (see module doc)."""
+    """Hashing, lookup and persistence of a store's full blocks (see module doc).
 
-    def __init__(self, store: KVStore) -> None:
-        self.store = store
+    Built with the store's layer groups and block size; `bind` hands it the block
+    manager, the disk tier and the names every hash carries once the tiers exist."""
+
+    def __init__(self, groups: list[LayerGroup], block_size: int) -> None:
+        self.groups = groups
+        self.block_size = block_size
         self.stats = PrefixStats()
+        self.manager: BlockManager | None = None
+        self.disk: DiskTier | None = None
+        self._model_key: Callable[[], str] = str
+        self._names: dict[str, str] = {}
         self._extra: dict[tuple[int, str], dict[str, str | int]] = {}
+
+    def bind(
+        self,
+        manager: BlockManager,
+        disk: DiskTier | None,
+        model_key: Callable[[], str],
+        dtype: str,
+        codecs: str,
+    ) -> None:
+        """The built store's manager and disk tier (None without one), and what names
+        its blocks in every hash: the model key (asked at the first hash: it is fixed at
+        first use), the KV dtype and the tiers' codecs."""
+        self.manager, self.disk = manager, disk
+        self._model_key, self._names = model_key, {"dtype": dtype, "codecs": codecs}
+        self._extra.clear()
 
     def _extra_keys(self, group: int, salt: str) -> dict[str, str | int]:
         extra = self._extra.get((group, salt))
         if extra is None:
-            assert self.store.layout is not None
             extra = {
-                "model": self.store.model_key,
-                "dtype": str(self.store.layout.dtype).removeprefix("torch."),
-                "codecs": "/".join(self.store.codecs[f].name for f in _CODEC_FIELDS),
+                "model": self._model_key(),
+                **self._names,
                 "layout": LAYOUT_VERSION,
-                "group": f"{group}:{self.store.groups[group].window or 0}:{len(self.store.groups)}",
+                "group": f"{group}:{self.groups[group].window or 0}:{len(self.groups)}",
                 "salt": salt,
             }
             self._extra[(group, salt)] = extra
         return extra
 
-    def hash_full_blocks(self, seq_id: int) -> None:
-        mgr = self.store._require()
-        seq = self.store._seqs[seq_id]
+    def _mgr(self) -> BlockManager:
+        assert self.manager is not None, "PrefixIndex used before bind()"
+        return self.manager
+
+    def hash_full_blocks(self, seq_id: int, seq: SequenceState, num_tokens: int) -> None:
+        """Hash the sequence's full blocks not hashed yet (`num_tokens`: its length in
+        the store) and index them; those on disk are keyed in its durable index."""
+        mgr = self._mgr()
         if seq.token_ids is None:
             return
-        bs = self.store.config.block_size
-        num_full = min(len(seq.token_ids), self.store.num_tokens(seq_id)) // bs
+        bs = self.block_size
+        num_full = min(len(seq.token_ids), num_tokens) // bs
         indexed = []
         for i in range(seq.num_hashed, num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            for g, key in enumerate(self.store.tables(seq_id)):
+            for g, key in enumerate(table_keys(seq_id, self.groups)):
                 h = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
                 seq.parents[g] = h
                 block_id = mgr.block_at(key, i)
@@ -93,8 +120,8 @@ class PrefixIndex:
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),
         for up to `limit` full blocks."""
-        mgr = self.store._require()
-        bs = self.store.config.block_size
+        mgr = self._mgr()
+        bs = self.block_size
         found: list[int | None] = []
         parent = None
         extra = self._extra_keys(group, salt)
@@ -107,28 +134,27 @@ class PrefixIndex:
             found.append(block_id)
         return found
 
-    def attach(self, seq_id: int, token_ids: list[int]) -> int:
-        mgr = self.store._require()
-        bs = self.store.config.block_size
-        seq = self.store._seqs[seq_id]
+    def attach(self, seq_id: int, seq: SequenceState, token_ids: list[int]) -> int:
+        """Attach the longest cached prefix of `token_ids` that every group can serve to
+        the new sequence `seq_id` (disk hits verified first); returns its tokens."""
+        mgr = self._mgr()
+        bs = self.block_size
         limit = max(0, len(token_ids) - 1) // bs
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids)
         for _attempt in range(8):
-            found = [
-                self._lookup_blocks(g.index, seq.salt, token_ids, limit) for g in self.store.groups
-            ]
+            found = [self._lookup_blocks(g.index, seq.salt, token_ids, limit) for g in self.groups]
             k = self._longest_match(found)
             if k == 0:
                 break
             chosen = []
-            for group, ids in zip(self.store.groups, found, strict=True):
+            for group, ids in zip(self.groups, found, strict=True):
                 first = group.first_live_block(k * bs, bs)
                 chosen.append((first, ids[first:k]))
             bad = self._verify_disk([b for _, ids in chosen for b in ids])
             if bad:
                 continue
-            for key, (first, ids) in zip(self.store.tables(seq_id), chosen, strict=True):
+            for key, (first, ids) in zip(table_keys(seq_id, self.groups), chosen, strict=True):
                 mgr.attach(key, ids, first, k * bs)
             seq.token_ids = list(token_ids[: k * bs])
             seq.num_hashed = k
@@ -136,7 +162,7 @@ class PrefixIndex:
                 mgr.pool.blocks[ids[-1]].block_hash if ids else None for _, ids in chosen
             ]
             if any(p is None for p in seq.parents):  # a group keeps no block: re-derive
-                seq.num_hashed, seq.parents = 0, [None] * len(self.store.groups)
+                seq.num_hashed, seq.parents = 0, [None] * len(self.groups)
                 self._rechain(seq, k)
             self.stats.hit_tokens += k * bs
             for block_id in chosen[0][1]:
@@ -147,11 +173,11 @@ class PrefixIndex:
             return k * bs
         return 0
 
-    def _rechain(self, seq: _Sequence, num_blocks: int) -> None:
-        bs = self.store.config.block_size
+    def _rechain(self, seq: SequenceState, num_blocks: int) -> None:
+        bs = self.block_size
         assert seq.token_ids is not None
         for i in range(num_blocks):
-            for g in range(len(self.store.groups)):
+            for g in range(len(self.groups)):
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 seq.parents[g] = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
         seq.num_hashed = num_blocks
@@ -159,14 +185,14 @@ class PrefixIndex:
     def _longest_match(self, found: list[list[int | None]]) -> int:
         """The most full blocks k such that every group holds the blocks it needs
         after k blocks (all of them for full attention, its window for sliding)."""
-        bs = self.store.config.block_size
+        bs = self.block_size
         k = len(found[0]) if found else 0
-        for group, ids in zip(self.store.groups, found, strict=True):
+        for group, ids in zip(self.groups, found, strict=True):
             if group.window is None:
                 k = min(k, next((i for i, b in enumerate(ids) if b is None), len(ids)))
         while k > 0:
             ok = True
-            for group, ids in zip(self.store.groups, found, strict=True):
+            for group, ids in zip(self.groups, found, strict=True):
                 first = group.first_live_block(k * bs, bs)
                 if any(b is None for b in ids[first:k]):
                     ok = False
@@ -179,17 +205,17 @@ class PrefixIndex:
     def _verify_disk(self, block_ids: list[int]) -> bool:
         """Read back the disk blocks of a hit (checksums); drop corrupt ones from the
         index. True when one was bad."""
-        mgr = self.store._require()
-        if self.store.disk_tier is None:
+        mgr = self._mgr()
+        if self.disk is None:
             return False
-        disk = self.store.disk_tier.name
+        disk = self.disk.name
         slots = [mgr.pool.blocks[b].slot for b in block_ids if mgr.pool.blocks[b].tier == disk]
         if not slots:
             return False
-        per_read = max(1, VERIFY_CHUNK_BYTES // self.store.disk_tier.block_bytes)
+        per_read = max(1, VERIFY_CHUNK_BYTES // self.disk.block_bytes)
         try:
             for i in range(0, len(slots), per_read):  # bounded memory for long hits
-                self.store.disk_tier.read_encoded(slots[i : i + per_read])
+                self.disk.read_encoded(slots[i : i + per_read])
         except TierIOError as exc:
             bad_slots = set(getattr(exc, "slots", None) or slots[i : i + per_read])
             for block_id in block_ids:
@@ -206,7 +232,7 @@ class PrefixIndex:
     def key_on_disk(self, blocks: list) -> None:
         """Key the hashed ones of these blocks that live on the disk tier in its durable
         index (one transaction), so a restarted process finds them."""
-        disk = self.store.disk_tier
+        disk = self.disk
         if disk is None:
             return
         entries = [
@@ -220,10 +246,9 @@ class PrefixIndex:
     def persist(self) -> int:
         """Write hashed blocks that live only in memory tiers to free disk slots and
         key them there (a restarted process finds them). Returns blocks written."""
-        mgr = self.store.manager
-        if mgr is None or self.store.disk_tier is None or not self.store.prefix_caching:
+        mgr, disk = self.manager, self.disk
+        if mgr is None or disk is None:
             return 0
-        disk = self.store.disk_tier
         todo = [
             b for b in mgr.pool.blocks.values() if b.block_hash is not None and b.tier != disk.name
         ]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvstrata.codecs.base import Codec, NoneCodec
+from kvstrata.config import check_disk_dir
 from kvstrata.core.errors import (
     BlockCorruptError,
     BlockMissingError,
@@ -45,6 +46,7 @@ from kvstrata.core.errors import (
 from kvstrata.core.layout import KINDS, BlockLayout
 from kvstrata.platform.native import load_pio as load_native
 from kvstrata.tiers.base import Encoded, Tier
+from kvstrata.tiers.disk_errors import slot_list, tier_error
 from kvstrata.tiers.disk_files import ARENA_FILE, INDEX_FILE, DiskFiles
 from kvstrata.tiers.disk_format import (
     CHECKSUMS,
@@ -54,7 +56,7 @@ from kvstrata.tiers.disk_format import (
     load_compressor,
 )
 from kvstrata.tiers.disk_index import DiskIndex
-from kvstrata.tiers.disk_io import BlockFile, Fields, check_free_space, slot_list, tier_error
+from kvstrata.tiers.disk_io import BlockFile, Fields, check_free_space
 from kvstrata.tiers.disk_lock import LOCK_FILE
 
 __all__ = ["ARENA_FILE", "CHECKSUMS", "DiskTier", "FORMAT_VERSION", "INDEX_FILE", "LOCK_FILE"]
@@ -71,7 +73,8 @@ class DiskTier(Tier):
         layout: the block layout.
         num_slots: slots in the arena.
         directory: where blocks.bin, index.sqlite and tier.lock live (created if
-            needed). One open tier per directory: a second opener is refused.
+            needed; the path rules of CacheConfig.disk_dir, kvstrata.config's
+            check_disk_dir). One open tier per directory: a second opener is refused.
         codec: stored format (default `none`).
         compress: compress each (block, layer) slice losslessly (saves bandwidth).
         fsync: fdatasync data before committing index rows (power-loss durability).
@@ -110,8 +113,7 @@ class DiskTier(Tier):
         io_threads: int | None = None,
         o_direct: bool = False,
     ) -> None:
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-            raise ConfigError.field("disk_dir", directory, "a directory path")
+        directory = check_disk_dir(directory)  # the path rules of CacheConfig.disk_dir
         if io_threads is not None and (
             isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1
         ):

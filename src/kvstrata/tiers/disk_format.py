@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstrata.codecs import compress as lossless
 from kvstrata.codecs.base import Codec
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
@@ -192,14 +193,10 @@ class Checksum:
 
 
 def load_compressor() -> tuple:
-    """(compress, decompress) from kvstrata.codecs.compress, or ConfigError."""
-    try:
-        from kvstrata.codecs import compress as mod
-    except ImportError as exc:
-        raise ConfigError.field(
-            "compress", True, f"needs kvstrata.codecs.compress, which failed to import: {exc}"
-        ) from exc
-    return mod.compress, mod.decompress
+    """(compress, decompress) from kvstrata.codecs.compress. That module imports its
+    optional `zstandard` (the compress extra) only when it runs: without the extra,
+    compressing raises ImportError naming it."""
+    return lossless.compress, lossless.decompress
 
 
 def direct_view(t: torch.Tensor, rows: int, piece_bytes: int) -> np.ndarray | None:

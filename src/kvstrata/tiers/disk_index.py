@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.core.errors import ConfigError, TierFullError, TierIOError
+from kvstrata.tiers.disk_errors import os_error, tier_error
 from kvstrata.tiers.disk_format import RETIRED_CHECKSUMS
-from kvstrata.tiers.disk_io import os_error, tier_error
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",

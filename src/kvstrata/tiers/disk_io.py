@@ -12,13 +12,13 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvstrata.core.errors import ConfigError, TierFullError, TierIOError
 from kvstrata.core.slots import slot_runs
+from kvstrata.tiers.disk_errors import os_error, slot_list, tier_error
 from kvstrata.tiers.disk_format import (
     SLOT_ALIGN,
     Checksum,
@@ -27,10 +27,8 @@ from kvstrata.tiers.disk_format import (
     exchange,
     round_up,
 )
+from kvstrata.tiers.disk_index import DiskIndex
 from kvstrata.tiers.disk_vectored import VectoredIO
-
-if TYPE_CHECKING:
-    from kvstrata.tiers.disk_index import DiskIndex
 
 # I/O per chunk: amortizes Python overhead; small enough that a chunk just read is
 # still in L2/L3 when its checksum is computed.
@@ -43,49 +41,6 @@ Fields = Callable[[str, int, int], torch.Tensor]
 """fields(key, i0, i1): encoded field `key` of blocks i0..i1 as [L, Hkv, (i1-i0)*rows, cols]."""
 Targets = Callable[[int, int], tuple[dict[str, torch.Tensor], Callable[[], None]]]
 """targets(i0, i1): (field tensors to read blocks i0..i1 into, what to run once verified)."""
-
-
-def slot_list(slots: list[int], most: int = 8) -> str:
-    """`slots` for a one-line message: at most `most` of them, then the count."""
-    if len(slots) <= most:
-        return str(list(slots))
-    return f"[{', '.join(map(str, slots[:most]))}, ...] ({len(slots)} slots)"
-
-
-def tier_error(
-    cls: type[TierIOError], msg: str, path: Path, slots: list[int] | None = None
-) -> TierIOError:
-    """A `cls` naming the file, with `.path` and `.slots` set."""
-    # Not OSError.filename: setting it changes str(exc) to "[Errno None] ...".
-    exc = cls(f"{msg} (file {str(path)!r})")
-    exc.path = str(path)
-    exc.slots = list(slots or [])
-    return exc
-
-
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def os_error(exc: OSError, path: Path, slots: list[int], what: str) -> TierIOError:
-    """The typed error for a failed system call on `path` while doing `what`:
-    TierFullError for a full disk (ENOSPC, EDQUOT, EFBIG), else TierIOError; one
-    line naming the file and the fix."""
-    reason = exc.strerror or str(exc)
-    if exc.errno in FULL_ERRNOS:
-        return tier_error(
-            TierFullError,
-            f"out of space while {what} ({reason}): free space on that filesystem (or raise "
-            "the file size limit) or lower disk_budget",
-            path,
-            slots,
-        )
-    return tier_error(
-        TierIOError,
-        f"I/O error while {what} ({reason}): check the device and its permissions, or "
-        "use another disk_dir",
-        path,
-        slots,
-    )
 
 
 def free_bytes(directory: Path) -> int:

@@ -27,7 +27,7 @@ import weakref
 from pathlib import Path
 
 from kvstrata.core.errors import TierIOError
-from kvstrata.tiers.disk_io import os_error, tier_error
+from kvstrata.tiers.disk_errors import os_error, tier_error
 
 LOCK_FILE = "tier.lock"
 _HELD: weakref.WeakSet[DirLock] = weakref.WeakSet()

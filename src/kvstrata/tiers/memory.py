@@ -13,10 +13,11 @@ Pinned host arenas: with CUDA the host tier's arenas are page-locked once, at
 construction, so copies to and from the device are DMA transfers that run
 asynchronously on a copy stream (`non_blocking=True`) at the link's full rate. Each
 arena is ordinary pageable memory of exactly its size, registered with
-`cudaHostRegister` (`pinned_empty`; torch's pinned allocator would round it up to a
-power of two: a 70 GiB budget would lock 128 GiB) and unregistered before it is
-freed. When CUDA refuses to lock that much memory the tier falls back to pageable
-arenas (correct, but such copies are synchronous and slower) and says so in `pinned`.
+`cudaHostRegister` (`pinned_empty`, kvstrata.platform.host_memory; torch's pinned
+allocator would round it up to a power of two: a 70 GiB budget would lock 128 GiB)
+and unregistered before it is freed. When CUDA refuses to lock that much memory the
+tier falls back to pageable arenas (correct, but such copies are synchronous and
+slower) and says so in `pinned`.
 
 Writes from a GPU into a host tier: quantizing codecs encode where the data is (on
 the GPU: only the encoded bytes cross PCIe), then the copies into the arena run on
@@ -31,20 +32,16 @@ reader's stream after them without blocking the host (`_order_device_reads`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
-import mmap
 import warnings
-import weakref
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvstrata.codecs.base import Codec, NoneCodec
 from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
 from kvstrata.core.slots import slot_runs
+from kvstrata.platform.host_memory import pinned_empty
 from kvstrata.platform.streams import DeviceEvent, DeviceStreams, streams_for
 from kvstrata.tiers.base import Encoded, Tier
 
@@ -423,81 +420,6 @@ def _indexable(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return t.view(torch.uint8)
     return t
-
-
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor, page-locked for DMA with CUDA devices.
-
-    Pageable memory of exactly its size, registered with `cudaHostRegister` (torch's
-    pinned allocator rounds every allocation up to a power of two: a 2 GiB + 8 MiB
-    arena would lock 4 GiB). A finalizer unregisters it before the memory is freed,
-    once no tensor or view uses it any more.
-
-    Raises:
-        RuntimeError: CUDA refused (or there is no CUDA runtime); nothing stays locked.
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    # numpy owns the memory: its finalizer runs before the buffer is freed, and no
-    # sooner than the last tensor viewing it is gone (they hold a reference to it)
-    # mmap: page-aligned and whole pages of its own (cudaHostRegister locks pages; an
-    # arena sharing a page with another allocation could not be registered twice)
-    buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    tensor = torch.from_numpy(buf).view(dtype).view(shape)
-    try:
-        cudart = torch.cuda.cudart()
-    except Exception as err:  # a CPU-only torch raises AssertionError here
-        raise RuntimeError(f"no CUDA runtime: {err}") from err
-    ptr = buf.ctypes.data
-    err = cudart.cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
-        _drain_cuda_error(cudart)
-        raise RuntimeError(f"cudaHostRegister: {_cuda_error_string(cudart, err)}")
-    weakref.finalize(buf, _host_unregister, cudart, ptr).atexit = False
-    return tensor
-
-
-def _host_unregister(cudart: Any, ptr: int) -> None:
-    """Finalizer of a pinned arena's memory, just before it is freed: no copy may still
-    be reading or writing it (the device finishes its work), then it is unlocked."""
-    with contextlib.suppress(Exception):
-        torch.cuda.synchronize()
-    if int(cudart.cudaHostUnregister(ptr)) != 0:
-        _drain_cuda_error(cudart)
-
-
-def _cuda_error_string(cudart: Any, err: Any) -> str:
-    try:
-        return str(cudart.cudaGetErrorString(err))
-    except Exception:  # the binding takes its own enum type only
-        return f"cudaError {int(err)}"
-
-
-def _drain_cuda_error(cudart: Any) -> None:
-    """A failed CUDA runtime call leaves its error pending in this thread, and the next
-    checked CUDA call (an unrelated kernel launch) would raise it: consume it. torch
-    binds cudaGetLastError in recent versions; else every libcudart mapped in this
-    process is asked through ctypes (best effort)."""
-    get_last = getattr(cudart, "cudaGetLastError", None)
-    if get_last is not None:
-        with contextlib.suppress(Exception):
-            get_last()
-        return
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {
-                line.split(None, 5)[5].strip().removesuffix(" (deleted)")
-                for line in maps
-                if "libcudart" in line and len(line.split(None, 5)) == 6
-            }
-    except OSError:
-        return
-    for path in sorted(paths):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(path).cudaGetLastError()
 
 
 class DeviceTier(MemoryTier):

@@ -31,7 +31,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvstrata.attention.runtime import RowMask, write_layer, write_plan
+from kvstrata.attention.runtime import RowMask
+from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.blocks.manager import BlockManager
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
@@ -123,6 +124,15 @@ class TieredCache(Cache):
         if prompt_ids is not None:
             self._start_from_prompt(prompt_ids, dtype)
 
+    @classmethod
+    def from_store(
+        cls, store: KVStore, prompt_ids: Any = None, salt: str = "", dtype: Any = None
+    ) -> TieredCache:
+        """A cache over a shared `store`; with `prompt_ids`, starting from the prompt's
+        cached prefix (see `matched_tokens`). `dtype`: the model's KV dtype when the
+        store is not built yet (default: the config's)."""
+        return cls(store.geometry, store=store, prompt_ids=prompt_ids, salt=salt, dtype=dtype)
+
     def _start_from_prompt(self, prompt_ids: Any, dtype: torch.dtype | None) -> None:
         rows = torch.as_tensor(prompt_ids)
         if rows.ndim == 1:
@@ -149,7 +159,7 @@ class TieredCache(Cache):
     def manager(self) -> BlockManager:
         if not self.store.is_built:
             raise RuntimeError("TieredCache is empty: run a forward pass first")
-        return self.store._require()
+        return self.store.checked_manager()
 
     @property
     def layout(self) -> BlockLayout:

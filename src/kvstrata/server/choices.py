@@ -1,0 +1,225 @@
+"""The choices of one request (prompts x n), each its own engine request: `Job` (one
+choice to submit), `Choices` (their fan-out to the engine and their outputs merged back
+on the event loop), `ChoiceState` (one choice's response as its outputs come), and the
+`usage` they add up to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.core.errors import KvstrataError
+from kvstrata.engine.params import RequestOutput, SamplingParams
+from kvstrata.server.detokenizer import ChoiceTokens, TokenInfo
+from kvstrata.server.responses import usage
+from kvstrata.server.validation import Logprobs
+
+
+@dataclass
+class Job:
+    """One choice of a request: choice `index` (prompt_index * n + i), its engine
+    request id, prompt and params; `echo_text`: the prompt's text (completions' echo);
+    `after`: the choice whose first output it waits for (None: it starts at once)."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo_text: str
+    after: int | None = None
+
+
+class Choices:
+    """The engine requests of one HTTP request, one per choice: their outputs merged,
+    in arrival order, as `(choice index, RequestOutput)`; iteration ends when every
+    choice has finished. `start()` submits the choices that start at once (a refused
+    one aborts the rest and raises); a choice with `after` is submitted when that
+    choice's first output comes — the engine sends it as soon as that choice's first
+    token is chosen (`first_output`), text or not: its prompt is computed and in the
+    prefix cache by then, so the other choices of a prompt reuse its blocks instead of
+    all computing it in the same step. Once `stopping()` (the server stops taking
+    requests) they are not submitted: they end as aborted. `aclose()` aborts the ones
+    not finished."""
+
+    def __init__(
+        self,
+        engine: Any,
+        jobs: list[Job],
+        salt: str | None,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.salt = salt
+        self.stopping = stopping
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.open: set[str] = set()  # submitted or waiting, not finished
+        self.waiting: dict[int, list[Job]] = {}  # choice index -> the jobs after it
+
+    def start(self) -> None:
+        for job in self.jobs:
+            if job.after is not None:
+                self.waiting.setdefault(job.after, []).append(job)
+        self._submit([job for job in self.jobs if job.after is None])
+        self.open.update(job.request_id for job in self.jobs)
+
+    def _submit(self, jobs: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            for job in jobs:
+                extra = {"first_output": True} if job.index in self.waiting else {}
+                self.engine.submit(
+                    job.prompt_ids,
+                    job.params,
+                    request_id=job.request_id,
+                    on_output=self._callback(loop, job.index),
+                    salt=self.salt,
+                    **extra,
+                )
+                self.open.add(job.request_id)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _callback(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable:
+        def on_output(out: RequestOutput) -> None:  # the engine thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                self.engine.abort(out.request_id)
+
+        return on_output
+
+    def __aiter__(self) -> Choices:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.open:
+            raise StopAsyncIteration
+        index, out = await self.queue.get()
+        if out.finished:
+            self.open.discard(out.request_id)
+        if index in self.waiting and out.finish_reason != "abort":
+            later = self.waiting.pop(index)
+            if self.stopping():  # never started: they end as aborted (a 503)
+                for job in later:
+                    ended = RequestOutput(job.request_id, finish_reason="abort")
+                    self.queue.put_nowait((job.index, ended))
+            else:
+                self._submit(later)
+        return index, out
+
+    def abort(self) -> None:
+        self.waiting.clear()
+        for request_id in self.open:  # (one never submitted: the engine ignores it)
+            self.engine.abort(request_id)
+        self.open.clear()
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class ChoiceState:
+    """One choice's response as its outputs come: the echoed prompt in front of the
+    first piece, the tokens whose logprobs each piece reports (`ChoiceTokens`:
+    each token's text and offset in the choice's text), the final output."""
+
+    def __init__(self, job: Job, logprobs: Logprobs, tokens: ChoiceTokens | None = None) -> None:
+        self.job = job
+        self.top = logprobs.top
+        self.echo = logprobs.echo
+        self.pieces = tokens  # set when logprobs are asked for
+        self.started = False
+        self.generated = 0  # characters of generated text so far
+        self.text: list[str] = []  # every piece (whole responses)
+        self.tokens: list[TokenInfo] = []
+        self.held: list[TokenInfo] = []  # generated tokens past the text sent
+        self.final: RequestOutput | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the next output brings the echoed prompt's logprobs (a long job)."""
+        return not self.started and self.echo and self.pieces is not None
+
+    def take(self, out: RequestOutput) -> tuple[str, list[TokenInfo]]:
+        """The text of `out` and its tokens with their logprobs (empty unless asked
+        for), the echoed prompt (and its tokens) in front of the first."""
+        text, tokens = out.text, []
+        self.generated += len(out.text)
+        if not self.started:
+            self.started = True
+            if self.echo:
+                text = self.job.echo_text + text
+                if self.pieces is not None:
+                    prompt = out.prompt_logprobs or [None] * len(self.job.prompt_ids)
+                    tokens += self.pieces.prompt(self.job.prompt_ids, prompt, self.job.echo_text)
+        if self.pieces is not None:
+            # a token goes out once the text sent covers it: the engine holds back text
+            # that may still become a stop string, and a stop string cuts it at the end
+            self.held += self.pieces.generated(out)
+            if out.finished:
+                self.pieces.clip(self.held, self.generated)
+                sent = len(self.held)
+            else:
+                end, sent = self.pieces.base + self.generated, 0
+                while sent < len(self.held):
+                    info = self.held[sent]
+                    if info.offset + len(info.text) > end:
+                        break
+                    sent += 1
+            tokens += self.held[:sent]
+            del self.held[:sent]
+        if out.finished:
+            self.final = out
+        return text, tokens
+
+    def running_usage(self, out: RequestOutput | None) -> dict[str, Any]:
+        """This choice's usage so far (continuous_usage_stats; vLLM's numbers: its
+        prompt's tokens and the tokens it generated so far)."""
+        if out is None:
+            return usage(len(self.job.prompt_ids), 0, 0)
+        return usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+
+
+async def take(state: ChoiceState, out: RequestOutput) -> tuple[str, list[TokenInfo]]:
+    """state.take(out); in a worker thread when it places a whole echoed prompt's
+    tokens (a few decodes each), so the event loop goes on meanwhile."""
+    if state.scores_prompt:
+        return await asyncio.to_thread(state.take, out)
+    return state.take(out)
+
+
+def usage_of(states: list[ChoiceState], n: int) -> dict[str, Any]:
+    """`usage` of finished choices: each prompt once (its first choice's numbers), the
+    completion tokens of every choice."""
+    finals = [s.final for s in states]
+    assert all(f is not None for f in finals)
+    firsts = [f for i, f in enumerate(finals) if i % n == 0]
+    return usage(
+        sum(f.prompt_tokens for f in firsts),
+        sum(f.completion_tokens for f in finals),
+        sum(f.cached_tokens for f in firsts),
+    )
+
+
+async def next_output(outputs: Choices) -> tuple[int, RequestOutput]:
+    return await outputs.__anext__()
+
+
+async def collect(outputs: Choices, states: list[ChoiceState]) -> RequestOutput | None:
+    """Run every choice to its end, gathering its text and logprobs into `states`;
+    the output of a choice the engine aborted (None when all finished)."""
+    async for index, out in outputs:
+        if out.finish_reason == "abort":
+            return out
+        state = states[index]
+        text, tokens = await take(state, out)
+        state.text.append(text)
+        state.tokens.extend(tokens)
+    if any(s.final is None for s in states):
+        raise KvstrataError("the engine ended the request without a final output")
+    return None

@@ -1,0 +1,312 @@
+"""The endpoints' logic over one engine (`OpenAIServer`; `app.build_app` wires it to
+routes): the model list and card, health, metrics, and generation — a completion or
+chat request checked, its choices (prompts x n) built and checked by the engine in a
+worker thread, submitted, and answered whole or as an event stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvstrata.core.errors import ConfigError, KvstrataError
+from kvstrata.engine.params import RequestRejected, SamplingParams
+from kvstrata.server.chat import chat_prompt_ids, check_messages, template_options
+from kvstrata.server.choices import Choices, ChoiceState, Job, collect, next_output, usage_of
+from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
+from kvstrata.server.errors import APIError, aborted_error, engine_error
+from kvstrata.server.responses import (
+    ResponseHead,
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+)
+from kvstrata.server.streaming import (
+    ClientGone,
+    EventStream,
+    aclose_shielded,
+    sse_events,
+    until_disconnect,
+)
+from kvstrata.server.validation import (
+    CHAT,
+    DEFAULT_COMPLETION_TOKENS,
+    CommonFields,
+    Logprobs,
+    check_choices,
+    check_fields,
+    choice_params,
+    completion_prompts,
+    logit_bias,
+    logprobs_request,
+    parse_json_body,
+    sampling_params,
+)
+
+CHAT_DEFAULT_MAX_TOKENS = 2048  # chat without max_tokens: see OpenAIServer.room_for
+
+
+def engine_running(engine: Any) -> bool:
+    """Whether the engine takes requests (not shut down, not stopped on an error)."""
+    return bool(engine.is_running)
+
+
+class OpenAIServer:
+    """The endpoints' logic over one engine (`build_app` wires them to routes)."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.http_registry = CollectorRegistry()
+        self.active: set[str] = set()  # ids of the requests being answered
+        self.stopping = False
+        tokenizer = engine.tokenizer
+        self.vocab_size = int(getattr(engine, "vocab_size", 0) or len(tokenizer))
+        self.texts = TokenTexts(tokenizer)
+        self.eos_ids = set(getattr(engine, "eos_ids", ()) or ())
+        store_config = getattr(getattr(engine, "store", None), "config", None)
+        self.block_size = int(getattr(store_config, "block_size", 0) or 0)
+
+    def stop_requests(self) -> None:
+        """Abort every request being answered and refuse new ones (503): their streams
+        end with an error event, whole completions with a 503. For a server shutting
+        down once its grace period is over."""
+        self.stopping = True
+        for request_id in list(self.active):
+            self.engine.abort(request_id)
+
+    # -- GET ------------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self, model_id: str | None = None) -> dict[str, Any]:
+        """The served model's card (GET /v1/models/{id}: a 404 for another id)."""
+        if model_id is not None and model_id != self.model_name:
+            raise APIError(
+                404,
+                f"model={model_id!r} is invalid: this server serves {self.model_name!r} "
+                "(GET /v1/models)",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvstrata",
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    def health(self) -> Response:
+        if engine_running(self.engine):
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(APIError(503, "the engine has stopped").body(), status_code=503)
+
+    async def metrics(self) -> Response:
+        def scrape() -> bytes:
+            return generate_latest(self.engine.metrics.registry) + generate_latest(
+                self.http_registry
+            )
+
+        return Response(await anyio.to_thread.run_sync(scrape), media_type=CONTENT_TYPE_LATEST)
+
+    # -- POST -----------------------------------------------------------------------------
+    async def generate(self, request: Request, endpoint: str) -> Response:
+        """POST /v1/completions or /v1/chat/completions: the request checked, its
+        choices built off the event loop, then answered (`answer`)."""
+        if self.stopping:
+            raise APIError(503, "the server is shutting down", code="unavailable")
+        body = parse_json_body(await request.body())
+        fields = check_fields(body, endpoint)
+        if fields.model is not None and fields.model != self.model_name:
+            raise APIError(
+                404,
+                f"model={fields.model!r} does not exist: this server serves "
+                f"{self.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        chat = endpoint == CHAT
+        head = ResponseHead(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+        )
+        logprobs = logprobs_request(body, endpoint)
+        # tokenizing, rendering a chat template, checking: off the event loop
+        jobs = await asyncio.to_thread(self.jobs, body, endpoint, head.id, fields.n, logprobs)
+        if self.stopping:  # stop_requests came meanwhile: submit nothing
+            raise APIError(503, "the server is shutting down", code="unavailable")
+        states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
+        return await self.answer(request, jobs, states, head, chat, fields)
+
+    async def answer(
+        self,
+        request: Request,
+        jobs: list[Job],
+        states: list[ChoiceState],
+        head: ResponseHead,
+        chat: bool,
+        fields: CommonFields,
+    ) -> Response:
+        """Submit the choices and answer: an event stream once the first output comes,
+        else the whole response once every choice has finished (a 499 nobody reads
+        when the client went away first; the choices are aborted then)."""
+        choices = Choices(self.engine, jobs, fields.salt, lambda: self.stopping)
+        ids = {job.request_id for job in jobs}
+        self.active.update(ids)
+        try:
+            choices.start()
+            if fields.stream:
+                first = await until_disconnect(request, next_output(choices))
+                if first[1].finish_reason == "abort":
+                    raise aborted_error(first[1], self.stopping)
+                events = sse_events(
+                    choices, first, head, chat, fields, states, self.texts, lambda: self.stopping
+                )
+                return EventStream(events, choices, lambda: self.active.difference_update(ids))
+            aborted = await until_disconnect(request, collect(choices, states))
+        except ClientGone:
+            await self.finish(ids, choices)
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed")
+        except (APIError, asyncio.CancelledError):
+            await self.finish(ids, choices)
+            raise
+        except Exception as exc:
+            await self.finish(ids, choices)
+            raise engine_error(exc) from None
+        if aborted is not None:  # the engine ended one choice: the others end too
+            await self.finish(ids, choices)
+            raise aborted_error(aborted, self.stopping)
+        self.active.difference_update(ids)
+        return JSONResponse(self.response(head, chat, states, fields.n))
+
+    def choice_tokens(self, job: Job, logprobs: Logprobs) -> ChoiceTokens | None:
+        """What places a choice's tokens in its text (None: no logprobs asked for)."""
+        if logprobs.top is None:
+            return None
+        p = job.params
+        stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)}
+        return ChoiceTokens(self.engine.tokenizer, self.texts, job.prompt_ids, stop_ids)
+
+    def jobs(
+        self, body: dict[str, Any], endpoint: str, head_id: str, n: int, logprobs: Logprobs
+    ) -> list[Job]:
+        """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i),
+        each checked by the engine (a request it can never run is a 400 before any
+        choice is submitted). Runs in a worker thread."""
+        bias = logit_bias(body, self.vocab_size)
+        prompts, default_max = self.prompts(body, endpoint, n, logprobs.echo)
+        check_choices(n, len(prompts))
+        params = sampling_params(body, endpoint, default_max, logprobs, bias)
+        # choices 1.. of a prompt wait for choice 0 to compute it, when it holds a full
+        # block to share (a request scoring its prompt shares nothing: no lookup)
+        share = n > 1 and params.prompt_logprobs is None
+        jobs = []
+        for p, (ids, text) in enumerate(prompts):
+            after = p * n if share and 0 < self.block_size < len(ids) else None
+            for i in range(n):
+                index = p * n + i
+                rid = head_id if len(prompts) * n == 1 else f"{head_id}-{index}"
+                job = Job(index, p, rid, ids, choice_params(params, i), text)
+                job.after = after if i else None
+                jobs.append(job)
+        check = getattr(self.engine, "check", None)
+        for job in jobs if check is not None else ():
+            try:
+                check(job.prompt_ids, job.params)
+            except KvstrataError as exc:
+                raise engine_error(exc) from None
+        return jobs
+
+    def prompts(
+        self, body: dict[str, Any], endpoint: str, n: int, echo: bool
+    ) -> tuple[list[tuple[list[int], str]], int]:
+        """The request's prompts as (token ids, the text echo puts in front), and the
+        max_tokens of a request that gives none: chat's messages rendered by the chat
+        template (room_for), or each completion prompt tokenized (n x prompts checked
+        before). Runs in a worker thread."""
+        tokenizer = self.engine.tokenizer
+        if endpoint == CHAT:
+            add_generation_prompt, template_kwargs = template_options(body, tokenizer)
+            messages = check_messages(body.get("messages"))
+            ids = chat_prompt_ids(tokenizer, messages, add_generation_prompt, template_kwargs)
+            return [(ids, "")], self.room_for(ids)
+        prompts: list[tuple[list[int], str]] = []
+        given = completion_prompts(body, self.vocab_size)
+        check_choices(n, len(given))  # before tokenizing them all
+        for prompt in given:
+            try:
+                ids = self.engine.encode(prompt)
+            except KvstrataError as exc:
+                raise engine_error(exc) from None
+            if isinstance(prompt, str):
+                text = prompt
+            elif echo and tokenizer is not None:
+                text = prompt_text(tokenizer, ids)
+            else:
+                text = ""
+            prompts.append((ids, text))
+        return prompts, DEFAULT_COMPLETION_TOKENS
+
+    def response(
+        self, head: ResponseHead, chat: bool, states: list[ChoiceState], n: int
+    ) -> dict[str, Any]:
+        """The whole (non-streamed) response of finished choices."""
+        choices = []
+        for state in states:
+            assert state.final is not None
+            text, reason = "".join(state.text), state.final.finish_reason
+            lps = None
+            if state.pieces is not None:
+                state.pieces.clip(state.tokens, state.generated)  # at a stop string
+                lps = (
+                    chat_logprobs(state.tokens, self.texts)
+                    if chat
+                    else completion_logprobs(state.tokens)
+                )
+            make = chat_choice if chat else completion_choice
+            choices.append(make(state.job.index, text, reason, lps))
+        use = usage_of(states, n)
+        return head.chat(choices, use) if chat else head.completion(choices, use)
+
+    async def finish(self, request_ids: set[str], outputs: Any) -> None:
+        """Forget a request's choices and close them (an abort unless finished)."""
+        self.active.difference_update(request_ids)
+        await aclose_shielded(outputs)
+
+    def room_for(self, prompt_ids: list[int]) -> int:
+        """Chat's default max_tokens: the rest of the model's positions (as OpenAI and
+        vLLM), at most CHAT_DEFAULT_MAX_TOKENS (each running request reserves its
+        prompt + max_tokens, so "the whole context" would run chats one at a time),
+        lowered to what all tiers together can hold for this prompt."""
+        limit = self.engine.max_model_len
+        room = max(1, (limit or len(prompt_ids) + 4096) - len(prompt_ids))
+        room = min(room, CHAT_DEFAULT_MAX_TOKENS)
+        check = getattr(self.engine, "check", None)
+        if check is None or _fits(check, prompt_ids, room):
+            return room
+        lo, hi = 0, room  # lo fits (or is 0), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if _fits(check, prompt_ids, mid) else (lo, mid)
+        return max(lo, 1)  # 1 that does not fit: submit names the budget to raise
+
+
+def _fits(check: Callable[..., None], prompt_ids: list[int], max_tokens: int) -> bool:
+    try:
+        check(prompt_ids, SamplingParams(max_tokens=max_tokens))
+    except (RequestRejected, ConfigError):
+        return False
+    return True

@@ -1,0 +1,168 @@
+"""The HTTP side of a response the engine takes time over: waiting for it while
+watching for the client's disconnect (`until_disconnect`), closing what a response
+leaves open even when cancelled, and the server-sent event stream (`EventStream`) whose
+body is OpenAI's chunks of every choice (`sse_events`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvstrata.engine.params import RequestOutput
+from kvstrata.server.choices import Choices, ChoiceState, take, usage_of
+from kvstrata.server.detokenizer import TokenInfo, TokenTexts
+from kvstrata.server.errors import aborted_error, engine_error
+from kvstrata.server.responses import (
+    SSE_DONE,
+    ResponseHead,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+)
+from kvstrata.server.validation import CommonFields
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready (nothing to answer)."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (and raising ClientGone) if the client disconnects
+    first. The request body must have been read: `receive` then only reports the
+    disconnect (or the end of the response)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            # Wait for its cleanup even if we are being cancelled ourselves, so nobody
+            # touches the stream while the task still runs it.
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({task})
+    if not task.cancelled():
+        return task.result()  # the result, or work's own exception
+    raise ClientGone
+
+
+async def aclose_shielded(agen: Any) -> None:
+    """Close an async generator even inside a cancelled scope (its finally aborts)."""
+    with anyio.CancelScope(shield=True):
+        await agen.aclose()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator, and the engine stream under it, are always
+    closed when the response ends: normally, on a disconnect (Starlette cancels the
+    sending task), on a send error, or before the generator ever started."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, content: AsyncIterator[bytes], outputs: Any, on_close: Callable[[], None]
+    ) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.outputs = outputs
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await aclose_shielded(self.body_iterator)
+            await aclose_shielded(self.outputs)  # aborts the request unless it finished
+            self.on_close()
+
+
+async def sse_events(
+    outputs: Choices,
+    first: tuple[int, RequestOutput],
+    head: ResponseHead,
+    chat: bool,
+    fields: CommonFields,
+    states: list[ChoiceState],
+    texts: TokenTexts,
+    stopping: Callable[[], bool],
+) -> AsyncIterator[bytes]:
+    """The SSE body: OpenAI chunks (each with its choice's index; with
+    continuous_usage_stats, each with its choice's usage so far), an optional usage
+    chunk once every choice has finished, then [DONE]; an error event if the engine
+    gives up mid-way (`stopping`: whether the server is stopping, when it does).
+    Leaving early closes `outputs` (abort)."""
+    usage: bool | dict[str, Any] = fields.include_usage
+    try:
+        if chat:
+            for state in states:
+                delta = {"role": "assistant", "content": ""}
+                if fields.continuous_usage:
+                    usage = state.running_usage(None)
+                yield sse(head.chat_chunk(state.job.index, delta, None, usage))
+        index, out = first
+        left = len(states)
+        while True:
+            if out.finish_reason == "abort":
+                yield sse(aborted_error(out, stopping()).body())
+                break
+            state = states[index]
+            text, tokens = await take(state, out)
+            if fields.continuous_usage:
+                usage = state.running_usage(out)
+            chunks = _output_chunks(head, chat, index, state, out, text, tokens, usage, texts)
+            for chunk in chunks:
+                yield sse(chunk)
+            if out.finished:
+                left -= 1
+                if not left:
+                    if usage:
+                        yield sse(head.usage_chunk(chat, usage_of(states, fields.n)))
+                    break
+            index, out = await outputs.__anext__()
+        yield SSE_DONE
+    except Exception as exc:  # the stream ended without a final output
+        yield sse(engine_error(exc).body())
+    finally:
+        await aclose_shielded(outputs)
+
+
+def _output_chunks(
+    head: ResponseHead,
+    chat: bool,
+    index: int,
+    state: ChoiceState,
+    out: RequestOutput,
+    text: str,
+    tokens: list[TokenInfo],
+    usage: bool | dict[str, Any],
+    texts: TokenTexts,
+) -> list[dict[str, Any]]:
+    """The chunks one output of choice `index` makes (`text`, `tokens`: what it adds):
+    chat, a content delta (when it has text or logprobs) then, when it finishes, a
+    finish chunk; completions, one chunk (when it has text or tokens, or finishes)."""
+    lps, chunks = None, []
+    if chat:
+        if state.pieces is not None and tokens:
+            lps = chat_logprobs(tokens, texts)
+        if text or lps:
+            chunks.append(head.chat_chunk(index, {"content": text}, None, usage, lps))
+        if out.finished:
+            chunks.append(head.chat_chunk(index, {}, out.finish_reason, usage))
+    else:
+        if state.pieces is not None:
+            lps = completion_logprobs(tokens)
+        if text or out.finished or tokens:
+            chunks.append(head.completion_chunk(index, text, out.finish_reason, usage, lps))
+    return chunks
