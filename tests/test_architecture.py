@@ -3,10 +3,12 @@ function-level imports of kvstrata below the CLI layers, rooms of a readable siz
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 
+from kvstrata.store.contract import EngineStore
 from layering import LAYERS, edges, layer_of, violations
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "kvstrata"
@@ -114,3 +116,31 @@ def test_the_checker_sees_the_real_edges():
     found = {(e.src, e.dst) for e in edges(ROOT)}
     assert ("store.kvstore", "blocks.manager") in found
     assert layer_of("store.kvstore") > layer_of("blocks.manager")
+
+
+def _store_attributes(path: Path) -> set[str]:
+    """Attributes read on `store` / `self.store` in one module."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        if (isinstance(base, ast.Name) and base.id == "store") or (
+            isinstance(base, ast.Attribute)
+            and base.attr == "store"
+            and isinstance(base.value, ast.Name)
+            and base.value.id == "self"
+        ):
+            names.add(node.attr)
+    return names
+
+
+def test_the_engine_sees_the_store_only_through_its_contract():
+    allowed = {n for n in dir(EngineStore) if not n.startswith("_")}
+    used = {
+        (path.name, name)
+        for path in (ROOT / "engine").glob("*.py")
+        for name in _store_attributes(path)
+    }
+    assert {name for _, name in used} >= {"capacity", "add_sequence", "demote"}  # it looks
+    assert sorted((f, n) for f, n in used if n not in allowed) == []

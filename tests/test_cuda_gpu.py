@@ -188,7 +188,7 @@ def fp32_references():
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_tokens_identical_fp32(family, placement, fp32_references, tmp_path):
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     model, ids, ref = fp32_references[family]
     kwargs = dict(PLACEMENTS[placement])
@@ -216,7 +216,7 @@ def test_fused_dequant_gives_the_tokens_of_the_torch_decode(codec, monkeypatch):
     pytest.importorskip("triton")
     from hf_models import tiny_model
     from kvstrata.codecs import triton_dequant
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     model = enable(tiny_model("llama", "sdpa", head_dim=64).to(CUDA))
     ids = _prompt(1024)
@@ -243,7 +243,7 @@ def test_bf16_within_tolerance():
     from transformers import DynamicCache
 
     from hf_models import tiny_model
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     model = tiny_model("llama", "sdpa").to(CUDA, torch.bfloat16)
     ids = _prompt(1024)
@@ -311,7 +311,7 @@ def test_long_prefill_runs_in_memory_linear_in_the_prompt():
     from transformers import DynamicCache
 
     from hf_models import tiny_model
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     n = 16384
     model = tiny_model("llama", "sdpa", max_position_embeddings=2 * n).to(CUDA)
@@ -378,7 +378,7 @@ def _staged_decode_model():
     """The tiny Llama decoding with 90 % of its KV staged from the host (after a warm-up:
     the kernel selection checks run once)."""
     from hf_models import tiny_model
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     model = enable(tiny_model("llama", "sdpa").to(CUDA))
     cache = TieredCache(

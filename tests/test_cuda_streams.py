@@ -417,7 +417,7 @@ def test_tokens_through_the_event_path(llama, host_codec, fused, monkeypatch):
     from transformers import DynamicCache
 
     from kvstrata.codecs import triton_dequant
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     kernel_runs = []
     n = 5 if fused else 16  # the interpreter runs the kernel in numpy: a few steps

@@ -23,7 +23,7 @@ from kvstrata import CacheConfig, KVStore
 from kvstrata.attention.runtime import AttentionRuntime
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.core.errors import BlockCorruptError, KvstrataError
-from kvstrata.integrations.hf.cache import TieredCache, enable
+from kvstrata.integrations.hf import TieredCache, enable
 from test_disk_faults import held_deleted_files
 
 STEPS = 8

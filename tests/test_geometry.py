@@ -9,7 +9,8 @@ import torch
 
 from kvstrata.codecs.registry import codec_names
 from kvstrata.core.errors import ConfigError
-from kvstrata.model.geometry import PRESETS, KVGeometry, load_geometry
+from kvstrata.model.geometry import KVGeometry, load_geometry
+from kvstrata.model.presets import PRESETS
 
 GIB = 2**30
 

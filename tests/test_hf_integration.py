@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import kvstrata
 from hf_models import FAMILIES, reference_attn, tiny_model
-from kvstrata.integrations.hf.cache import TieredCache, enable
+from kvstrata.integrations.hf import TieredCache, enable
 
 PROMPT_LEN = 1024
 NEW_TOKENS = 200

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_models
 import kvstrata
-from kvstrata.integrations.hf.cache import TieredCache, enable
+from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.model.geometry import KVGeometry
 
 COMMON = {**hf_models.COMMON, "max_position_embeddings": 1024}

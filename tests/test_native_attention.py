@@ -26,7 +26,7 @@ from kvstrata.attention.partials import partial_attention
 from kvstrata.codecs.registry import get_codec
 from kvstrata.core.formats import FieldDesc, FieldFormat
 from kvstrata.core.layout import BlockLayout
-from kvstrata.integrations.hf.cache import TieredCache, enable
+from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.platform import native as _native
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="no C++ compiler")

@@ -15,7 +15,8 @@ import kvstrata
 from hf_models import tiny_model
 from kvstrata.attention.math import pack_gqa, unpack_gqa
 from kvstrata.attention.partials import partial_attention
-from kvstrata.integrations.hf.cache import TieredCache, kvstrata_attention
+from kvstrata.integrations.hf.attention import kvstrata_attention
+from kvstrata.integrations.hf.cache import TieredCache
 
 HEAD_DIM = 64
 

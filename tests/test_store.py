@@ -17,7 +17,7 @@ from blockstore_harness import read_sequence
 from hf_models import tiny_model
 from kvstrata import CacheConfig, ConfigError, KVStore, OutOfBlocksError
 from kvstrata.attention.writes import write_layer, write_plan
-from kvstrata.integrations.hf.cache import TieredCache, enable
+from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import layer_groups
 from reference_placement import check_order, compare_with_reference

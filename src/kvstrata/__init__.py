@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "TieredCache": "kvstrata.integrations.hf.cache",
     "KVStore": "kvstrata.store.kvstore",
-    "enable": "kvstrata.integrations.hf.cache",
+    "enable": "kvstrata.integrations.hf.attention",
     "plan": "kvstrata.model.planner",
     "load_geometry": "kvstrata.model.geometry",
     "get_codec": "kvstrata.codecs.registry",

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from kvstrata.blocks.runs import TokenWrites
+from kvstrata.blocks.runs import TokenWrites, token_writes
 from kvstrata.tiers.base import Tier
 
 
@@ -57,3 +57,20 @@ def write_layer(plan: list[tuple], local: int, k: torch.Tensor, v: torch.Tensor)
             tier.v_arena[local].index_copy_(1, a, new_v.to(tier.device))
         else:
             tier.write_layer(local, a, new_k, new_v)
+
+
+def split_by_group(
+    writes: list[TokenWrites], num_groups: int, per_group: int
+) -> list[list[TokenWrites]]:
+    """Split one step's writes (tables ordered group-major) into per-group writes
+    whose `src` indexes that group's [len(seq_ids) * num_new] tokens."""
+    if num_groups == 1:
+        return [writes]
+    out: list[list[TokenWrites]] = [[] for _ in range(num_groups)]
+    for tw in writes:
+        group_of = tw.src // per_group
+        for g in torch.unique(group_of).tolist():
+            sel = group_of == g
+            rows, src = tw.rows[sel].tolist(), (tw.src[sel] - g * per_group).tolist()
+            out[g].append(token_writes(tw.tier, rows, src))
+    return out

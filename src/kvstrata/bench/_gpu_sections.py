@@ -114,7 +114,7 @@ def memory(
     probe: Any = None,
     on_row: Callable[[list], None] | None = None,
 ) -> dict[str, Any]:
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     if probe is None:
         if device.type != "cuda":
@@ -231,7 +231,7 @@ def decode(
 
     from kvstrata.codecs import triton_dequant
     from kvstrata.codecs.registry import get_codec
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
 
     sdpa = model
     per_token = kv_bytes_per_token(model)

@@ -83,7 +83,7 @@ def tiny_llama(
 
 def kvstrata_twin(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of `model` (same weights) switched to the "kvstrata" attention."""
-    from kvstrata.integrations.hf.cache import enable
+    from kvstrata.integrations.hf import enable
 
     return enable(copy.deepcopy(model))
 

@@ -44,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def manager_step_seconds(model: Any, args: argparse.Namespace, context: int) -> dict[str, Any]:
     """Mean seconds of the store's work per decode step, and the store's size."""
-    from kvstrata import CacheConfig, KVStore
     from kvstrata.attention.writes import write_plan
+    from kvstrata.config import CacheConfig
     from kvstrata.model.geometry import KVGeometry
+    from kvstrata.store.kvstore import KVStore
 
     n, bs = args.sequences, args.block_size
     per_token = int(KVGeometry.from_hf_config(model.config).bytes_per_token("fp32"))

@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvstrata.config import CacheConfig
     from kvstrata.core.units import parse_tokens
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
     from kvstrata.model.zoo import load_model
     from kvstrata.store.kvstore import KVStore
 

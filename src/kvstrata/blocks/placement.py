@@ -11,25 +11,23 @@ The cascade, tiers ordered fastest first:
                      there is an OutOfBlocksError, raised before anything changed
 
 `plan_placement` is pure: it returns a `Placement` (moves, drops, the tier of every
-new block) or raises. `BlockManager` applies it with steps that cannot fail (the
-plan reserved every slot they take).
+new block) or raises. It reads the `BlockState` through a `PlacementView` and
+changes nothing; `blocks/apply.py` carries a plan out with steps that cannot fail
+(the plan reserved every slot they take).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvstrata.blocks.order import TableState
 from kvstrata.blocks.pool import Block
+from kvstrata.blocks.state import BlockState
 from kvstrata.core.errors import OutOfBlocksError
 from kvstrata.core.units import format_bytes
-
-if TYPE_CHECKING:
-    from kvstrata.blocks.manager import BlockManager
 
 
 @dataclass
@@ -56,7 +54,7 @@ class Placement:
 
 
 class PlacementView:
-    """The manager as one placement sees it: counts, pinned blocks, keys, and each
+    """The block state as one placement sees it: counts, pinned blocks, keys, and each
     tier's eviction order (built per plan in O(tables + pinned blocks)).
 
     Pinned blocks do not move this step: `fixed_ids` (open blocks being written and
@@ -65,13 +63,17 @@ class PlacementView:
     table's length."""
 
     def __init__(
-        self, mgr: BlockManager, pending: list[PendingBlock], fixed_ids: set[int], stepping: set
+        self,
+        block_state: BlockState,
+        pending: list[PendingBlock],
+        fixed_ids: set[int],
+        stepping: set,
     ) -> None:
-        self.mgr = mgr
-        self.tiers, self.tier_order = mgr.tiers, mgr.tier_order
-        self.block_size = bs = mgr.layout.block_size
-        self.num_tables = len(mgr.tables)
-        self.raw_block_bytes = mgr.layout.raw_block_bytes
+        self.block_state = block_state
+        self.tiers, self.tier_order = block_state.tiers, block_state.tier_order
+        self.block_size = bs = block_state.layout.block_size
+        self.num_tables = len(block_state.tables)
+        self.raw_block_bytes = block_state.layout.raw_block_bytes
         new_count: dict[Hashable, int] = {}
         for p in pending:
             if p.copy_of is None:
@@ -79,9 +81,9 @@ class PlacementView:
         self._new_count = new_count
         self._stepping = stepping
         self._states: dict[Hashable, TableState] = {}
-        blocks = mgr.pool.blocks
+        blocks = block_state.pool.blocks
         self.pinned = set(fixed_ids)
-        for table in mgr.tables.values():
+        for table in block_state.tables.values():
             if table.block_ids and blocks[table.block_ids[-1]].num_tokens < bs:
                 self.pinned.add(table.block_ids[-1])
         self._pinned_on = dict.fromkeys(self.tier_order, 0)
@@ -89,23 +91,23 @@ class PlacementView:
             self._pinned_on[blocks[block_id].tier] += 1
         assert {p.table for p in pending} <= stepping, "new blocks belong to this step"
         self._pending_key = {
-            id(p): mgr.order.live_key(self.state(p.table), p.index, -(i + 1))
+            id(p): block_state.order.live_key(self.state(p.table), p.index, -(i + 1))
             for i, p in enumerate(pending)
         }
 
     def state(self, table: Hashable) -> TableState:
         state = self._states.get(table)
         if state is None:
-            mgr = self.mgr
-            n = mgr.tables[table].num_blocks + self._new_count.get(table, 0)
-            last, count = mgr.seq_last_access[table], mgr.seq_access_count[table]
+            block_state = self.block_state
+            n = block_state.tables[table].num_blocks + self._new_count.get(table, 0)
+            last, count = block_state.seq_last_access[table], block_state.seq_access_count[table]
             if table in self._stepping:
-                last, count = mgr.clock + 1, count + 1
+                last, count = block_state.clock + 1, count + 1
             state = self._states[table] = TableState(n, last, count)
         return state
 
     def num_on(self, tier: str) -> int:
-        return len(self.mgr.on_tier[tier])
+        return len(self.block_state.on_tier[tier])
 
     def pinned_on(self, tier: str) -> int:
         return self._pinned_on[tier]
@@ -114,16 +116,42 @@ class PlacementView:
         """Keep-key (larger = more deserving of the faster tier)."""
         if isinstance(b, PendingBlock):
             return self._pending_key[id(b)]
-        if b.block_id in self.mgr.cached:
+        if b.block_id in self.block_state.cached:
             return (0, b.last_access, -b.block_id)
-        return self.mgr.order.block_key(b.block_id, self.state)
+        return self.block_state.order.block_key(b.block_id, self.state)
 
     def lowest(self, tier: str) -> Iterator[tuple[tuple, Block]]:
         """Movable blocks of a tier, lowest keep-key first."""
-        blocks = self.mgr.pool.blocks
-        for key, block_id in self.mgr.order.ascending([tier], self.state):
+        blocks = self.block_state.pool.blocks
+        for key, block_id in self.block_state.order.ascending([tier], self.state):
             if block_id not in self.pinned:
                 yield key, blocks[block_id]
+
+
+def plan_step(
+    block_state: BlockState,
+    pending: list[PendingBlock],
+    fixed_ids: set[int],
+    budgets: dict[str, int],
+    stepping: Iterable = (),
+) -> Placement:
+    """`plan_placement` for a step of the tables in `stepping` (pure, raises before
+    anything changes). Blocks held only for a step in progress (another table's) do
+    not move, besides `fixed_ids`."""
+    tables = block_state.tables.values()
+    fixed_ids = fixed_ids | {b for t in tables for _, b in t.step_history + t.step_extra}
+    view = PlacementView(block_state, pending, fixed_ids, set(stepping))
+    return plan_placement(view, budgets, pending)
+
+
+def eviction_order(block_state: BlockState) -> list[int]:
+    """Every block id, first to evict first (cached blocks before live ones; the
+    blocks held only for a step in progress are not in the order)."""
+    view = PlacementView(block_state, [], set(), set())
+    return [block_id for _key, block_id in block_state.order.ascending(view.tier_order, view.state)]
+
+
+Decision = tuple[str, list, list]  # (tier, blocks that arrive, blocks that leave)
 
 
 def plan_placement(
@@ -138,10 +166,21 @@ def plan_placement(
     them (a lazy merge of the tier's eviction order with the sorted incoming blocks)
     spill to the next tier. Nothing is sorted but the incoming blocks.
     """
+    decisions, incoming = _cascade(view, budgets, pending)
+    dropped = [b for b in incoming if isinstance(b, Block) and b.ref_count == 0]
+    stuck = [b for b in incoming if not (isinstance(b, Block) and b.ref_count == 0)]
+    if stuck:
+        raise OutOfBlocksError(_all_tiers_full(view, budgets, len(stuck)))
+    return _placement(view, decisions, dropped, pending)
+
+
+def _cascade(
+    view: PlacementView, budgets: dict[str, int], pending: list[PendingBlock]
+) -> tuple[list[Decision], list]:
+    """Each tier's decision, fastest first, and what spills from the last tier."""
     tier_order, block_size = view.tier_order, view.block_size
-    device = tier_order[0]
     incoming: list = list(pending)
-    decisions: list[tuple[str, list, list]] = []  # (tier, arrive, leave)
+    decisions: list[Decision] = []
     for depth, name in enumerate(tier_order):
         pinned = view.pinned_on(name)
         must = [b for b in incoming if b.num_tokens < block_size] if depth == 0 else []
@@ -173,22 +212,31 @@ def plan_placement(
         incoming = spill[::-1]  # best first
         # No early exit when nothing spills: a lower tier whose budget just shrank
         # (set_budget) must still demote its own surplus.
-    dropped = [b for b in incoming if isinstance(b, Block) and b.ref_count == 0]
-    stuck = [b for b in incoming if not (isinstance(b, Block) and b.ref_count == 0)]
-    if stuck:
-        avail = ", ".join(
-            f"{n}={format_bytes(budgets[n] * view.tiers[n].block_bytes)}" for n in tier_order
+    return decisions, incoming
+
+
+def _all_tiers_full(view: PlacementView, budgets: dict[str, int], num_stuck: int) -> str:
+    tier_order = view.tier_order
+    avail = ", ".join(
+        f"{n}={format_bytes(budgets[n] * view.tiers[n].block_bytes)}" for n in tier_order
+    )
+    return (
+        f"all tiers are full: {num_stuck} more blocks "
+        f"({format_bytes(num_stuck * view.raw_block_bytes)} raw) needed, budgets {avail}; "
+        + (
+            "raise device_budget (or resident_fraction / max_tokens), or add a host "
+            "tier (host_budget) or a disk tier (disk_dir, disk_budget)"
+            if len(tier_order) == 1
+            else "raise host_budget or disk_budget (or use a smaller codec on the lower tiers)"
         )
-        raise OutOfBlocksError(
-            f"all tiers are full: {len(stuck)} more blocks "
-            f"({format_bytes(len(stuck) * view.raw_block_bytes)} raw) needed, budgets {avail}; "
-            + (
-                "raise device_budget (or resident_fraction / max_tokens), or add a host "
-                "tier (host_budget) or a disk tier (disk_dir, disk_budget)"
-                if len(tier_order) == 1
-                else "raise host_budget or disk_budget (or use a smaller codec on the lower tiers)"
-            )
-        )
+    )
+
+
+def _placement(
+    view: PlacementView, decisions: list[Decision], dropped: list[Block], pending: list
+) -> Placement:
+    """The plan the decisions make: drops, moves (deepest tier first), new tiers."""
+    tier_order, block_size = view.tier_order, view.block_size
     plan = Placement(drops=dropped)
     # Moves run deepest tier first so every move finds a free slot; a block that
     # spills through several tiers moves straight to the tier that keeps it.
@@ -205,5 +253,5 @@ def plan_placement(
     plan.install_order = [
         index[id(b)] for _n, arrive, _l in decisions for b in arrive if id(b) in index
     ]
-    assert all(dest[id(p)] == device for p in pending if p.num_tokens < block_size)
+    assert all(dest[id(p)] == tier_order[0] for p in pending if p.num_tokens < block_size)
     return plan

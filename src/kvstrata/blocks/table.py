@@ -35,6 +35,10 @@ class BlockTable:
         """Logical blocks, dropped ones included (= ceil(num_tokens / bs))."""
         return self.first_block + len(self.block_ids)
 
+    def held_ids(self) -> list[int]:
+        """Every block id the table holds a reference to (live, then held for a step)."""
+        return self.block_ids + [b for _, b in self.step_history + self.step_extra]
+
     def copy(self) -> BlockTable:
         return BlockTable(
             list(self.block_ids),

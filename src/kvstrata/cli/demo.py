@@ -253,7 +253,7 @@ def section_plan(state: DemoState) -> int:
 
 def section_answer(state: DemoState) -> int:
     """The job with 10 % of the KV on the device, the rest int8 on host and disk."""
-    from kvstrata.integrations.hf.cache import enable
+    from kvstrata.integrations.hf import enable
 
     job = state.job
     assert job is not None
@@ -300,7 +300,7 @@ def section_exact(state: DemoState) -> int:
     """Lossless codecs over the same placement give DynamicCache's tokens."""
     from transformers import DynamicCache
 
-    from kvstrata.integrations.hf.cache import enable
+    from kvstrata.integrations.hf import enable
 
     cache = _tiered_cache(state, "none", "exact")
     enable(state.model)

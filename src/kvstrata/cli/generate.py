@@ -368,7 +368,7 @@ def live_status(text: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata generate`; exit code 0."""
     check_sampling(args)  # before the slow imports: bad flags answer at once
-    from kvstrata.integrations.hf.cache import TieredCache, enable
+    from kvstrata.integrations.hf import TieredCache, enable
     from kvstrata.model.zoo import load_model
 
     max_new = parse_tokens(args.max_new_tokens, "max_new_tokens")

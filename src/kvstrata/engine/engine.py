@@ -1,12 +1,12 @@
 """`Engine`: continuous batching of many requests over one `KVStore`.
 
 One engine thread owns the store and the model's forwards. Each step it picks the
-requests to run (`scheduler.plan_step`), packs their new tokens — one per decode,
-a chunk per prefill — into one row (`batch.StepCache`), runs one forward, samples
-the next token of every request whose known tokens are all in, and hands the new
-text to each request's callback. Requests arrive (`submit`) and leave (`abort`)
-from any thread through a command queue; `generate` and the async `stream` are
-built on them.
+requests to run (`scheduler.plan_step`); its `StepRunner` (runner.py) packs their new
+tokens — one per decode, a chunk per prefill — into one row (the transformers adapter's
+`StepCache`), runs one forward, samples the next token of every request whose known
+tokens are all in, and hands the new text to each request's callback. Requests arrive
+(`submit`) and leave (`abort`) from any thread through a command queue; `generate` and
+the async `stream` are built on them.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvstrata.config import CacheConfig
-from kvstrata.core.errors import ConfigError, KvstrataError, OutOfBlocksError, TierIOError
+from kvstrata.core.errors import ConfigError, KvstrataError
 from kvstrata.core.units import format_bytes
-from kvstrata.engine.batch import StepCache
 from kvstrata.engine.metrics import EngineMetrics
 from kvstrata.engine.params import (
     EngineConfig,
@@ -35,10 +33,11 @@ from kvstrata.engine.params import (
     RequestOutput,
     RequestRejected,
     SamplingParams,
-    TokenLogprobs,
 )
-from kvstrata.engine.sampling import sample, token_logprobs
+from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Request, Scheduler
+from kvstrata.integrations.hf import enable
+from kvstrata.integrations.hf.step import StepCache
 from kvstrata.store.kvstore import KVStore
 
 log = logging.getLogger("kvstrata.engine")
@@ -68,8 +67,6 @@ class Engine:
         prefix_caching: bool = True,
         **cache_fields: Any,
     ) -> None:
-        from kvstrata.integrations.hf.cache import enable
-
         if cache_config is None:
             cache_config = CacheConfig(**cache_fields)
         elif cache_fields:
@@ -93,10 +90,10 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = False
         self._submit_lock = threading.Lock()
-        self._outbox: list[tuple[Request, RequestOutput]] = []
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.sched: Scheduler | None = None
+        self.runner: StepRunner | None = None
         self._threads = self.config.threads or torch.get_num_threads()
         self._thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
         self._thread.start()
@@ -309,10 +306,18 @@ class Engine:
         try:
             torch.set_num_threads(self._threads)  # OpenMP thread counts are per thread
             weights = next(self.model.parameters())
-            dtype, self._device = weights.dtype, weights.device
-            self.store.build(dtype, num_sequences=self.config.max_num_seqs)
+            self.store.build(weights.dtype, num_sequences=self.config.max_num_seqs)
             self.sched = Scheduler(self.store, self.config, self.metrics)
-            self._step_cache = StepCache(self.store)
+            self.runner = StepRunner(
+                self.model,
+                self.store,
+                self.sched,
+                StepCache(self.store),
+                self.metrics,
+                self.eos_ids,
+                weights.device,
+                self.abort,
+            )
             self._take_snapshot()
         except BaseException as err:  # reported by the constructor
             self._error = err
@@ -331,12 +336,13 @@ class Engine:
                 self._drain_adds()
             self._finish_all("abort", f"the engine stopped{_why(self._error)}")
             self._take_snapshot()
-            self._deliver()
+            if self.runner is not None:
+                self.runner.deliver()
             self.store.close()
 
     def _loop(self) -> None:
-        sched = self.sched
-        assert sched is not None
+        sched, runner = self.sched, self.runner
+        assert sched is not None and runner is not None
         while not self._stop:
             if not sched.has_work():  # idle: sleep until a command comes
                 self._command(*self._commands.get())
@@ -347,12 +353,12 @@ class Engine:
                     break
             if self._stop:
                 return
-            if sched.has_work() and not self._step():
+            if sched.has_work() and not runner.step():
                 # nothing could run (cannot happen by the admission rules; never spin)
                 with contextlib.suppress(queue.Empty):
                     self._command(*self._commands.get(timeout=0.05))
             self._take_snapshot()  # before the outputs go: a finished request's blocks
-            self._deliver()  # are already free in the stats its caller may read
+            runner.deliver()  # are already free in the stats its caller may read
 
     def _command(self, kind: str, arg: Any) -> None:
         sched = self.sched
@@ -360,190 +366,13 @@ class Engine:
         if kind == "add":
             if not sched.add(arg):
                 error = f"request_id {arg.id!r} is already running"
-                self._emit(arg, RequestOutput(arg.id, finish_reason="abort", error=error))
+                self.runner.emit(arg, RequestOutput(arg.id, finish_reason="abort", error=error))
         elif kind == "abort":
             req = sched.requests.get(arg)
             if req is not None:
-                self._finish(req, "abort")
+                self.runner.finish(req, "abort")
         elif kind == "stop":
             self._stop = True
-
-    def _step(self) -> bool:
-        """One forward over the planned batch; False when nothing could run."""
-        sched = self.sched
-        assert sched is not None
-        batch = sched.plan_step()
-        for req, error in sched.take_failed():  # e.g. a storage error attaching a prefix
-            self._finish(req, "abort", error)
-        if not batch:
-            return False
-        t0 = time.perf_counter()
-        seq_ids = [r.seq_id for r, _ in batch]
-        counts = [n for _, n in batch]
-        tokens = [r.tokens(r.computed, n) for r, n in batch]
-        positions = [torch.arange(r.computed, r.computed + n) for r, n in batch]
-        last = list(itertools.accumulate(counts))
-        ready = [i for i, (r, n) in enumerate(batch) if r.computed + n == r.num_tokens]
-        rows = [last[i] - 1 for i in ready]  # the logits kept: one per sampled token
-        special = None  # the slow path: prompt logprobs or max_tokens 0 in the batch
-        if any(r.special for r, _ in batch):
-            special = _special_rows(batch, last, ready)
-            rows, ready = special.rows, special.ready
-        self._step_cache.begin(seq_ids, counts, tokens)
-        try:
-            with torch.inference_mode():
-                dev = self._device
-                out = self.model(
-                    input_ids=torch.tensor([t for ts in tokens for t in ts], device=dev)[None],
-                    position_ids=torch.cat(positions).to(dev)[None],
-                    cache=self._step_cache,
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
-                )
-        except OutOfBlocksError as err:
-            self._undo(batch, f"out of KV blocks: {err}")
-            if not sched.relieve(batch):  # nothing left to preempt: the request fails
-                self._finish(batch[0][0], "abort", f"out of KV blocks: {err}")
-            return True
-        except TierIOError as err:  # a corrupt or unreadable block: never served,
-            self._undo(batch, f"a block could not be read: {err}")  # recomputed instead
-            # by the sequence attention was reading for (all of them when unknown); the
-            # others only redo the undone step, with nothing charged to their retries
-            owners = err.seq_ids & {r.seq_id for r, _ in batch}  # none known: all of them
-            for req, _ in batch:
-                if owners and req.seq_id not in owners:
-                    continue
-                if req.id in sched.requests and not sched.recompute(req):
-                    self._finish(req, "abort", f"a block could not be read, twice: {err}")
-            return True
-        except Exception as err:
-            self._undo(batch, f"the model step failed: {err}")
-            log.exception("kvstrata engine: a step failed")
-            for req, _ in batch:
-                self._finish(req, "abort", f"the model step failed: {err}")
-            return True
-        for req, n in batch:
-            req.computed += n
-            (self.metrics.decode_tokens if req.out_ids else self.metrics.prefill_tokens).inc(n)
-            if req.prompt_lps is not None and req.computed >= len(req.prompt_ids):
-                req.prompt_scored = True  # (its rows are scored below, in this step)
-        if special is None:
-            logits = out.logits[0].float().cpu()  # sampled with per-request CPU generators
-        else:
-            logits = self._score_prompts(out.logits[0], special)
-        reqs = [batch[i][0] for i in ready]
-        adjust = None
-        if any(r.adjuster is not None for r in reqs):  # penalties, logit_bias, min_tokens
-            adjust = [None if r.adjuster is None else (r.adjuster, r.out_ids) for r in reqs]
-        next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], adjust)
-        if any(r.out_logprobs is not None for r in reqs):
-            self._sampled_logprobs(logits, reqs, next_ids)
-        now = time.perf_counter()
-        for req, token in zip(reqs, next_ids, strict=True):
-            self._accept(req, token, now)
-        self.metrics.step.observe(time.perf_counter() - t0)
-        return True
-
-    def _score_prompts(self, logits: torch.Tensor, special: _SpecialRows) -> torch.Tensor:
-        """Record the prompt logprobs of this step's prompt chunks, end the requests
-        that only score their prompt (max_tokens 0); the rows to sample from (CPU)."""
-        for req, first, count, pos in special.scores:
-            assert req.prompt_lps is not None and req.params.prompt_logprobs is not None
-            targets = req.prompt_ids[pos + 1 : pos + 1 + count]
-            req.prompt_lps[pos + 1 : pos + 1 + count] = token_logprobs(
-                logits[first : first + count], targets, req.params.prompt_logprobs
-            )
-        for req in special.scored_only:
-            self._finish(req, "length")
-        return logits[special.sample_rows].float().cpu()
-
-    def _sampled_logprobs(
-        self, logits: torch.Tensor, reqs: list[Request], next_ids: list[int]
-    ) -> None:
-        """Append the raw logprobs of the tokens just chosen to the requests that ask."""
-        want = [j for j, r in enumerate(reqs) if r.out_logprobs is not None]
-        top = max(reqs[j].params.logprobs or 0 for j in want)
-        entries = token_logprobs(logits[want], [next_ids[j] for j in want], top)
-        for j, entry in zip(want, entries, strict=True):
-            req = reqs[j]
-            k = req.params.logprobs or 0
-            assert req.out_logprobs is not None
-            req.out_logprobs.append(
-                entry if k == top else TokenLogprobs(entry.token_id, entry.logprob, entry.top[:k])
-            )
-
-    def _undo(self, batch: list[tuple[Request, int]], why: str) -> None:
-        """Undo a failed step; a request whose sequence cannot be restored ends. (A step
-        that failed before the store placed it, e.g. out of blocks, has nothing to undo:
-        its requests go on.)"""
-        self.store.abort_step([r.seq_id for r, _ in batch])
-        for req, _ in batch:
-            failure = self.store.failure(req.seq_id)
-            if failure is not None and req.id in self.sched.requests:
-                self._finish(req, "abort", f"{why}; its KV could not be restored ({failure})")
-
-    def _accept(self, req: Request, token: int, now: float) -> None:
-        if req.first_token_at is None:
-            req.first_token_at = now
-            self.metrics.ttft.observe(now - req.arrival)
-        else:
-            self.metrics.tpot.observe(now - req.last_token_at)
-        req.last_token_at = now
-        req.out_ids.append(token)
-        self.metrics.generation_tokens.inc()
-        p = req.params
-        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
-        # min_tokens: the stop tokens were blocked; stop strings are looked for once
-        # that many tokens are out (vLLM: a stop string may end with token min_tokens)
-        check = len(req.out_ids) >= p.min_tokens
-        text, stopped = ("", False) if stop_token else req.text.push([token], check)
-        if stop_token or stopped:
-            return self._finish(req, "stop", delta=text)
-        if len(req.out_ids) >= p.max_tokens:
-            return self._finish(req, "length", delta=text)
-        first = req.first_output and len(req.out_ids) == 1
-        if req.on_output is not None and (text or req.emit_tokens or first):
-            ids, logprobs = req.take_new()
-            self._emit(req, RequestOutput(req.id, ids, text, logprobs=logprobs))
-
-    def _finish(self, req: Request, reason: str, error: str | None = None, delta: str = "") -> None:
-        sched = self.sched
-        assert sched is not None
-        if sched.requests.get(req.id) is not req:
-            return  # already ended (e.g. by a failed step's undo)
-        sched.remove(req)
-        text = delta + req.text.flush() if reason != "abort" else delta
-        now = time.perf_counter()
-        self.metrics.finished.labels(reason).inc()
-        self.metrics.e2e.observe(now - req.arrival)
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        self.metrics.cached_tokens.inc(req.cached)
-        ids, logprobs = req.take_new()
-        out = RequestOutput(req.id, ids, text, reason, error=error, logprobs=logprobs)
-        self._emit(req, out)
-
-    def _emit(self, req: Request, out: RequestOutput) -> None:
-        out.prompt_tokens, out.cached_tokens = len(req.prompt_ids), req.cached
-        out.completion_tokens = len(req.out_ids)
-        if (
-            req.prompt_lps is not None
-            and not req.prompt_lps_sent
-            and req.computed >= len(req.prompt_ids)
-        ):
-            out.prompt_logprobs, req.prompt_lps_sent = list(req.prompt_lps), True
-        if req.on_output is not None:
-            self._outbox.append((req, out))
-
-    def _deliver(self) -> None:
-        """Hand the step's outputs to their callbacks."""
-        outbox, self._outbox = self._outbox, []
-        for req, out in outbox:
-            try:
-                req.on_output(out)
-            except Exception:  # a broken consumer must not stop the engine
-                log.exception("kvstrata engine: on_output of %s failed; aborting it", req.id)
-                if not out.finished:
-                    self.abort(req.id)
 
     def _drain_adds(self) -> None:
         sched = self.sched
@@ -556,12 +385,12 @@ class Engine:
                 sched.add(arg)
 
     def _finish_all(self, reason: str, error: str | None) -> None:
-        sched = self.sched
-        if sched is None:
+        sched, runner = self.sched, self.runner
+        if sched is None or runner is None:
             return
         for req in list(sched.requests.values()):
             with contextlib.suppress(KvstrataError):
-                self._finish(req, reason, error)
+                runner.finish(req, reason, error)
 
     def _take_snapshot(self) -> None:
         sched = self.sched
@@ -569,44 +398,6 @@ class Engine:
         snap = sched.snapshot()
         with self._lock:
             self._snapshot = snap
-
-
-@dataclass
-class _SpecialRows:
-    """The logits a step with prompt-logprob or score-only requests keeps: `rows`
-    (packed positions), `scores` (request, first kept row, rows, first position: the
-    logits at position p score prompt token p + 1), `sample_rows` (kept rows of the
-    requests that choose a token, in `ready` order), `scored_only` (max_tokens 0
-    requests whose prompt is done: they end without a token)."""
-
-    rows: list[int]
-    ready: list[int]
-    scores: list[tuple[Request, int, int, int]]
-    sample_rows: list[int]
-    scored_only: list[Request]
-
-
-def _special_rows(
-    batch: list[tuple[Request, int]], last: list[int], ready: list[int]
-) -> _SpecialRows:
-    special = _SpecialRows([], [], [], [], [])
-    is_ready = set(ready)
-    for i, (req, n) in enumerate(batch):
-        if req.prompt_lps is not None and not req.prompt_scored:
-            end = min(req.computed + n, len(req.prompt_ids) - 1)  # positions that score
-            if end > req.computed:
-                start = last[i] - n  # the packed row of the request's first new token
-                special.scores.append((req, len(special.rows), end - req.computed, req.computed))
-                special.rows.extend(range(start, start + end - req.computed))
-        if i not in is_ready:
-            continue
-        if req.params.max_tokens == 0:
-            special.scored_only.append(req)
-            continue
-        special.ready.append(i)
-        special.sample_rows.append(len(special.rows))
-        special.rows.append(last[i] - 1)
-    return special
 
 
 def _why(error: BaseException | None) -> str:

@@ -34,8 +34,8 @@ class _SnapshotCollector:
             g = GaugeMetricFamily(f"kvstrata_requests_{name}", doc)
             g.add_metric([], snap.get(name, 0))
             yield g
-        store = snap.get("store") or {}
-        if not store.get("initialized"):
+        store_stats = snap.get("store") or {}
+        if not store_stats.get("initialized"):
             return
         used = GaugeMetricFamily(
             "kvstrata_tier_used_bytes", "bytes of blocks held", labels=["tier"]
@@ -44,7 +44,7 @@ class _SnapshotCollector:
             "kvstrata_tier_cached_blocks", "prefix-cache blocks (evictable)", labels=["tier"]
         )
         cap = GaugeMetricFamily("kvstrata_tier_budget_bytes", "tier budget", labels=["tier"])
-        for tier, occ in store["tiers"].items():
+        for tier, occ in store_stats["tiers"].items():
             used.add_metric([tier], occ["used_bytes"])
             cached.add_metric([tier], occ["cached_blocks"])
             cap.add_metric([tier], occ["budget_blocks"] * occ["block_bytes"])
@@ -52,10 +52,10 @@ class _SnapshotCollector:
         moved = CounterMetricFamily(
             "kvstrata_bytes_moved", "bytes moved between tiers", labels=["link"]
         )
-        for link, n in store["bytes_moved"].items():
+        for link, n in store_stats["bytes_moved"].items():
             moved.add_metric([link], n)
         yield moved
-        prefix = store["prefix"]
+        prefix = store_stats["prefix"]
         lookup = CounterMetricFamily(
             "kvstrata_prefix_lookup_tokens", "prompt tokens looked up in the prefix cache"
         )
@@ -75,7 +75,7 @@ class _SnapshotCollector:
         )
         evicted.add_metric([], snap.get("evicted_cached_blocks", 0))
         yield evicted
-        xfer = store.get("transfers")
+        xfer = store_stats.get("transfers")
         if xfer:
             stall = CounterMetricFamily(
                 "kvstrata_transfer_stall_seconds", "time attention waited for staged blocks"

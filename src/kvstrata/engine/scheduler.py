@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.core.errors import KvstrataError
 from kvstrata.engine.params import SamplingParams, TokenLogprobs
 from kvstrata.engine.sampling import LogitsAdjuster, TextOutput, make_generator
-from kvstrata.model import budgets
+from kvstrata.store.contract import EngineStore
 
 log = logging.getLogger("kvstrata.engine")
 MAX_RECOMPUTES = 2  # storage errors one request survives before it is ended
@@ -39,7 +39,6 @@ MAX_RECOMPUTES = 2  # storage errors one request survives before it is ended
 if TYPE_CHECKING:
     from kvstrata.engine.metrics import EngineMetrics
     from kvstrata.engine.params import EngineConfig
-    from kvstrata.store.kvstore import KVStore
 
 
 class Request:
@@ -125,17 +124,17 @@ class Request:
 class Scheduler:
     """The engine's queues and the step plan (see the module docstring)."""
 
-    def __init__(self, store: KVStore, config: EngineConfig, metrics: EngineMetrics) -> None:
-        mgr = store.manager
-        assert mgr is not None
+    def __init__(self, store: EngineStore, config: EngineConfig, metrics: EngineMetrics) -> None:
         self.store = store
-        self.manager = mgr
         self.config = config
         self.metrics = metrics
-        self.block_size = store.config.block_size
-        self.device = mgr.tier_order[0]
-        self.block_bytes = mgr.tiers[self.device].block_bytes
-        self.capacity_blocks = sum(mgr.budget_slots.values())
+        capacity = store.capacity()
+        self.block_size = capacity.block_size
+        self.block_bytes = capacity.block_bytes
+        self.capacity_blocks = capacity.total_blocks
+        # what every running sequence pins on the device: sinks, the residual window
+        # above a lossy tier, the open block and one more while a step crosses a block
+        self.floor_blocks = capacity.floor_blocks
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -144,13 +143,6 @@ class Scheduler:
         self.failed: list[tuple[Request, str]] = []  # requests that could not start
         self.cap = config.max_num_seqs  # lowered after a step ran out of blocks
         self.peak_running = 0
-        # what every running sequence pins on the device: sinks, the residual window
-        # above a lossy tier, the open block and one more while a step crosses a block
-        cc = store.config
-        lossy = store.lossy_below
-        per_group = -(-cc.sink_tokens // cc.block_size) + 2
-        per_group += -(-cc.residual_tokens // cc.block_size) if lossy else 0
-        self.floor_blocks = len(store.groups) * per_group
 
     def take_failed(self) -> list[tuple[Request, str]]:
         failed, self.failed = self.failed, []
@@ -158,7 +150,7 @@ class Scheduler:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks (all layer groups) one sequence of `num_tokens` tokens holds."""
-        return budgets.blocks_held(self.store.groups, num_tokens, self.block_size)
+        return self.store.blocks_held(num_tokens)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.preempted)
@@ -201,7 +193,8 @@ class Scheduler:
         cfg = self.config
         demote = cfg.preemption == "demote"
         # preempted sequences still pin their floor (sinks, open block) on the device
-        room = self.manager.budget_slots[self.device] - len(self.preempted) * self.floor_blocks
+        device_blocks = self.store.capacity().device_blocks
+        room = device_blocks - len(self.preempted) * self.floor_blocks
         chunk = cfg.max_batched_tokens
         used = 0
         keep: list[Request] = []
@@ -321,7 +314,8 @@ class Scheduler:
         return True
 
     def snapshot(self) -> dict[str, Any]:
-        occupancy = self.manager.occupancy()
+        usage = self.store.usage()
+        occupancy = usage.occupancy
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
@@ -331,6 +325,6 @@ class Scheduler:
             "peak_running": self.peak_running,
             "reserved_blocks": self.reserved,
             "capacity_blocks": self.capacity_blocks,
-            "evicted_cached_blocks": self.manager.num_evicted_cached,
+            "evicted_cached_blocks": usage.evicted_cached_blocks,
             "store": self.store.stats(),
         }

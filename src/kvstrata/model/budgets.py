@@ -2,7 +2,8 @@
 
 Used by the store (and so by `TieredCache`), the planner's comparison with the
 cache, `evaluate` and the CLI. A slot holds one block of one layer group; every
-group has the same block size (kvstrata.model.groups).
+group has the same block size (kvstrata.model.groups). The device floor, the blocks a
+running sequence pins on the device (`device_floor_blocks`), is computed here only.
 """
 
 from __future__ import annotations
@@ -10,18 +11,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
+from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.layout import BlockLayout
-from kvstrata.core.units import format_bytes
+from kvstrata.core.units import format_bytes, parse_fraction, parse_tokens
+from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import LayerGroup, layer_groups
 from kvstrata.platform.hardware import device_memory
 
 
 def model_groups(model_or_config: Any) -> list[LayerGroup]:
     """The layer groups of a model (or its config / KVGeometry)."""
-    from kvstrata.model.geometry import KVGeometry
-
     config = getattr(model_or_config, "config", model_or_config)
     g = config if isinstance(config, KVGeometry) else KVGeometry.from_hf_config(config)
     return layer_groups(g.num_layers, g.sliding_layers, g.sliding_window)
@@ -44,22 +47,18 @@ def group_layout(
         num_kv_heads / head_dim / v_head_dim: override the config (the K/V a model
             really produces).
     """
-    import torch
-
-    from kvstrata.model.geometry import KVGeometry
-
     config = getattr(model_or_config, "config", model_or_config)
     g = config if isinstance(config, KVGeometry) else KVGeometry.from_hf_config(config)
     if dtype is None:
         params = getattr(model_or_config, "parameters", None)
         dtype = next(params()).dtype if params is not None else torch.float32
-    return BlockLayout(
+    return g.head_layout(
+        block_size,
+        dtype,
         num_layers=len(model_groups(g)[0].layers),
-        num_kv_heads=num_kv_heads or g.num_kv_heads,
-        head_dim=head_dim or g.head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        v_head_dim=v_head_dim or g.v_head_dim,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
     )
 
 
@@ -80,6 +79,30 @@ def blocks_for_context(
 def blocks_held(groups: list[LayerGroup], num_tokens: int, block_size: int) -> int:
     """Blocks (all groups) one sequence holds once it has `num_tokens` tokens."""
     return sum(g.blocks_held(num_tokens, block_size) for g in groups)
+
+
+def device_floor_blocks(
+    block_size: int,
+    sink_tokens: int,
+    residual_tokens: int,
+    *,
+    lossy: bool,
+    crossing: bool = False,
+) -> int:
+    """Blocks a running sequence pins on the device tier, per layer group: the blocks of
+    its `sink_tokens` sinks, its open block, the blocks of the `residual_tokens` residual
+    window when a lower tier is lossy (the newest tokens stay full-precision), and one
+    more while a step crosses a block boundary (`crossing`: the closing block and the
+    newly opened one).
+
+    ceil(sinks / bs) + 1 + (ceil(residual / bs) if lossy) + (1 if crossing). The one
+    floor behind the device tier's check (device_slots), `placement`'s device share and
+    the engine's admission (with `crossing`).
+    """
+    blocks = -(-sink_tokens // block_size) + 1
+    if lossy:
+        blocks += -(-residual_tokens // block_size)
+    return blocks + (1 if crossing else 0)
 
 
 def _device_field(config: CacheConfig) -> tuple[str, Any]:
@@ -159,8 +182,8 @@ def device_slots(
             f"the sinks stay on the device, which holds {per_seq} tokens per sequence and "
             f"layer group ({field}={value!r}): at most {per_seq}, or raise {field}",
         )
-    per_seq = 1 + -(-config.residual_tokens // bs) + sink_blocks
-    need = num_sequences * len(groups) * per_seq
+    per_group = device_floor_blocks(bs, config.sink_tokens, config.residual_tokens, lossy=True)
+    need = tables * per_group
     if lossy_below and slots < need:
         raise ConfigError.field(
             field,
@@ -197,8 +220,6 @@ def lower_tier_bytes(
     """Bytes a host / disk tier of `codec` needs to hold every block of a
     `max_tokens`-token sequence, plus one spare block per group (the last block may
     still be open when the device evicts)."""
-    from kvstrata.codecs.registry import get_codec
-
     groups = model_groups(model)
     blocks = blocks_for_context(groups, max_tokens, block_size) + len(groups)
     return blocks * get_codec(codec, field).block_nbytes(group_layout(model, block_size))
@@ -234,9 +255,6 @@ def placement(
     Returns:
         Keyword fields for :class:`~kvstrata.config.CacheConfig`.
     """
-    from kvstrata.codecs.registry import get_codec
-    from kvstrata.core.units import parse_fraction, parse_tokens
-
     if isinstance(resident, str):
         raise ConfigError.field("resident", resident, "a fraction in (0, 1], e.g. 0.1")
     resident = parse_fraction(resident, "resident")
@@ -247,7 +265,7 @@ def placement(
     total_blocks = blocks_for_context(groups, context, block_size)
     dev_blocks = math.ceil(resident * total_blocks - 1e-9)
     if not lower.lossless:
-        per_group = 1 + -(-residual_tokens // block_size) + -(-sink_tokens // block_size)
+        per_group = device_floor_blocks(block_size, sink_tokens, residual_tokens, lossy=True)
         dev_blocks = max(dev_blocks, len(groups) * per_group)
     dev_blocks = min(max(dev_blocks, len(groups)), total_blocks)
     kwargs: dict[str, Any] = {

@@ -15,6 +15,10 @@ Tiers, per request (newest tokens on the right):
 Decode-step lower bounds assume perfect overlap: every stored KV byte is read once from
 device memory (HBM bound), and every cold byte crosses the host link once per step (the
 staging path), disk bytes also crossing the disk link.
+
+`plan` runs in stages that each return a value (GPU memory, tier plan, step bounds,
+notes, the limit it hits); kvstrata.model.plan_advice weighs the reasons into a verdict
+and words what to change when a plan does not fit.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvstrata.codecs.registry import codec_names
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import MAX_TOKENS, format_bytes
-from kvstrata.model.geometry import DTYPES, KVGeometry, dtype_name
-from kvstrata.platform.hardware import GIB, SLOW_LINK_BANDWIDTH, Hardware
+from kvstrata.model import plan_advice
+from kvstrata.model.dtypes import DTYPES, dtype_name
+from kvstrata.model.geometry import KVGeometry
+from kvstrata.platform.hardware import Hardware
 
 PRIORITIES = ("throughput", "latency")
 PLAN_BLOCK_MIN, PLAN_BLOCK_MAX = 16, 512  # block sizes a plan models (the cache takes 1-4096)
@@ -36,12 +43,6 @@ HOT_TOKENS = 1024  # the seed: "GPU keeps the most recent ~1k tokens"
 RESIDENT_MIN, RESIDENT_MAX = 0.05, 0.20  # the seed: "keep 5-20 % on the GPU"
 HOST_USABLE_FRACTION = 0.8  # leave host RAM for the OS, the process and pinned limits
 STAGING_TOKENS = 4096  # per layer, double-buffered (CacheConfig.staging_tokens default)
-
-# The seed's decision guide (section 5), as thresholds.
-SMALL_GPU, LARGE_GPU = 32 * GIB, 80 * GIB
-LONG_CONTEXT, SHORT_CONTEXT = 8 * 1024, 2 * 1024
-MANY_REQUESTS = 4
-PLENTY_HOST_RAM, PLENTY_DISK = 64 * GIB, 10**12
 
 
 @dataclass(frozen=True)
@@ -231,8 +232,7 @@ def resident_tokens(workload: Workload, block_size: int) -> int:
 
 
 def _memory_table(geometry: KVGeometry, workload: Workload, kv_dtype: str, block_size: int):
-    from kvstrata.codecs.registry import codec_names
-
+    """KV bytes at the table's context lengths, for the TABLE_CODECS that fit the geometry."""
     names = set(codec_names())
     codecs = []
     for codec in TABLE_CODECS:
@@ -278,131 +278,33 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
     if params is None:
         raise ConfigError.field("params", None, "unknown for this model: pass --params, e.g. 7e9")
     n, ctx = workload.concurrency, workload.context_tokens
-    gpu = hardware.gpu
-
-    def stored(tokens: int) -> float:
-        return geometry.bytes_for_context(tokens, codec, kv_dtype, block_size)
-
     bpt = geometry.bytes_per_token(kv_dtype)
     stored_bpt = geometry.bytes_per_token(codec, kv_dtype, block_size)
     weights = params * DTYPES[weights_dtype][1]
-    if workload.reserve_bytes is not None:
-        reserve = workload.reserve_bytes
-        if reserve >= gpu.memory_bytes:
-            raise ConfigError.field(
-                "reserve",
-                format_bytes(reserve),
-                f"must be less than the GPU's memory ({format_bytes(gpu.memory_bytes)}, "
-                f"{gpu.name}): e.g. '10%' or '2GiB'",
-            )
-    else:
-        reserve = int(workload.reserve_fraction * gpu.memory_bytes)
-    kv_room = gpu.memory_bytes - weights - reserve
+    reserve = _reserve_bytes(workload, hardware)
+    kv_room = hardware.gpu.memory_bytes - weights - reserve
     per_request = geometry.bytes_for_context(ctx, kv_dtype)
     kv_total = per_request * n
-    stored_total = stored(ctx) * n
+    stored_total = geometry.bytes_for_context(ctx, codec, kv_dtype, block_size) * n
     fits = stored_total <= kv_room
-    notes: list[str] = []
-    raise_hint = None
 
     # The tier plan (computed even when everything fits: it is what offload would cost).
-    res_tokens = resident_tokens(workload, block_size)
-    # Cold blocks stream through a device buffer one layer at a time, double-buffered.
-    staging_tokens = min(STAGING_TOKENS, n * ctx)
-    staging = int(math.ceil(2 * staging_tokens * stored_bpt / geometry.num_layers))
-    if kv_room > 0 and n * stored(res_tokens) + staging > kv_room:
-        fit_tokens = (kv_room - staging) / n / stored_bpt
-        cut = max(block_size, int(fit_tokens // block_size) * block_size)
-        if cut < res_tokens:
-            notes.append(
-                f"resident tokens cut from {res_tokens} to {cut} per request to fit the GPU"
-            )
-            res_tokens = min(res_tokens, cut)
-    device = int(math.ceil(n * stored(res_tokens)))
-    cold = int(math.ceil(stored_total - device))
-    host_cap = int(hardware.host_memory * HOST_USABLE_FRACTION)
-    host = min(cold, host_cap)
-    disk = 0
-    if hardware.disk is not None:
-        disk = cold - host
-        if hardware.disk_capacity is not None:
-            disk = min(disk, hardware.disk_capacity)
-    unplaced = cold - host - disk
-    tiers = TierPlan(
-        resident_tokens=res_tokens,
-        resident_fraction=res_tokens / ctx,
-        device_bytes=device,
-        staging_bytes=staging,
-        host_bytes=host,
-        disk_bytes=disk,
-        host_capacity=host_cap,
-        disk_capacity=hardware.disk_capacity,
-        unplaced_bytes=unplaced,
+    tiers, notes = _tier_plan(geometry, hardware, workload, kv_dtype, block_size, kv_room)
+    bounds = _step_bounds(hardware, weights + stored_total, tiers)
+    notes += _notes(geometry, hardware, kv_room, bounds)
+    raise_hint = _raise_hint(
+        hardware, workload, kv_room, tiers, weights, weights_dtype, reserve, block_size
     )
-    feasible = True
-    if kv_room <= 0:
-        feasible = False
-        raise_hint = (
-            f"the weights ({weights / GIB:.2f} GiB {weights_dtype}) plus the reserve "
-            f"({reserve / GIB:.2f} GiB) leave no GPU memory for KV: use a larger GPU or "
-            "quantized weights (KV offloading keeps the weights resident)"
-        )
-    elif device + staging > kv_room:
-        feasible = False
-        raise_hint = (
-            f"even one {block_size}-token block per request does not fit the "
-            f"{max(kv_room, 0) / GIB:.2f} GiB left for KV: lower --concurrency or raise "
-            "--gpu-memory"
-        )
-    elif unplaced > 0:
-        feasible = False
-        need_host = int(math.ceil(cold / HOST_USABLE_FRACTION))
-        raise_hint = (
-            f"{unplaced / GIB:.2f} GiB of cold KV has nowhere to go: raise --host-memory to "
-            f">= {need_host / GIB:.1f} GiB"
-        )
-        if hardware.disk is None:
-            raise_hint += (
-                f" or add a disk tier (--disk-link nvme-gen4, >= {unplaced / GIB:.1f} GiB)"
-            )
-        else:
-            raise_hint += f" or --disk-capacity by {unplaced / GIB:.1f} GiB"
-        if codec == "none":
-            raise_hint += ", or store KV compressed (--codec int8 / int4)"
-
-    hbm = transfer_seconds(weights + stored_total, gpu.bandwidth)
-    host_link = transfer_seconds(host + disk, hardware.link.bandwidth)
-    disk_link = transfer_seconds(disk, hardware.disk.bandwidth) if hardware.disk else 0.0
-    bounds = StepBounds(
-        all_on_gpu_s=hbm,
-        hbm_s=hbm,
-        host_link_s=host_link,
-        disk_link_s=disk_link,
-        tiered_s=max(hbm, host_link, disk_link),
+    reasons_for, reasons_against = plan_advice.offload_reasons(
+        hardware,
+        context_tokens=ctx,
+        concurrency=n,
+        priority=workload.priority,
+        fits=fits,
+        kv_room=kv_room,
+        stored_total=stored_total,
+        tiered_step_s=bounds.tiered_s,
     )
-    saved = memory_saved(kv_total, device)
-    if kv_room > 0 and bounds.slowdown > 2:
-        notes.append(
-            f"streaming every cold byte over {hardware.link.name} each step is "
-            f"{bounds.slowdown:.1f}x the all-on-GPU bound; attending cold blocks where they "
-            "live (cold_attention='local') or fetching only selected blocks avoids that traffic"
-        )
-    if geometry.is_mla:
-        notes.append("MLA: sizes are the compressed latent, as MLA-aware attention caches it")
-
-    reasons_for, reasons_against = _reasons(hardware, workload, fits, kv_room, stored_total, bounds)
-    score = len(reasons_for) - len(reasons_against)
-    if kv_room <= 0:
-        verdict = "advise against"
-    elif fits:
-        verdict = "neutral" if score > 0 else "advise against"
-    else:
-        # Any of the seed's "not recommended" conditions (5.2) rules out a plain
-        # recommendation: offload is then the price of fitting, not a win.
-        if not reasons_against and score >= 1:
-            verdict = "recommend"
-        else:
-            verdict = "neutral" if score >= 0 else "advise against"
     return Plan(
         model=geometry.name,
         geometry=geometry,
@@ -423,14 +325,142 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
         table=_memory_table(geometry, workload, kv_dtype, block_size),
         tiers=tiers,
         bounds=bounds,
-        memory_saved=saved,
-        feasible=feasible,
-        verdict=verdict,
+        memory_saved=memory_saved(kv_total, tiers.device_bytes),
+        feasible=raise_hint is None,
+        verdict=plan_advice.offload_verdict(kv_room, fits, reasons_for, reasons_against),
         reasons_for=reasons_for,
         reasons_against=reasons_against,
         raise_hint=raise_hint,
         notes=notes,
     )
+
+
+def _reserve_bytes(workload: Workload, hardware: Hardware) -> int:
+    """GPU memory kept back from weights and KV: `reserve_bytes`, else the fraction.
+
+    Raises:
+        ConfigError: a reserve of the GPU's whole memory or more.
+    """
+    gpu = hardware.gpu
+    if workload.reserve_bytes is None:
+        return int(workload.reserve_fraction * gpu.memory_bytes)
+    reserve = workload.reserve_bytes
+    if reserve >= gpu.memory_bytes:
+        raise ConfigError.field(
+            "reserve",
+            format_bytes(reserve),
+            f"must be less than the GPU's memory ({format_bytes(gpu.memory_bytes)}, "
+            f"{gpu.name}): e.g. '10%' or '2GiB'",
+        )
+    return reserve
+
+
+def _tier_plan(
+    geometry: KVGeometry,
+    hardware: Hardware,
+    workload: Workload,
+    kv_dtype: str,
+    block_size: int,
+    kv_room: int,
+) -> tuple[TierPlan, list[str]]:
+    """Where the KV goes offloaded: the newest tokens of each request on the device (cut
+    to what `kv_room` holds beside the staging buffer), the rest on the host, then on disk;
+    with a note when the resident tokens were cut."""
+    n, ctx, codec = workload.concurrency, workload.context_tokens, workload.codec
+
+    def stored(tokens: int) -> float:
+        return geometry.bytes_for_context(tokens, codec, kv_dtype, block_size)
+
+    notes = []
+    res_tokens = resident_tokens(workload, block_size)
+    # Cold blocks stream through a device buffer one layer at a time, double-buffered.
+    staging_tokens = min(STAGING_TOKENS, n * ctx)
+    staging = int(math.ceil(geometry.layer_bytes(2 * staging_tokens, codec, kv_dtype, block_size)))
+    if kv_room > 0 and n * stored(res_tokens) + staging > kv_room:
+        stored_bpt = geometry.bytes_per_token(codec, kv_dtype, block_size)
+        fit_tokens = (kv_room - staging) / n / stored_bpt
+        cut = max(block_size, int(fit_tokens // block_size) * block_size)
+        if cut < res_tokens:
+            notes.append(
+                f"resident tokens cut from {res_tokens} to {cut} per request to fit the GPU"
+            )
+            res_tokens = min(res_tokens, cut)
+    device = int(math.ceil(n * stored(res_tokens)))
+    cold = int(math.ceil(stored(ctx) * n - device))
+    host_cap = int(hardware.host_memory * HOST_USABLE_FRACTION)
+    host = min(cold, host_cap)
+    disk = 0
+    if hardware.disk is not None:
+        disk = cold - host
+        if hardware.disk_capacity is not None:
+            disk = min(disk, hardware.disk_capacity)
+    tiers = TierPlan(
+        resident_tokens=res_tokens,
+        resident_fraction=res_tokens / ctx,
+        device_bytes=device,
+        staging_bytes=staging,
+        host_bytes=host,
+        disk_bytes=disk,
+        host_capacity=host_cap,
+        disk_capacity=hardware.disk_capacity,
+        unplaced_bytes=cold - host - disk,
+    )
+    return tiers, notes
+
+
+def _step_bounds(hardware: Hardware, hbm_bytes: float, tiers: TierPlan) -> StepBounds:
+    """Decode-step lower bounds: `hbm_bytes` (weights + stored KV) read from device
+    memory, the cold bytes over the host link, the disk bytes over the disk link."""
+    hbm = transfer_seconds(hbm_bytes, hardware.gpu.bandwidth)
+    host_link = transfer_seconds(tiers.host_bytes + tiers.disk_bytes, hardware.link.bandwidth)
+    disk_link = (
+        transfer_seconds(tiers.disk_bytes, hardware.disk.bandwidth) if hardware.disk else 0.0
+    )
+    return StepBounds(
+        all_on_gpu_s=hbm,
+        hbm_s=hbm,
+        host_link_s=host_link,
+        disk_link_s=disk_link,
+        tiered_s=max(hbm, host_link, disk_link),
+    )
+
+
+def _notes(geometry: KVGeometry, hardware: Hardware, kv_room: int, bounds: StepBounds) -> list[str]:
+    """What a plan's numbers leave unsaid: a slow cold path, MLA's latent sizes."""
+    notes = []
+    if kv_room > 0 and bounds.slowdown > 2:
+        notes.append(
+            f"streaming every cold byte over {hardware.link.name} each step is "
+            f"{bounds.slowdown:.1f}x the all-on-GPU bound; attending cold blocks where they "
+            "live (cold_attention='local') or fetching only selected blocks avoids that traffic"
+        )
+    if geometry.is_mla:
+        notes.append("MLA: sizes are the compressed latent, as MLA-aware attention caches it")
+    return notes
+
+
+def _raise_hint(
+    hardware: Hardware,
+    workload: Workload,
+    kv_room: int,
+    tiers: TierPlan,
+    weights: int,
+    weights_dtype: str,
+    reserve: int,
+    block_size: int,
+) -> str | None:
+    """What to change when the plan does not fit, for the first limit it hits (no room
+    for KV, not one resident block, cold KV with nowhere to go); None when it fits."""
+    if kv_room <= 0:
+        return plan_advice.no_kv_room_hint(weights, weights_dtype, reserve)
+    if tiers.device_bytes + tiers.staging_bytes > kv_room:
+        return plan_advice.no_resident_block_hint(block_size, kv_room)
+    if tiers.unplaced_bytes > 0:
+        cold = tiers.host_bytes + tiers.disk_bytes + tiers.unplaced_bytes
+        need_host = int(math.ceil(cold / HOST_USABLE_FRACTION))
+        has_disk = hardware.disk is not None
+        return plan_advice.unplaced_hint(tiers.unplaced_bytes, need_host, has_disk, workload.codec)
+    return None
 
 
 def _check_hardware(hardware: Hardware) -> None:
@@ -447,54 +477,3 @@ def _check_hardware(hardware: Hardware) -> None:
             raise ConfigError.field(name, value, "a finite number > 0")
     if not _real(hardware.host_memory) or hardware.host_memory < 0:
         raise ConfigError.field("host_memory", hardware.host_memory, "a byte count >= 0")
-
-
-def _reasons(
-    hardware: Hardware,
-    workload: Workload,
-    fits: bool,
-    kv_room: float,
-    stored_total: float,
-    bounds: StepBounds,
-) -> tuple[list[str], list[str]]:
-    """The seed's decision guide (5.1 recommend / 5.2 advise against), with the numbers."""
-    pro: list[str] = []
-    con: list[str] = []
-    gpu, link = hardware.gpu, hardware.link
-    mem, ctx, n = gpu.memory_bytes / GIB, workload.context_tokens, workload.concurrency
-    if kv_room <= 0:
-        con.append(f"the weights do not leave room for KV on a {mem:.0f} GiB GPU")
-    elif fits:
-        con.append(
-            f"all KV ({stored_total / GIB:.2f} GiB) fits in the {kv_room / GIB:.2f} GiB free "
-            "on the GPU: offload would only add transfers"
-        )
-    else:
-        pro.append(
-            f"KV needs {stored_total / GIB:.2f} GiB but only {kv_room / GIB:.2f} GiB is free "
-            "on the GPU after weights and reserve"
-        )
-    if gpu.memory_bytes <= SMALL_GPU:
-        pro.append(f"GPU memory {mem:.0f} GiB <= 32 GiB")
-    if gpu.memory_bytes >= LARGE_GPU:
-        con.append(f"GPU memory {mem:.0f} GiB >= 80 GiB")
-    if hardware.host_memory >= PLENTY_HOST_RAM:
-        pro.append(f"host RAM {hardware.host_memory / GIB:.0f} GiB >= 64 GiB for cold blocks")
-    if hardware.disk is not None and (
-        hardware.disk_capacity is None or hardware.disk_capacity >= PLENTY_DISK
-    ):
-        pro.append(f"fast NVMe tier available ({hardware.disk.name})")
-    if ctx >= LONG_CONTEXT:
-        pro.append(f"context {ctx} tokens >= 8k")
-    if ctx <= SHORT_CONTEXT:
-        con.append(f"context {ctx} tokens <= 2k: little history to offload")
-    if n >= MANY_REQUESTS:
-        pro.append(f"{n} concurrent requests >= 4")
-    if workload.priority == "throughput":
-        pro.append("throughput matters more than single-request latency")
-    else:
-        step = bounds.tiered_s * 1e3
-        con.append(f"latency-sensitive: offloaded decode step >= {step:.1f} ms (bandwidth bound)")
-    if link.bandwidth <= SLOW_LINK_BANDWIDTH:
-        con.append(f"host link {link.bandwidth / 1e9:.0f} GB/s ({link.name}) is PCIe 3.0 x8 class")
-    return pro, con

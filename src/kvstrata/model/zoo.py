@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.errors import ConfigError, KvstrataError
+from kvstrata.model.gguf import MODELS, converted_dir, damaged_cache_hint, gguf_file_dir
+from kvstrata.model.support import check_cacheable
 
 if TYPE_CHECKING:
     import torch
@@ -177,8 +179,6 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: top level must be a JSON object")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from kvstrata.model.geometry import check_cacheable
-
     model_type = config.get("model_type")
     causal = (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
@@ -262,8 +262,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def model_names() -> list[str]:
     """The model names :func:`resolve_model_dir` accepts (besides directories)."""
-    from kvstrata.model.gguf import MODELS
-
     return [*MODELS, EMBEDDED_NAMES[0]]
 
 
@@ -278,8 +276,6 @@ def resolve_model_dir(path_or_default: str | Path) -> Path:
     Returns:
         The directory.
     """
-    from kvstrata.model.gguf import MODELS, converted_dir
-
     name = str(path_or_default)
     if name in EMBEDDED_NAMES:
         model_dir = default_model_dir()
@@ -293,8 +289,6 @@ def resolve_model_dir(path_or_default: str | Path) -> Path:
         return converted_dir(name)
     model_dir = Path(path_or_default).expanduser()
     if model_dir.suffix.lower() == ".gguf" and model_dir.is_file():
-        from kvstrata.model.gguf import gguf_file_dir
-
         return gguf_file_dir(model_dir)
     if not model_dir.is_dir():
         if "/" not in name and not name.startswith("."):
@@ -315,8 +309,6 @@ def load_tokenizer(path_or_default: str | Path = "default") -> PreTrainedTokeniz
     Returns:
         The tokenizer.
     """
-    from kvstrata.model.gguf import damaged_cache_hint
-
     model_dir = resolve_model_dir(path_or_default)
     with damaged_cache_hint(str(path_or_default), model_dir):
         return _load_tokenizer(model_dir)
@@ -355,8 +347,6 @@ def load_model(
     Returns:
         ``(model, tokenizer)``, the model in eval mode on CPU.
     """
-    from kvstrata.model.gguf import damaged_cache_hint
-
     model_dir = resolve_model_dir(path_or_default)
     with damaged_cache_hint(str(path_or_default), model_dir):
         return _load_model(model_dir, dtype)
@@ -405,8 +395,6 @@ def heldout_files(path_or_default: str | Path = "default") -> list[Path]:
         Absolute paths, in the file's order; files absent here are skipped.
     """
     import sysconfig
-
-    from kvstrata.model.gguf import MODELS
 
     if str(path_or_default) in MODELS:
         path_or_default = EMBEDDED_NAMES[0]

@@ -16,15 +16,19 @@ Pure functions: no printing; progress goes through an optional callback.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError
+from kvstrata.integrations.hf import ATTENTION_NAME, TieredCache, enable
 from kvstrata.model.budgets import group_layout as block_layout  # noqa: F401 - re-exported
 from kvstrata.model.budgets import placement  # noqa: F401 - re-exported
+from kvstrata.model.zoo import EOS_ID, bytes_to_ids, heldout_files
 
 if TYPE_CHECKING:
     import torch
@@ -143,8 +147,6 @@ def _as_ids(token_ids: Any) -> torch.Tensor:
 def _use_attention_for(model: PreTrainedModel, cache: Cache) -> None:
     """Switch the model to the attention its cache needs (kvstrata's for a TieredCache,
     sdpa for transformers' own caches), so one model object serves both."""
-    from kvstrata.integrations.hf.cache import ATTENTION_NAME, TieredCache, enable
-
     current = getattr(model.config, "_attn_implementation", None)
     if isinstance(cache, TieredCache):
         if current != ATTENTION_NAME:
@@ -280,11 +282,6 @@ def tiered_cache_factory(model: PreTrainedModel, **cache_kwargs: Any) -> CacheFa
     Returns:
         A factory of empty TieredCaches.
     """
-    import itertools
-
-    from kvstrata.config import CacheConfig
-    from kvstrata.integrations.hf.cache import TieredCache
-
     CacheConfig(**{"max_tokens": 2, **cache_kwargs})  # validate now, not mid-run
     counter = itertools.count()
 
@@ -390,8 +387,6 @@ def heldout_stream(model: str | Path = "default", tokenizer: Any = None) -> list
     Returns:
         Token ids.
     """
-    from kvstrata.model.zoo import EOS_ID, bytes_to_ids, heldout_files
-
     files = heldout_files(model)
     if not files:
         raise ConfigError.field(

@@ -23,8 +23,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.errors import ConfigError
+from kvstrata.model.prompts import encode_prompt
 from kvstrata.quality.agreement import greedy_tokens
-from kvstrata.quality.evaluate import EXACT, REFERENCE_ATTENTION, Progress
+from kvstrata.quality.evaluate import (
+    EXACT,
+    REFERENCE_ATTENTION,
+    Progress,
+    exact_cache_factory,
+    tiered_cache_factory,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -80,8 +87,6 @@ class NeedleCase:
 
 def _prompt_ids(tokenizer: Any, body: str, chat: bool) -> list[int]:
     """The whole prompt for one haystack text `body` (needle already in it)."""
-    from kvstrata.model.prompts import encode_prompt
-
     user = f"{INSTRUCTION}\n\n{body}\n\n{QUESTION}"
     ids = encode_prompt(tokenizer, user, chat)[0].tolist()
     sep = "" if chat else " "
@@ -280,8 +285,6 @@ def needle_sweep(
     Returns:
         A :class:`NeedleReport`.
     """
-    from kvstrata.quality.evaluate import exact_cache_factory, tiered_cache_factory
-
     if EXACT in configs:
         raise ConfigError.field("config", EXACT, f"{EXACT!r} is the reference's name")
     report = NeedleReport(list(cases), {EXACT: [], **{name: [] for name in configs}})

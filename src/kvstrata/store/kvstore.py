@@ -8,15 +8,11 @@ manager (tables, placement, eviction), the layer groups and the prefix index; a
     cache = TieredCache.from_store(store, prompt_ids)   # kvstrata.integrations.hf
     cache.matched_tokens                                # prompt tokens found in the store
 
-Prefix reuse (DESIGN.md decision 6): every full block of a sequence whose tokens are
-known gets a chained content hash (kvstrata.core.hashing) whose extra keys name the model,
-dtype, codecs, layout version, layer group and an optional tenant salt. A new
-sequence looks up its longest cached prefix on every tier and shares those blocks
-by reference; a hit is checked against the stored token ids, and a disk hit against
-its checksums (a corrupt block is a miss, and is recomputed). Freed hashed blocks
-stay cached (evictable first) until their slot is needed. On the disk tier, hashed
-blocks are keyed in its durable index, so a restarted process finds them;
-`close()` writes the hashed blocks still in memory to the disk tier.
+Prefix reuse (DESIGN.md decision 6) is the `PrefixIndex` (prefix.py): full blocks
+are content-addressed, shared by reference, verified on a hit (a corrupt disk block is
+a miss and is recomputed), kept cached after their last use, found again after a
+restart, and written to the disk tier by `close()`. The engine sees the store through
+`contract.EngineStore` only.
 """
 
 from __future__ import annotations
@@ -28,9 +24,9 @@ from typing import Any
 import torch
 
 from kvstrata.attention.runtime import AttentionRuntime
+from kvstrata.attention.writes import split_by_group
 from kvstrata.blocks.eviction import EvictionPolicy
 from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
-from kvstrata.blocks.runs import token_writes
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError, KvstrataError
@@ -39,13 +35,12 @@ from kvstrata.core.layout import BlockLayout
 from kvstrata.model import budgets
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import LayerGroup, layer_groups
+from kvstrata.store.build import CODEC_FIELDS, build_tiers, lossy_below
+from kvstrata.store.contract import Capacity, Usage
 from kvstrata.store.prefix import PrefixIndex, PrefixStats
 from kvstrata.store.sequences import SequenceState, table_keys
 from kvstrata.store.threads import OneThread
-from kvstrata.tiers.disk import DiskTier
-from kvstrata.tiers.memory import DeviceTier, HostTier, resolve_device
-
-CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
+from kvstrata.tiers.memory import resolve_device
 
 
 class KVStore(OneThread):
@@ -126,7 +121,7 @@ class KVStore(OneThread):
     def lossy_below(self) -> bool:
         """A tier below the device stores a lossy codec (the residual window then stays
         on the device)."""
-        return not all(self.codecs[f].lossless for f in ("host_codec", "disk_codec"))
+        return lossy_below(self.codecs)
 
     # -- construction -------------------------------------------------------------------------
     @property
@@ -161,28 +156,7 @@ class KVStore(OneThread):
         cc = self.config
         for codec in self.codecs.values():
             codec.validate(layout)
-        dev_codec = self.codecs["device_codec"]
-        lossy_below = self.lossy_below
-        dev_slots = budgets.device_slots(
-            cc, self.groups, dev_codec.block_nbytes(layout), num_sequences, lossy_below
-        )
-        tiers: list = [DeviceTier(layout, dev_slots, dev_codec, device=str(self.device))]
-        if cc.host_budget:
-            codec = self.codecs["host_codec"]
-            slots = budgets.lower_slots(cc.host_budget, codec.block_nbytes(layout), "host_budget")
-            tiers.append(HostTier(layout, slots, codec))
-        if cc.disk_dir:
-            codec = self.codecs["disk_codec"]
-            tiers.append(
-                DiskTier(
-                    layout,
-                    budgets.lower_slots(cc.disk_budget, codec.block_nbytes(layout), "disk_budget"),
-                    cc.disk_dir,
-                    codec,
-                    compress=cc.disk_compress,
-                    o_direct=cc.disk_o_direct,
-                )
-            )
+        tiers = build_tiers(cc, self.codecs, layout, self.groups, num_sequences, self.device)
         self.layout = layout
         self.manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)
         self.manager.on_move = self.prefix_index.key_on_disk
@@ -195,11 +169,7 @@ class KVStore(OneThread):
             dtype=str(layout.dtype).removeprefix("torch."),
             codecs="/".join(self.codecs[f].name for f in CODEC_FIELDS),
         )
-        if self.disk_tier is not None and self.prefix_caching:
-            for slot, key in sorted(self.disk_tier.keyed_slots().items()):
-                hit = self.disk_tier.lookup(key)
-                if hit is not None:
-                    self.manager.adopt_cached(self.disk_tier.name, slot, key, tuple(hit[1]))
+        self.prefix_index.adopt_from_disk()  # what an earlier process keyed there
         self.runtime = AttentionRuntime(
             self.manager,
             layout,
@@ -337,7 +307,7 @@ class KVStore(OneThread):
                 seq.token_ids = None
             else:
                 seq.token_ids.extend(int(t) for t in new)
-        return _split_by_group(writes, len(self.groups), sum(counts))
+        return split_by_group(writes, len(self.groups), sum(counts))
 
     def step_done(self, seq_ids: list[int]) -> None:
         """The forward that extended these sequences finished: their full blocks are
@@ -452,6 +422,32 @@ class KVStore(OneThread):
         keep = self.config.residual_tokens if self.lossy_below else 0
         return sum(mgr.demote(key, keep) for key in self.tables(seq_id))
 
+    # -- the engine's view (store.contract) -----------------------------------------------
+    def capacity(self) -> Capacity:
+        """Blocks the built store holds (see `Capacity`)."""
+        mgr = self.checked_manager()
+        cc = self.config
+        device = mgr.tier_order[0]
+        per_group = budgets.device_floor_blocks(
+            cc.block_size, cc.sink_tokens, cc.residual_tokens, lossy=self.lossy_below, crossing=True
+        )
+        return Capacity(
+            block_size=cc.block_size,
+            block_bytes=mgr.tiers[device].block_bytes,
+            device_blocks=mgr.budget_slots[device],
+            total_blocks=sum(mgr.budget_slots.values()),
+            floor_blocks=len(self.groups) * per_group,
+        )
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks (all layer groups) one sequence of `num_tokens` tokens holds."""
+        return budgets.blocks_held(self.groups, num_tokens, self.config.block_size)
+
+    def usage(self) -> Usage:
+        """Occupancy per tier and the cached blocks evicted so far."""
+        mgr = self.checked_manager()
+        return Usage(mgr.occupancy(), mgr.num_evicted_cached)
+
     def runs(self, seq_id: int, group: int) -> list[Run]:
         return self.checked_manager().runs((seq_id, group))
 
@@ -501,20 +497,3 @@ class KVStore(OneThread):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _split_by_group(
-    writes: list[TokenWrites], num_groups: int, per_group: int
-) -> list[list[TokenWrites]]:
-    """Split one step's writes (tables ordered group-major) into per-group writes
-    whose `src` indexes that group's [len(seq_ids) * num_new] tokens."""
-    if num_groups == 1:
-        return [writes]
-    out: list[list[TokenWrites]] = [[] for _ in range(num_groups)]
-    for tw in writes:
-        group_of = tw.src // per_group
-        for g in torch.unique(group_of).tolist():
-            sel = group_of == g
-            rows, src = tw.rows[sel].tolist(), (tw.src[sel] - g * per_group).tolist()
-            out[g].append(token_writes(tw.tier, rows, src))
-    return out

@@ -106,9 +106,10 @@ class PrefixIndex:
         bs = self.block_size
         num_full = min(len(seq.token_ids), num_tokens) // bs
         indexed = []
+        keys = table_keys(seq_id, self.groups)
         for i in range(seq.num_hashed, num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            for g, key in enumerate(table_keys(seq_id, self.groups)):
+            for g, key in enumerate(keys):
                 h = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
                 seq.parents[g] = h
                 block_id = mgr.block_at(key, i)
@@ -121,6 +122,7 @@ class PrefixIndex:
         """Block ids of the cached prefix of one group (None where a block is absent),
         for up to `limit` full blocks."""
         mgr = self._mgr()
+        hash_to_block, blocks = mgr.hash_to_block, mgr.pool.blocks
         bs = self.block_size
         found: list[int | None] = []
         parent = None
@@ -128,8 +130,8 @@ class PrefixIndex:
         for i in range(limit):
             tokens = token_ids[i * bs : (i + 1) * bs]
             parent = block_hash(parent, tokens, extra)
-            block_id = mgr.hash_to_block.get(parent)
-            if block_id is not None and mgr.pool.blocks[block_id].token_ids != tuple(tokens):
+            block_id = hash_to_block.get(parent)
+            if block_id is not None and blocks[block_id].token_ids != tuple(tokens):
                 block_id = None  # a hash collision: never serve it
             found.append(block_id)
         return found
@@ -228,6 +230,17 @@ class PrefixIndex:
                         mgr.unhash(block)
             return True
         return False
+
+    def adopt_from_disk(self) -> None:
+        """Index the blocks the disk tier's durable index keys (written by an earlier
+        process) as cached blocks, so lookups find them after a restart."""
+        disk, mgr = self.disk, self._mgr()
+        if disk is None:
+            return
+        for slot, key in sorted(disk.keyed_slots().items()):
+            hit = disk.lookup(key)
+            if hit is not None:
+                mgr.adopt_cached(disk.name, slot, key, tuple(hit[1]))
 
     def key_on_disk(self, blocks: list) -> None:
         """Key the hashed ones of these blocks that live on the disk tier in its durable

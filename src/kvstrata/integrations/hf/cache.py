@@ -1,50 +1,40 @@
-"""transformers 5.x integration: `TieredCache` + the "kvstrata" attention.
+"""transformers 5.x integration: `TieredCache`, a transformers `Cache` over a KVStore.
 
     kvstrata.enable(model)                              # registers the attention
     cache = kvstrata.TieredCache(model.config, resident_fraction=0.1, host_budget="4GiB")
     out = model.generate(ids, cache=cache, max_new_tokens=256)
 
 `TieredCache` is a thin adapter over a `kvstrata.KVStore` (tiers, placement, prefix
-index); `enable` also installs a forward pre-hook that hands each forward's input ids
-to the cache, so its full blocks are content-addressed and shared.
-
-`update()` stores the new K/V in blocks and returns a handle (`TieredKV`), which
-transformers passes untouched to the attention function registered under
-ATTENTION_NAME; that function attends over the handle's runs of blocks, tier by tier,
-and merges the partials with log-sum-exp (kvstrata.attention.native). On the CPU a decode
-step attends every run that can be read in place — raw arenas and int8/fp8/int4 host
-blocks — in one native call (`native_attention`); only disk blocks (and lossy blocks
-of codecs the kernel cannot read) go through the staging buffers. The mask function
-registered under the same name hands over the 2-D padding mask instead of building
-a dense 4-D mask.
+index). `update()` stores the new K/V in blocks and returns a handle (`TieredKV`),
+which transformers passes untouched to the attention function registered by `enable`
+(integrations/hf/attention.py); that function attends over the handle's runs of
+blocks, tier by tier (kvstrata.attention.runtime). `enable`'s forward hooks hand each
+forward's input ids to the cache, so its full blocks are content-addressed and shared.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.masking_utils import AttentionMaskInterface
 
 from kvstrata.attention.runtime import RowMask
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.blocks.manager import BlockManager
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
-from kvstrata.core.hashing import remember_weights
 from kvstrata.core.layout import BlockLayout
 from kvstrata.core.units import parse_size
 from kvstrata.integrations.hf.args import check_tiered_cache_args
 from kvstrata.integrations.hf.layers import TieredKV, _TieredLayer
-from kvstrata.model.geometry import KVGeometry, check_cacheable
+from kvstrata.model.dtypes import DTYPES, dtype_name
+from kvstrata.model.geometry import KVGeometry
+from kvstrata.model.support import check_cacheable
 from kvstrata.store.kvstore import KVStore
 
-ATTENTION_NAME = "kvstrata"
 # Chunked attention (Llama 4) has its own mask semantics, not implemented: refused.
 
 
@@ -390,8 +380,6 @@ def _kv_shape(k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 def _config_dtype(config: Any) -> torch.dtype:
     """The KV dtype a config names (transformers config or KVGeometry), else float32."""
-    from kvstrata.model.geometry import DTYPES, dtype_name
-
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -399,145 +387,3 @@ def _config_dtype(config: Any) -> torch.dtype:
         return DTYPES[dtype_name(dtype)][0] if dtype else torch.float32
     except (ConfigError, KeyError):
         return torch.float32
-
-
-def kvstrata_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: Any,
-    value: Any,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The attention function registered as "kvstrata" (transformers AttentionInterface).
-    Also serves the engine's packed steps (a handle with `kvstrata_attend`)."""
-    # the calling layer; a layer that shares another's K/V (Gemma-3n) passes its handle
-    layer_idx = getattr(module, "layer_idx", None)
-    if not isinstance(layer_idx, int):
-        layer_idx = getattr(key, "layer_idx", -1)
-    packed = getattr(key, "kvstrata_attend", None)
-    if packed is not None:
-        return packed(layer_idx, query, scaling, sliding_window, softcap, s_aux)
-    if not isinstance(key, TieredKV):
-        raise UnsupportedModelError(
-            "attn_implementation='kvstrata' needs a kvstrata.TieredCache: pass "
-            "cache=TieredCache(model.config, ...) to generate()/forward()"
-        )
-    cache = key.cache
-    try:
-        return _attention(
-            cache, key, layer_idx, query, attention_mask, scaling, sliding_window, softcap, s_aux
-        )
-    except BaseException:  # e.g. a corrupt block: the step is undone, nothing half-applied
-        cache.abort_step()
-        raise
-
-
-def _attention(
-    cache: TieredCache,
-    key: TieredKV,
-    layer_idx: int,
-    query: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None,
-    sliding_window: int | None,
-    softcap: float | None,
-    s_aux: torch.Tensor | None,
-) -> tuple[torch.Tensor, None]:
-    runtime = cache.store.runtime
-    batch, hq, num_q, dim = query.shape
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    rows = cache._row_mask(attention_mask, batch)
-    out = query.new_empty((batch, num_q, hq, key.new_v.shape[-1]))
-    for b in range(batch):
-        o = runtime.attend(
-            key.layer_idx,
-            cache.seq_ids[b],
-            query[b],
-            key.new_k[b],
-            key.new_v[b],
-            scale,
-            rows[b] if rows else None,
-            sliding_window,
-            softcap,
-            s_aux,
-        )
-        out[b].copy_(o.transpose(0, 1))
-    runtime.prefetch_next_layer(key.layer_idx, cache.seq_ids)
-    if layer_idx == cache.last_attention_layer:
-        cache.step_done()
-    return out, None
-
-
-def kvstrata_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: Any = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """Mask function registered as "kvstrata": pass the 2-D padding mask through
-    (None when nothing is padded); causality and windows are applied by the attention."""
-    if attention_mask is None or attention_mask.ndim != 2:
-        return None
-    if bool(attention_mask.all()):
-        return None
-    return attention_mask.bool()
-
-
-def register() -> None:
-    """Register the "kvstrata" attention and mask functions with transformers."""
-    AttentionInterface.register(ATTENTION_NAME, kvstrata_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, kvstrata_mask)
-
-
-def enable(model: PreTrainedModel) -> PreTrainedModel:
-    """Register the attention and switch `model` to it. Returns the model.
-
-    Raises:
-        UnsupportedModelError: the model's attention does not go through
-            transformers' AttentionInterface, or it has non-attention layers.
-    """
-    check_cacheable(model.config)
-    if not getattr(model, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"model_type={model.config.model_type!r}: its attention does not go through "
-            "transformers' AttentionInterface (_supports_attention_backend is False)"
-        )
-    register()
-    model.set_attn_implementation(ATTENTION_NAME)
-    remember_weights(model)  # names these weights in the block hashes of its stores
-    if not getattr(model, "_kvstrata_hook", None):
-        model._kvstrata_hook = (
-            model.register_forward_pre_hook(_observe_ids, with_kwargs=True),
-            # runs even when the forward raises: a step that did not finish is undone
-            # at once, wherever the error came from (kvstrata or the model's own code)
-            model.register_forward_hook(_forward_over, with_kwargs=True, always_call=True),
-        )
-    return model
-
-
-def _forward_over(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """Forward hook, also called when the forward raised an Exception (then `output`
-    is None): the step of a failed forward is undone, wherever the error came from."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, TieredCache):
-        cache.forward_ends(failed=output is None)
-
-
-def _observe_ids(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: hand the forward's input ids to a TieredCache, which hashes
-    its full blocks with them (prefix reuse); without ids it stops hashing."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, TieredCache):
-        cache.forward_begins()
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        cache.observe_input_ids(ids if isinstance(ids, torch.Tensor) else None)

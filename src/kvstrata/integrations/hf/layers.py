@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvstrata.core.errors import UnsupportedModelError
-
-if TYPE_CHECKING:
-    from kvstrata.integrations.hf.cache import TieredCache
 
 
 @dataclass
@@ -22,7 +18,7 @@ class TieredKV:
     """What `update()` returns for one layer: the cache, the layer, and this step's
     new K/V ([B, Hkv, T, D]) — the history stays in the tiers."""
 
-    cache: TieredCache
+    cache: Cache  # the TieredCache
     layer_idx: int
     new_k: torch.Tensor
     new_v: torch.Tensor
@@ -81,7 +77,7 @@ class _TieredLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cache: TieredCache, layer_idx: int, sliding: bool) -> None:
+    def __init__(self, cache: Cache, layer_idx: int, sliding: bool) -> None:
         super().__init__()
         self._cache = weakref.proxy(cache)  # no cycle: a dropped cache goes at once
         self.layer_idx = layer_idx

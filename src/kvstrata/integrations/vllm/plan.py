@@ -39,6 +39,7 @@ from kvstrata.codecs.registry import get_codec
 from kvstrata.core.errors import ConfigError, UnsupportedModelError
 from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.vllm.options import VllmOptions
+from kvstrata.integrations.vllm.region import SharedHostTier
 from kvstrata.model.budgets import lower_slots
 from kvstrata.model.geometry import DTYPES, KVGeometry, dtype_name
 
@@ -117,8 +118,6 @@ class BackendPlan:
     def host_tier(self, *, create: bool, identity: dict[str, Any] | None = None) -> Any:
         """The shared host arena of this plan: created by the worker (with the model
         identity it publishes), opened by the scheduler."""
-        from kvstrata.integrations.vllm.region import SharedHostTier
-
         return SharedHostTier(
             self.layout, self.host_slots, self.host_codec, self.region_path,
             self.arena_digest, create=create, identity=identity,
@@ -142,14 +141,14 @@ def make_plan(
     if side.page_layout not in PAGE_LAYOUTS:
         raise ConfigError.field("page_layout", side.page_layout, f"one of {PAGE_LAYOUTS}")
     name = dtype_name(side.dtype, "dtype")  # fp8 KV caches are refused here
-    dtype, elem = DTYPES[name]
+    dtype = DTYPES[name][0]
     heads, dim, n = geometry.num_kv_heads, geometry.head_dim, side.tokens_per_block
     page_bytes = side.worker_kv_bytes_per_block // max(1, side.num_layers)
     if (
         geometry.num_layers != side.num_layers
         or geometry.v_head_dim != dim
         or page_bytes * side.num_layers != side.worker_kv_bytes_per_block
-        or page_bytes != 2 * heads * n * dim * elem
+        or page_bytes != geometry.head_layout(n, dtype, num_layers=1).raw_block_bytes
     ):
         raise UnsupportedModelError(
             f"{side.model_name}: vLLM's KV pages ({side.num_layers} layers, "

@@ -23,6 +23,8 @@ from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.manager import KvstrataOffloadingManager
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry, model_identity
+from kvstrata.integrations.vllm.store import OffloadStore
+from kvstrata.integrations.vllm.worker import KvstrataOffloadingWorker
 
 
 class KvstrataOffloadingSpec(OffloadingSpec):
@@ -61,8 +63,6 @@ class KvstrataOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            from kvstrata.integrations.vllm.store import OffloadStore
-
             store = OffloadStore(self.plan, self.options)
             self._manager = KvstrataOffloadingManager(
                 store, enable_events=self.kv_events_config.enable_kv_cache_events
@@ -71,8 +71,6 @@ class KvstrataOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            from kvstrata.integrations.vllm.worker import KvstrataOffloadingWorker
-
             vllm_config = _current_vllm_config()
             _check_heads(vllm_config, self.plan.layout.num_kv_heads, self.plan.page_layout)
             identity = model_identity(self.options, self.model_name, vllm_config)
