@@ -144,3 +144,18 @@ def test_the_engine_sees_the_store_only_through_its_contract():
     }
     assert {name for _, name in used} >= {"capacity", "add_sequence", "demote"}  # it looks
     assert sorted((f, n) for f, n in used if n not in allowed) == []
+
+
+def test_the_public_import_paths_keep_working():
+    import kvstrata
+    import kvstrata.engine
+    import kvstrata.server
+    import kvstrata.store
+
+    assert kvstrata.TieredCache.__name__ == "TieredCache"
+    assert kvstrata.KVStore is kvstrata.store.KVStore
+    assert callable(kvstrata.enable) and callable(kvstrata.plan)
+    assert kvstrata.Engine is kvstrata.engine.Engine
+    assert callable(kvstrata.server.build_app)
+    for name in ("CacheConfig", "SamplingParams", "EngineConfig", "get_codec", "load_geometry"):
+        assert getattr(kvstrata, name) is not None, name

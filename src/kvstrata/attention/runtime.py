@@ -47,6 +47,45 @@ from kvstrata.tiers.memory import MemoryTier
 SMALL_PART_TOKENS = 2048
 
 
+def _local_tiers(tiers: list, device: torch.device, cold_attention: str) -> set[str]:
+    """Memory tiers whose raw arenas are attended in place (zero-copy views): those on
+    the compute device, and host arenas too when the CPU computes ('auto') or when
+    asked ('local'); only the device tier with 'stage'."""
+    if cold_attention == "stage":
+        return {tiers[0].name}
+    return {
+        t.name
+        for t in tiers
+        if isinstance(t, MemoryTier)
+        and t.zero_copy
+        and (
+            t.device == device
+            or cold_attention == "local"
+            or (cold_attention == "auto" and device.type == "cpu")
+        )
+    }
+
+
+def _native_tiers(
+    tiers: list, layout: BlockLayout, local: set[str], cold_attention: str
+) -> set[str]:
+    """Tiers a CPU decode step reads in place in one native call: the local CPU arenas
+    and, unless staging is asked for, the quantized host tiers whose codec the kernel
+    reads (they are then never staged in decode)."""
+    native = {t.name for t in tiers if t.name in local and t.device.type == "cpu"}
+    if cold_attention != "stage":
+        native |= {
+            t.name
+            for t in tiers
+            if isinstance(t, MemoryTier)
+            and t.device.type == "cpu"
+            and not t.zero_copy
+            and t.codec.attend_format("k", layout) is not None
+            and t.codec.attend_format("v", layout) is not None
+        }
+    return native
+
+
 @dataclass
 class RowMask:
     """Padding of one batch row: keys before `first_valid` are padding; `dense` is
@@ -89,40 +128,16 @@ class AttentionRuntime:
         self.batched_decodes = 0  # (sequence, layer) decodes attended by `decode_batch`
         # tiers whose raw arenas take token writes and zero-copy views directly
         self.arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
-        self.local = {
-            t.name
-            for t in tiers
-            if isinstance(t, MemoryTier)
-            and t.zero_copy
-            and (
-                t.device == self.device
-                or cc.cold_attention == "local"
-                or (cc.cold_attention == "auto" and self.device.type == "cpu")
-            )
-        }
-        if cc.cold_attention == "stage":
-            self.local = {self.device_name}
-        # Decode steps on the CPU: one native call over every run readable in place,
-        # quantized host blocks included (they are then never staged in decode).
-        self.native: set[str] = set()
+        self.local = _local_tiers(tiers, device, cc.cold_attention)
         use_native = self.native_attention if native is None else native
+        self.native: set[str] = set()
         if (
             use_native
-            and self.device.type == "cpu"
+            and device.type == "cpu"
             and max(layout.head_dim, layout.dim_v) <= NATIVE_MAX_DIM
             and _native.available()
         ):
-            self.native = {t.name for t in tiers if t.name in self.local and t.device.type == "cpu"}
-            if cc.cold_attention != "stage":
-                self.native |= {
-                    t.name
-                    for t in tiers
-                    if isinstance(t, MemoryTier)
-                    and t.device.type == "cpu"
-                    and not t.zero_copy
-                    and t.codec.attend_format("k", layout) is not None
-                    and t.codec.attend_format("v", layout) is not None
-                }
+            self.native = _native_tiers(tiers, layout, self.local, cc.cold_attention)
         staged = any(t.name not in self.local for t in tiers)
         bs = cc.block_size
         self.stager = (
