@@ -4,6 +4,8 @@ strings with %, so a stray "%" in one would crash the whole `--help` of its pare
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -32,3 +34,14 @@ def test_help_exits_zero(path, capsys):
         main([*path, "--help"])
     assert info.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_building_the_cli_loads_neither_transformers_nor_fastapi():
+    """`kvstrata --help` and bad-flag errors stay quick: the commands import transformers
+    (seconds) and the server's FastAPI only when they run."""
+    code = (
+        "import sys; from kvstrata.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('transformers', 'fastapi') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -25,7 +25,6 @@ from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import parse_float, parse_fraction, parse_int, parse_tokens
 from kvstrata.model.zoo import quiet_transformers
-from kvstrata.quality.evaluate import EXACT
 
 
 @dataclass(frozen=True)
@@ -166,6 +165,8 @@ def run_needle(args: argparse.Namespace) -> int:
         configs = {p.label: _placement_factory(model, p, block_size, disk) for p in points}
         with _bar(len(cases) * (1 + len(configs)), "eval needle") as bar:
             report = needle_sweep(model, tokenizer, cases, configs, progress=bar.update)
+    from kvstrata.quality.evaluate import EXACT
+
     exact_answers = report.answers[EXACT]
     failures = [p.label for p in points if p.lossless and report.answers[p.label] != exact_answers]
     if args.json:
@@ -204,6 +205,8 @@ def render_needle(
         table.add_column(_size(length), justify="right")
     table.add_column("all", justify="right")
     table.add_column("Δ", justify="right")
+    from kvstrata.quality.evaluate import EXACT
+
     exact_all = report.accuracy(EXACT)
     lossless = {p.label: p.lossless for p in points}
     for name in report.answers:

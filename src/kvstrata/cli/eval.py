@@ -19,20 +19,17 @@ import argparse
 import json
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.cli.generate import apply_threads, model_help, parse_threads
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import parse_fraction, parse_int, parse_tokens
+from kvstrata.model.budgets import placement
 from kvstrata.model.zoo import quiet_transformers
-from kvstrata.quality.evaluate import (
-    LOSSLESS_TOLERANCE_PCT,
-    Comparison,
-    compare,
-    heldout_windows,
-    placement,
-)
+
+if TYPE_CHECKING:  # the quality harness loads transformers: imported when a command runs
+    from kvstrata.quality.evaluate import Comparison
 
 DEFAULT_CODECS = "none,int8,fp8,int4"
 
@@ -122,6 +119,8 @@ def _tiers(kwargs: dict[str, Any], none_block_bytes: int) -> str:
 
 def lossless_failures(report: Comparison, lossless: dict[str, bool]) -> list[str]:
     """Names of lossless configurations that did not reproduce the exact cache."""
+    from kvstrata.quality.evaluate import LOSSLESS_TOLERANCE_PCT
+
     return [
         name
         for name, res in report.configs.items()
@@ -136,6 +135,8 @@ def render(
     """Print the comparison as a rich table (none_block_bytes sizes the device column)."""
     from rich.console import Console
     from rich.table import Table
+
+    from kvstrata.quality.evaluate import LOSSLESS_TOLERANCE_PCT
 
     console = Console(width=None if sys.stdout.isatty() else 140, soft_wrap=False)
     table = Table(
@@ -181,6 +182,7 @@ def render(
 def run_ppl(args: argparse.Namespace) -> int:
     """Run `kvstrata eval ppl`; exit 1 when a lossless configuration is not exact."""
     from kvstrata.model.zoo import BYTE_VOCAB_SIZE, EOS_ID, load_model
+    from kvstrata.quality.evaluate import compare, heldout_windows
 
     context = parse_tokens(args.context, "context")
     if context < 2:
