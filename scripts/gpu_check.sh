@@ -146,7 +146,7 @@ if [ ${#WANT[@]} -gt 0 ]; then
 fi
 # build the native CPU kernels now (a few seconds; used by the host-side codecs)
 timeout -k 5 "$(cap 90)" "$PY" -c \
-    "from kvstrata import _native; print('native kernels:', _native.available())" >&2 \
+    "from kvstrata.platform import native; print('native kernels:', native.available())" >&2 \
     || log "note: building the native kernels failed or timed out (exit $?); torch ops are used"
 
 # -- 2. gpu-marked tests -------------------------------------------------------------------------

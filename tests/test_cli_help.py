@@ -45,3 +45,11 @@ def test_building_the_cli_loads_neither_transformers_nor_fastapi():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_importing_kvstrata_loads_no_torch():
+    """`import kvstrata` is light: torch (and its OpenMP threads) loads when a part that
+    needs it is imported, so thread settings made after `import kvstrata` still apply."""
+    code = "import sys, kvstrata; kvstrata.parse_size('1GiB'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -70,3 +70,9 @@ def test_replace_validates_again():
 def test_frozen():
     with pytest.raises(AttributeError):
         CacheConfig().block_size = 5  # type: ignore[misc]
+
+
+def test_disk_dir_that_cannot_be_looked_at_is_a_config_error(tmp_path):
+    too_long = tmp_path / ("x" * 300) / "kv"  # ENAMETOOLONG from stat(), not a traceback
+    with pytest.raises(ConfigError, match=r"^disk_dir=.*cannot access it"):
+        CacheConfig(disk_dir=str(too_long), disk_budget="1MiB")

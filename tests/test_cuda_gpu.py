@@ -441,7 +441,7 @@ def test_staged_attention_returns_before_the_device_has_run_it():
         parts = runtime._history_partials(0, seq, qp, 0, total, head_dim**-0.5, None)
         out["merged"] = merge_all(parts)
 
-    plan = runtime._read_plan(cache.store.layer_map[0][0], seq, 0, total, False)
+    plan = runtime.reads.read_plan(cache.store.layer_map[0][0], seq, 0, total, False)
     assert plan.has_staged  # the host runs come through the stager
     slept = torch.cuda.Event()
     torch.cuda._sleep(4_000_000_000)  # ~2 s of GPU clock cycles on the compute stream

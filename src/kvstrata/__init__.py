@@ -13,7 +13,6 @@ import sys as _sys
 if "torch" not in _sys.modules:  # read once, when torch loads its OpenMP runtime
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from kvstrata.config import CacheConfig
 from kvstrata.core.errors import (
     BlockCorruptError,
     BlockMissingError,
@@ -30,6 +29,7 @@ from kvstrata.core.units import parse_size, parse_tokens
 __version__ = "0.1.0"
 
 _LAZY = {
+    "CacheConfig": "kvstrata.config",
     "TieredCache": "kvstrata.integrations.hf.cache",
     "KVStore": "kvstrata.store.kvstore",
     "enable": "kvstrata.integrations.hf.attention",
@@ -43,7 +43,8 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    # transformers is imported only when the integration is used (fast CLI start-up)
+    # torch and transformers are imported only when what needs them is used: importing
+    # kvstrata itself loads neither (fast CLI start-up; thread settings made after it count)
     if name in _LAZY:
         import importlib
 

@@ -234,7 +234,11 @@ def check_disk_dir(value: Any) -> str:
     if "\0" in text:
         raise ConfigError.field("disk_dir", value, "a directory path without NUL bytes")
     path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as exc:  # a name too long, a parent it may not look into
+        raise ConfigError.field("disk_dir", value, f"cannot access it ({exc.strerror})") from None
+    if is_file:
         raise ConfigError.field("disk_dir", value, "exists and is not a directory")
     return str(path)
 

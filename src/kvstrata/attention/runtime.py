@@ -38,7 +38,7 @@ from kvstrata.attention.reads import ReadPlan, ReadPlanner
 from kvstrata.attention.staging import Stager
 from kvstrata.blocks.manager import BlockManager, Run
 from kvstrata.config import CacheConfig
-from kvstrata.core.errors import TierIOError, UnsupportedModelError
+from kvstrata.core.errors import KvstrataError, TierIOError, UnsupportedModelError
 from kvstrata.core.layout import BlockLayout
 from kvstrata.model.groups import LayerGroup
 from kvstrata.platform import native as _native
@@ -125,6 +125,7 @@ class AttentionRuntime:
         self.tiers = mgr.tiers
         self.device_name = tiers[0].name
         self._lone: bool | None = None  # one sequence in the store (this step)
+        self.closed = False
         self.batched_decodes = 0  # (sequence, layer) decodes attended by `decode_batch`
         # tiers whose raw arenas take token writes and zero-copy views directly
         self.arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
@@ -173,6 +174,8 @@ class AttentionRuntime:
         return self.stager.engine.stats.as_dict() if self.stager else None
 
     def close(self) -> None:
+        """The store closed: its tiers are gone, any further attention raises."""
+        self.closed = True
         if self.stager is not None:
             self.stager.close()
 
@@ -286,7 +289,10 @@ class AttentionRuntime:
         return parts
 
     def _group_of(self, layer: int, sliding_window: int | None):
-        """The layer group of model layer `layer`, checked against the model's window."""
+        """The layer group of model layer `layer`, checked against the model's window
+        (and the store still open: every layer's attention starts here)."""
+        if self.closed:
+            raise KvstrataError("this KVStore is closed: create a new one")
         group = self.groups[self.layer_map[layer][0]]
         if group.window is not None and sliding_window != group.window:
             raise UnsupportedModelError(

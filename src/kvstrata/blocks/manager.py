@@ -86,7 +86,8 @@ class BlockManager:
         self.state = BlockState(layout, tiers, policy, sink_tokens)
         self._cached = CachedBlocks(self.state)
         self._step = StepBlocks(self.state, self._cached)
-        self._applier = PlacementApplier(self.state, self._cached, self.copy_blocks)
+        # looked up at each copy (a subclass or a patch of copy_blocks takes effect)
+        self._applier = PlacementApplier(self.state, self._cached, self._copy)
 
     # -- tables -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, window: int | None = None) -> None:
@@ -342,6 +343,9 @@ class BlockManager:
         """Copy blocks between tiers, at most COPY_CHUNK_BYTES of raw blocks at a time:
         demoting a long sequence off a GPU must not need a raw copy of all of it there."""
         apply.copy_blocks(self.state.layout, src, src_slots, dst, dst_slots, self._copy_chunk)
+
+    def _copy(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
+        self.copy_blocks(src, src_slots, dst, dst_slots)
 
     def _copy_chunk(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
         apply.copy_chunk(self.state.layout, src, src_slots, dst, dst_slots)

@@ -164,7 +164,8 @@ class KVStore(OneThread):
         self.disk_tier = tiers[-1] if cc.disk_dir else None
         self.prefix_index.bind(
             self.manager,
-            self.disk_tier if self.prefix_caching else None,
+            self.disk_tier,
+            caching=lambda: self.prefix_caching,
             model_key=lambda: self.model_key,
             dtype=str(layout.dtype).removeprefix("torch."),
             codecs="/".join(self.codecs[f].name for f in CODEC_FIELDS),

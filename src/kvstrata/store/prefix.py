@@ -61,6 +61,7 @@ class PrefixIndex:
         self.stats = PrefixStats()
         self.manager: BlockManager | None = None
         self.disk: DiskTier | None = None
+        self._caching: Callable[[], bool] = bool
         self._model_key: Callable[[], str] = str
         self._names: dict[str, str] = {}
         self._extra: dict[tuple[int, str], dict[str, str | int]] = {}
@@ -69,14 +70,16 @@ class PrefixIndex:
         self,
         manager: BlockManager,
         disk: DiskTier | None,
+        caching: Callable[[], bool],
         model_key: Callable[[], str],
         dtype: str,
         codecs: str,
     ) -> None:
-        """The built store's manager and disk tier (None without one), and what names
-        its blocks in every hash: the model key (asked at the first hash: it is fixed at
-        first use), the KV dtype and the tiers' codecs."""
-        self.manager, self.disk = manager, disk
+        """The built store's manager and disk tier (None without one), whether the store
+        caches prefixes (asked when it matters: the store's flag may change), and what
+        names its blocks in every hash: the model key (asked at the first hash: it is
+        fixed at first use), the KV dtype and the tiers' codecs."""
+        self.manager, self.disk, self._caching = manager, disk, caching
         self._model_key, self._names = model_key, {"dtype": dtype, "codecs": codecs}
         self._extra.clear()
 
@@ -106,7 +109,7 @@ class PrefixIndex:
         bs = self.block_size
         num_full = min(len(seq.token_ids), num_tokens) // bs
         indexed = []
-        keys = table_keys(seq_id, self.groups)
+        keys, blocks = table_keys(seq_id, self.groups), mgr.pool.blocks
         for i in range(seq.num_hashed, num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             for g, key in enumerate(keys):
@@ -114,7 +117,7 @@ class PrefixIndex:
                 seq.parents[g] = h
                 block_id = mgr.block_at(key, i)
                 if block_id is not None and mgr.set_hash(block_id, h, tuple(tokens)):
-                    indexed.append(mgr.pool.blocks[block_id])
+                    indexed.append(blocks[block_id])
         seq.num_hashed = max(seq.num_hashed, num_full)
         self.key_on_disk(indexed)
 
@@ -167,8 +170,9 @@ class PrefixIndex:
                 seq.num_hashed, seq.parents = 0, [None] * len(self.groups)
                 self._rechain(seq, k)
             self.stats.hit_tokens += k * bs
+            blocks = mgr.pool.blocks
             for block_id in chosen[0][1]:
-                tier = mgr.pool.blocks[block_id].tier
+                tier = blocks[block_id].tier
                 self.stats.hit_tokens_by_tier[tier] = (
                     self.stats.hit_tokens_by_tier.get(tier, 0) + bs
                 )
@@ -210,8 +214,8 @@ class PrefixIndex:
         mgr = self._mgr()
         if self.disk is None:
             return False
-        disk = self.disk.name
-        slots = [mgr.pool.blocks[b].slot for b in block_ids if mgr.pool.blocks[b].tier == disk]
+        disk, blocks = self.disk.name, mgr.pool.blocks
+        slots = [blocks[b].slot for b in block_ids if blocks[b].tier == disk]
         if not slots:
             return False
         per_read = max(1, VERIFY_CHUNK_BYTES // self.disk.block_bytes)
@@ -221,7 +225,7 @@ class PrefixIndex:
         except TierIOError as exc:
             bad_slots = set(getattr(exc, "slots", None) or slots[i : i + per_read])
             for block_id in block_ids:
-                block = mgr.pool.blocks[block_id]
+                block = blocks[block_id]
                 if block.tier == disk and block.slot in bad_slots:
                     self.stats.corrupt_blocks += 1
                     if block.ref_count == 0:
@@ -235,7 +239,7 @@ class PrefixIndex:
         """Index the blocks the disk tier's durable index keys (written by an earlier
         process) as cached blocks, so lookups find them after a restart."""
         disk, mgr = self.disk, self._mgr()
-        if disk is None:
+        if disk is None or not self._caching():
             return
         for slot, key in sorted(disk.keyed_slots().items()):
             hit = disk.lookup(key)
@@ -260,7 +264,7 @@ class PrefixIndex:
         """Write hashed blocks that live only in memory tiers to free disk slots and
         key them there (a restarted process finds them). Returns blocks written."""
         mgr, disk = self.manager, self.disk
-        if mgr is None or disk is None:
+        if mgr is None or disk is None or not self._caching():
             return 0
         todo = [
             b for b in mgr.pool.blocks.values() if b.block_hash is not None and b.tier != disk.name
