@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from kvstrata.attention.device import lse_attention
-from kvstrata.attention.math import host_partial, masked_attention
+from kvstrata.attention.math import masked_attention
 
 
 def partial_attention(
@@ -29,10 +29,11 @@ def partial_attention(
 
     Returns:
         (out [Hkv, M, Dv], lse [Hkv, M] float32).
+
+    One dispatcher, `attention.device.lse_attention`: an LSE-returning GPU kernel on
+    CUDA, `attention.math.host_partial` (CPU flash kernel or the math path) elsewhere.
     """
-    if q.device.type == "cuda":  # an LSE-returning GPU kernel
-        return lse_attention(q, k, v, scale, softcap)
-    return host_partial(q, k, v, scale, softcap)
+    return lse_attention(q, k, v, scale, softcap)
 
 
 def partial_where_kv_lives(

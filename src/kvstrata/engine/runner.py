@@ -63,7 +63,6 @@ class StepRunner:
     def step(self) -> bool:
         """One forward over the planned batch; False when nothing could run."""
         sched = self.sched
-        assert sched is not None
         batch = sched.plan_step()
         for req, error in sched.take_failed():  # e.g. a storage error attaching a prefix
             self.finish(req, "abort", error)
@@ -206,7 +205,6 @@ class StepRunner:
 
     def finish(self, req: Request, reason: str, error: str | None = None, delta: str = "") -> None:
         sched = self.sched
-        assert sched is not None
         if sched.requests.get(req.id) is not req:
             return  # already ended (e.g. by a failed step's undo)
         sched.remove(req)
