@@ -197,6 +197,11 @@ class EngineConfig:
         threads: torch (OpenMP) threads of the engine thread, which runs every
             forward and kernel (None: as many as the thread that built the engine
             has). OpenMP thread counts are per thread, so the engine sets its own.
+        native_linear: decode-sized projections (at most 8 rows: the decodes of a
+            step, the LM head's kept rows) of an fp32 CPU model run through kvstrata's
+            native kernel, which streams each weight once (2-3x faster than torch's
+            sgemm there). Its fixed-order sums differ from torch's BLAS in the last
+            bits; False keeps torch's for every projection.
     """
 
     max_num_seqs: int = 8
@@ -204,6 +209,7 @@ class EngineConfig:
     preemption: str = "demote"
     salt: str = ""
     threads: int | None = None
+    native_linear: bool = True
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -216,6 +222,8 @@ class EngineConfig:
             _int("threads", self.threads, 1, 1024)
         if not isinstance(self.salt, str):
             raise ConfigError.field("salt", self.salt, "a string naming the tenant")
+        if not isinstance(self.native_linear, bool):
+            raise ConfigError.field("native_linear", self.native_linear, "True or False")
 
 
 @dataclass(frozen=True)

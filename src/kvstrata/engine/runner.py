@@ -19,6 +19,7 @@ from kvstrata.engine.metrics import EngineMetrics
 from kvstrata.engine.params import RequestOutput, TokenLogprobs
 from kvstrata.engine.sampling import sample, token_logprobs
 from kvstrata.engine.scheduler import Request, Scheduler
+from kvstrata.integrations.hf.linear import native_projections
 from kvstrata.integrations.hf.step import StepCache
 from kvstrata.store.contract import EngineStore
 
@@ -37,6 +38,7 @@ class StepRunner:
         eos_ids: the model's end-of-sequence token ids.
         device: where the model's weights are.
         abort: queues an abort of a request id (for a consumer that failed).
+        native_linear: small projections take the native kernel (hf.linear).
     """
 
     def __init__(
@@ -49,8 +51,10 @@ class StepRunner:
         eos_ids: set[int],
         device: torch.device,
         abort: Callable[[str], None],
+        native_linear: bool = False,
     ) -> None:
         self.model = model
+        self.native_linear = native_linear
         self.store = store
         self.sched = sched
         self.step_cache = step_cache
@@ -82,7 +86,7 @@ class StepRunner:
             rows, ready = special.rows, special.ready
         self.step_cache.begin(seq_ids, counts, tokens)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), native_projections(self.native_linear):
                 dev = self.device
                 out = self.model(
                     input_ids=torch.tensor([t for ts in tokens for t in ts], device=dev)[None],

@@ -46,6 +46,7 @@ _SOURCES = {
     ],
     "pio.cpp": [],
     "attention.cpp": ["-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"],
+    "linear.cpp": ["-fno-trapping-math", "-ffp-contract=off"],
 }
 
 _lock = threading.Lock()
@@ -84,6 +85,8 @@ _SIGNATURES["kv_attn_decode_batch"] = (
     [_ci, _vp, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci],
     _ci,
 )
+# x, w, bias (or None), y, M, K, N, threads
+_SIGNATURES["kv_linear_small"] = ([_vp] * 4 + [_i64] * 3 + [_ci], _ci)
 _SIGNATURES["kv_abi_layout"] = ([ctypes.POINTER(_i64), _ci], _ci)
 _SIGNATURES["kv_use_openmp"] = ([ctypes.c_char_p], _ci)
 _SIGNATURES["kv_pio_limit_call_bytes"] = ([_i64], None)

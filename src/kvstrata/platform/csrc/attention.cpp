@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "common.h"
+#include "parallel.h"
 
 static const int TILE = 32;
 static const int MAX_M = 64;     // packed query rows per head
@@ -84,7 +85,8 @@ static void trampoline(void *f) { (*(std::function<void(int)> *)f)(g_thread_num.
 
 // Run f(worker) on up to `nth` workers (worker 0 is the calling thread); f must share
 // the work dynamically, so fewer workers (a thread that could not start) still finish.
-static void parallel(int nth, std::function<void(int)> f) {
+// (Also the other kernels' thread runner: declared in parallel.h.)
+void kv_parallel(int nth, std::function<void(int)> f) {
   if (nth <= 1) return f(0);
   init_gomp();
   if (auto par = g_parallel.load()) return par(trampoline, &f, (unsigned)nth, 0);
@@ -414,7 +416,7 @@ extern "C" int kv_attn_decode_batch(int S, const int *nparts, const kv_part *con
   if (work < (1 << 14)) workers = 1;
   std::atomic<i64> next{0};
   std::atomic<bool> failed{false};
-  parallel(workers, [&](int) {
+  kv_parallel(workers, [&](int) {
     try {
       for (i64 i = next++; i < items; i = next++) run(i);
     } catch (...) {  // out of memory: report, never unwind through OpenMP
