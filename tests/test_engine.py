@@ -702,3 +702,21 @@ def test_a_request_recomputed_after_scoring_its_prompt_reuses_the_prefix_cache(m
     assert [e and (e.token_id, e.logprob) for e in got.prompt_logprobs] == [
         e and (e.token_id, pytest.approx(e.logprob)) for e in want.prompt_logprobs
     ]
+
+
+def test_requests_arriving_together_with_one_prefix_compute_it_once():
+    """Users that arrive at once with the same system prompt: the first computes its
+    full blocks, the others wait for them and reuse them (not all four computing them in
+    the same steps); the tokens equal those of requests run alone."""
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(3, 97, (70,), generator=g).tolist()  # 4 full blocks + 6
+    ps = [system + torch.randint(3, 97, (9,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    config = EngineConfig(max_batched_tokens=32)  # the prompt takes 3 steps to compute
+    with Engine(tiny_model("llama"), block_size=BS, config=config) as engine:
+        together = engine.generate(ps, params)
+    assert together[0].cached_tokens == 0
+    assert [o.cached_tokens for o in together[1:]] == [64, 64, 64]
+    with Engine(tiny_model("llama"), block_size=BS, prefix_caching=False) as engine:
+        alone = [engine.generate([p], params)[0] for p in ps]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]

@@ -26,7 +26,6 @@ from typing import Any
 
 from kvstrata.cli.generate import (
     add_placement_flags,
-    apply_threads,
     parse_threads,
 )
 from kvstrata.config import BLOCK_SIZE_MAX
@@ -225,13 +224,19 @@ def stopping_server(config: Any, stop_requests: Callable[[], None]) -> Any:
 
 def build_engine(args: argparse.Namespace) -> Any:
     """Load the model and start the engine the flags describe."""
+    import torch
+
     from kvstrata.cli.generate import cache_kwargs
     from kvstrata.engine import Engine, EngineConfig
     from kvstrata.model.zoo import load_model
+    from kvstrata.platform.hardware import usable_cores
 
     quiet_transformers()
     model, tokenizer = load_model(args.model)
-    apply_threads(model, args.threads)
+    # a server owns its cores: every one it may run on (the engine's thread runs the
+    # forwards; OpenMP workers sleep between steps: OMP_WAIT_POLICY=PASSIVE)
+    threads = parse_threads(args.threads) or usable_cores()
+    torch.set_num_threads(threads)
     if args.kv_cache_dtype is not None:
         args.host_codec = args.disk_codec = _kv_codec(args.kv_cache_dtype)
     args.host_codec = args.host_codec or "none"
@@ -252,7 +257,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     return Engine(
         model,
         tokenizer,
-        config=EngineConfig(**engine_fields(args)),
+        config=EngineConfig(**engine_fields(args), threads=threads),
         model_name=served_name(args),
         prefix_caching=args.enable_prefix_caching,
         **fields,
@@ -341,7 +346,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"(default: ${API_KEY_ENV}; '' for none)",
     )
     p.add_argument(
-        "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"
+        "--threads",
+        default="auto",
+        help="torch threads: N, or auto (every core this process may use)",
     )
     g = p.add_argument_group("batching (EngineConfig)")
     g.add_argument("--max-num-seqs", default="8", help="requests running at once (default 8)")

@@ -235,6 +235,8 @@ class Scheduler:
             self.metrics.resumed.inc()
         elif self.waiting:
             req = self.waiting[0]
+            if self._shares_a_prefill(req):
+                return None  # it starts once those blocks are computed, and reuses them
             reserve = self.blocks_for(len(req.prompt_ids) + req.params.max_tokens)
             if self.reserved + reserve > self.capacity_blocks and self.requests_admitted():
                 return None  # all tiers are promised to the requests running now
@@ -265,6 +267,26 @@ class Scheduler:
         self.running.sort(key=lambda r: r.arrival)  # oldest first: preempted last
         self.peak_running = max(self.peak_running, len(self.running))
         return req
+
+    def _shares_a_prefill(self, req: Request) -> bool:
+        """Whether a running request is prefilling full blocks this one's prompt starts
+        with (same tenant salt), not computed yet: this one waits for them instead of
+        computing them a second time (e.g. users arriving together with one system
+        prompt). Its prefix lookup at admission then finds them."""
+        if not self.store.prefix_caching or req.out_ids or req.prompt_lps is not None:
+            return False
+        bs, mine = self.block_size, req.prompt_ids
+        for other in self.running:
+            theirs = other.prompt_ids
+            if other.salt != req.salt or other.computed >= len(theirs) or theirs[:bs] != mine[:bs]:
+                continue
+            shared = bs  # full blocks in common (the last token is always computed)
+            limit = min(len(theirs), len(mine) - 1) // bs * bs
+            while shared + bs <= limit and theirs[shared : shared + bs] == mine[shared : shared + bs]:
+                shared += bs
+            if other.computed < shared <= len(mine) - 1:
+                return True
+        return False
 
     def recompute(self, req: Request) -> bool:
         """A step could not read one of its blocks: drop the request's sequence (its

@@ -86,6 +86,15 @@ LINK_LATENCY_S = 10e-6
 SLOW_LINK_BANDWIDTH = 8e9
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; os.cpu_count() where
+    the platform has none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def machine_ram() -> int:
     """This machine's physical RAM in bytes (os.sysconf), 0 when the OS does not say."""
     try:
