@@ -361,3 +361,14 @@ def test_compare_and_report_against_vllm(capsys):
     out = capsys.readouterr().out
     assert "fits: ratio (variant ÷ vllm)" in out and "chat wall s" in out
     assert "lower is better" in out and "higher is better" in out and "50 % / 75 %" in out
+
+
+def test_vllm_runs_on_every_core_unless_the_caller_chose(monkeypatch):
+    from kvstrata.bench._peer_servers import server_env
+
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert server_env("vllm")["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in server_env("kvstrata")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    assert server_env("vllm_kvstrata")["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert server_env("kvstrata")["PYTHONHASHSEED"] == "0"

@@ -202,3 +202,36 @@ def test_sigint_and_sigterm_close_the_store_and_the_disk_tier_keeps_the_prefix_c
         assert second.stop(signal.SIGTERM) == 0, "".join(second.stderr)  # kill, docker stop
     full_blocks = (usage["prompt_tokens"] - 1) // 16
     assert usage["prompt_tokens_details"]["cached_tokens"] == full_blocks * 16 > 0
+
+
+_SPIN_PROBE = """
+import os, sys
+from kvstrata.cli import main
+code = main(sys.argv[1:])
+print(code, os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "want"),
+    [
+        ({}, ["serve", "--port", "-5"], "2 200000"),  # a server: workers spin briefly
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, ["serve", "--port", "-5"], "2 None"),  # the user's
+        ({"GOMP_SPINCOUNT": "7"}, ["serve", "--port", "-5"], "2 7"),
+        ({}, ["plan", "--model", "nope"], "2 None"),  # not a server: sleep at once
+    ],
+)
+def test_a_server_lets_its_openmp_workers_spin_unless_told_otherwise(env, argv, want):
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_WAIT_POLICY", "KVSTRATA_OMP_DEFAULTED", "GOMP_SPINCOUNT")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _SPIN_PROBE, *argv],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.stdout.split()[:2] == want.split(), out.stdout + out.stderr

@@ -10,8 +10,12 @@ for the cores, 8 requests through the engine took 38.6 s with spinning workers a
 import os as _os
 import sys as _sys
 
-if "torch" not in _sys.modules:  # read once, when torch loads its OpenMP runtime
-    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# read once, when torch loads its OpenMP runtime. The marker says the policy is this
+# default (child processes inherit both): `kvstrata serve`, which owns its cores, then
+# lets the workers spin briefly instead (cli/serve.py).
+if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _os.environ["KVSTRATA_OMP_DEFAULTED"] = "1"
 
 from kvstrata.core.errors import (
     BlockCorruptError,

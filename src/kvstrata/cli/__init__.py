@@ -19,6 +19,7 @@ import pkgutil
 import sys
 from typing import NoReturn
 
+from kvstrata.cli import _openmp
 from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
 
 
@@ -93,6 +94,9 @@ def check_no_empty_values(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvstrata` console script."""
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["serve"]:
+        _openmp.spin_briefly()  # before build_parser loads torch (and its OpenMP)
     parser = build_parser()
     parser.argv = tuple(sys.argv[1:] if argv is None else argv)
     try:

@@ -271,7 +271,7 @@ def _has_lower_tier(fields: dict[str, Any]) -> bool:
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata serve` until SIGINT / SIGTERM."""
     check_flags(args)  # before the slow imports: bad flags answer at once
-    # (OpenMP workers sleep when idle: `import kvstrata` set OMP_WAIT_POLICY=PASSIVE)
+    # (OpenMP workers spin ~2 ms, then sleep: cli/_openmp.py, set before torch loaded)
     from kvstrata.server import require_serve
 
     require_serve()
