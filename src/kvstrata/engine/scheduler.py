@@ -282,7 +282,9 @@ class Scheduler:
                 continue
             shared = bs  # full blocks in common (the last token is always computed)
             limit = min(len(theirs), len(mine) - 1) // bs * bs
-            while shared + bs <= limit and theirs[shared : shared + bs] == mine[shared : shared + bs]:
+            while (
+                shared + bs <= limit and theirs[shared : shared + bs] == mine[shared : shared + bs]
+            ):
                 shared += bs
             if other.computed < shared <= len(mine) - 1:
                 return True
