@@ -42,15 +42,15 @@ def _run_with_a_flip(tmp_path, monkeypatch, ps, **over) -> tuple[list, list, dic
     byte flipped, mid-generation, in a disk block of the sequence attention is about
     to read. Returns (undisturbed outputs, disturbed outputs, what happened, recomputes)."""
     sp = SamplingParams(max_tokens=24)
-    kwargs = dict(
-        block_size=BS,
-        device_budget="96KiB",
-        host_budget="64KiB",
-        disk_budget="4MiB",
-        disk_dir=str(tmp_path),
-        config=EngineConfig(preemption="off"),
+    kwargs = {
+        "block_size": BS,
+        "device_budget": "96KiB",
+        "host_budget": "64KiB",
+        "disk_budget": "4MiB",
+        "disk_dir": str(tmp_path),
+        "config": EngineConfig(preemption="off"),
         **over,
-    )
+    }
     with Engine(tiny_model("llama"), **kwargs) as engine:
         want = engine.generate(ps, sp)
         assert engine.stats()["store"]["tiers"]["disk"]["peak_used_blocks"] > 0
@@ -92,6 +92,9 @@ def test_a_flipped_byte_in_a_block_shared_through_the_prefix_cache(tmp_path, mon
     g = torch.Generator().manual_seed(11)
     common = torch.randint(3, 97, (80,), generator=g).tolist()
     ps = [common + torch.randint(3, 97, (10 + 7 * i,), generator=g).tolist() for i in range(3)]
-    _, _, state, recomputes = _run_with_a_flip(tmp_path, monkeypatch, ps)
+    # a host tier small enough that blocks reach the disk although the prefix is held once
+    # (the later requests wait for the first to compute it, then share it)
+    over = {"device_budget": "64KiB", "host_budget": "8KiB"}
+    _, _, state, recomputes = _run_with_a_flip(tmp_path, monkeypatch, ps, **over)
     assert state["failed"], state
     assert recomputes == len(state["failed"])  # each reader of the bad block, once
