@@ -234,7 +234,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     quiet_transformers()
     model, tokenizer = load_model(args.model)
     # a server owns its cores: every one it may run on (the engine's thread runs the
-    # forwards; OpenMP workers sleep between steps: OMP_WAIT_POLICY=PASSIVE)
+    # forwards; its OpenMP workers spin ~2 ms before they sleep: cli/_openmp.py)
     threads = parse_threads(args.threads) or usable_cores()
     torch.set_num_threads(threads)
     if args.kv_cache_dtype is not None:

@@ -2,11 +2,12 @@
 //
 // x [M, K], w [N, K] (torch.nn.Linear's layout), y [M, N], all fp32 and contiguous.
 // With few rows (M <= 16) the product is bound by reading w: each call streams w once,
-// a pair of rows at a time, and keeps every row of x in L1, so a step reads its
-// weights at the memory's speed (the BLAS sgemm, made for large M, packs w first and
-// reads it about twice as slowly here). Rows of w are shared out among `nth` workers
-// in chunks; each output is a dot product of 8-wide lanes added in a fixed order, so
-// the result does not depend on the thread count or on M.
+// a pair of rows at a time, against the rows of x held in cache (measured on a 2-core
+// EPYC VM, 4 rows, every projection of a 135M model: 8 GB/s on 2 threads, where the
+// BLAS sgemm, made for large M, packs w first and reads it at 2-3.5 GB/s). Rows of w
+// are shared out among `nth` workers in chunks; each output is a dot product of 8-wide
+// lanes added in a fixed order, so the result does not depend on the thread count or
+// on M.
 
 #include <algorithm>
 #include <atomic>
