@@ -267,6 +267,14 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(served):
         return out.usage.prompt_tokens_details.cached_tokens
 
     assert [cached_for("a"), cached_for("b"), cached_for("a")] == [0, 0, cached]
+    # vLLM's name for it, cache_salt, is the same tenant (not ignored, not refused)
+    vllm_named = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": "b"}
+    )
+    assert vllm_named.usage.prompt_tokens_details.cached_tokens == cached
+    both = {"salt": "a", "cache_salt": "b"}
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=both)
 
 
 def test_token_id_prompt_stop_strings_and_seeded_sampling(served):

@@ -39,7 +39,7 @@ _SAMPLING_FIELDS = (
     "min_p",
     "min_tokens",
 )
-# Fields read by both endpoints (top_k, salt, stop_token_ids, ignore_eos,
+# Fields read by both endpoints (top_k, salt / cache_salt, stop_token_ids, ignore_eos,
 # repetition_penalty, min_p, min_tokens, skip_special_tokens: extensions, named as
 # vLLM names them).
 _COMMON = frozenset(
@@ -51,6 +51,7 @@ _COMMON = frozenset(
         "stream_options",
         "user",
         "salt",
+        "cache_salt",
         "logit_bias",
         "logprobs",
     }
@@ -194,13 +195,18 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
     if not isinstance(stream, bool):
         raise invalid("stream", stream, "true or false")
     include_usage, continuous = _stream_options(body.get("stream_options"), stream)
-    for name in ("user", "salt"):
+    for name in ("user", "salt", "cache_salt"):
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise invalid(name, value, "a string")
-    salt = body.get("salt")
+    # the tenant salt: "salt", or "cache_salt" as vLLM names it (a client moving between
+    # the two servers keeps its tenants apart)
+    salt, cache_salt = body.get("salt"), body.get("cache_salt")
+    if salt is not None and cache_salt is not None and salt != cache_salt:
+        raise invalid("cache_salt", cache_salt, "the same tenant as salt, or give one of them")
+    name, salt = ("salt", salt) if salt is not None else ("cache_salt", cache_salt)
     if salt == "":
-        raise invalid("salt", salt, "a non-empty tenant name, or leave it out")
+        raise invalid(name, salt, "a non-empty tenant name, or leave it out")
     return CommonFields(model, stream, include_usage, salt, n, continuous)
 
 
