@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from kvstrata.bench._timing import percentile
+
 WORKLOADS = ("docqa", "chat", "throughput", "single")
 # The rows a run reports: docqa is two phases (cold documents, then questions on them).
 PHASES = {
@@ -267,14 +269,6 @@ def sizes_dict(s: Sizes) -> dict[str, int]:
 
 
 # -- metrics ------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def request_times(sent: float, chunk_times: Sequence[float], tokens: int) -> tuple[float, float]:

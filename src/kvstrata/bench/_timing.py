@@ -22,6 +22,14 @@ LOAD_MARGIN = 0.5
 DEFAULT_CONTEXTS = "2048,8192"
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of latencies; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def machine_load() -> tuple[float, int]:
     """(1-minute load average, CPU count); load is 0.0 where the OS does not report it."""
     try:

@@ -72,13 +72,6 @@ def _prompts(tokenizer: Any, count: int, mean: int) -> list[list[int]]:
     return out
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
 class _Run:
     """What one engine variant saw: latencies of every round, the last outputs."""
 
@@ -264,7 +257,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _latency(run: _Run) -> dict[str, float]:
     """TTFT / TPOT p50 and p99 over every request of every round (seconds)."""
     return {
-        f"{key}_p{int(q * 100)}_s": _percentile(values, q)
+        f"{key}_p{int(q * 100)}_s": _timing.percentile(values, q)
         for key, values in (("ttft", run.ttft), ("tpot", run.tpot))
         for q in (0.5, 0.99)
     }
