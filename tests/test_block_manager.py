@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -24,6 +24,7 @@ from blockstore_harness import (
     write_step,
 )
 from kvstrata.blocks.eviction import EvictionPolicy
+from kvstrata.blocks.hash_index import HashIndex
 from kvstrata.blocks.manager import BlockManager, Run
 from kvstrata.core.errors import ConfigError, KvstrataError, OutOfBlocksError
 from kvstrata.tiers.disk import DiskTier
@@ -472,3 +473,54 @@ def test_a_large_move_is_copied_in_chunks_with_the_same_result(host_codec, monke
     assert whole["placement"] == chunked["placement"]
     for (k1, v1), (k2, v2) in zip(seq_whole, seq_chunked, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+# -- the content-hash index (shared with the vLLM backend's offload index) -------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["rank", "unrank", "move"]),
+            st.integers(0, 7),  # item
+            st.sampled_from(["host", "disk"]),
+            st.integers(0, 5),  # rank value (made unique with the item)
+        ),
+        max_size=60,
+    )
+)
+def test_hash_index_keeps_each_tier_in_rank_order(ops) -> None:
+    index: HashIndex[int] = HashIndex(["host", "disk"])
+    model: dict[str, dict[int, tuple]] = {"host": {}, "disk": {}}
+    for op, item, tier, value in ops:
+        other = "disk" if tier == "host" else "host"
+        if op == "rank":
+            index.rank(tier, item, (value, item))
+            model[tier][item] = (value, item)
+        elif op == "unrank":
+            assert index.unrank(tier, item) == (item in model[tier])
+            model[tier].pop(item, None)
+        else:
+            assert index.move(item, tier, other) == (item in model[tier])
+            if item in model[tier]:
+                model[other][item] = model[tier].pop(item)
+        for name, ranks in model.items():
+            assert [i for _, i in index.ascending(name)] == sorted(ranks, key=ranks.__getitem__)
+            assert index.num_ranked(name) == len(ranks)
+            assert all(index.is_ranked(name, i) == (i in ranks) for i in range(8))
+    assert sorted(index.ranked()) == sorted([*model["host"], *model["disk"]])
+
+
+def test_cached_blocks_are_ranked_in_the_hash_index() -> None:
+    """A hashed block whose last reference goes is ranked on its tier by (last access,
+    -id) in the same index that maps its hash; a re-reference takes it out again."""
+    mgr = BlockManager(tiny_layout(), [DeviceTier(tiny_layout(), 8)], EvictionPolicy("lru"))
+    mgr.add_sequence(0)
+    mgr.append([0], 4)
+    mgr.end_step([0])
+    block_id = mgr.tables[0].block_ids[0]
+    assert mgr.set_hash(block_id, b"h0", (1, 2))
+    assert mgr.hash_to_block.get(b"h0") == block_id
+    mgr.free_sequence(0)
+    ranks = list(mgr.hash_to_block.ascending("device"))
+    assert ranks == [((mgr.pool.blocks[block_id].last_access, -block_id), block_id)]
+    assert mgr.cached == {block_id} and mgr.occupancy()["device"]["cached_blocks"] == 1

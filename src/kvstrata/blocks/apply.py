@@ -172,12 +172,8 @@ class PlacementApplier:
             on_src.discard(block.block_id)
             block.tier, block.slot = dst_name, slot
             on_dst.add(block.block_id)
-            cached = block.block_id in state.cached
-            if cached:
-                state.num_cached_on[src_name] -= 1
-                state.num_cached_on[dst_name] += 1
-            cached_key = (block.last_access, -block.block_id) if cached else None
-            state.order.move(block.block_id, src_name, dst_name, cached_key)
+            if not state.hash_to_block.move(block.block_id, src_name, dst_name):
+                state.order.move(block.block_id, src_name, dst_name)
         state.runs_by_table.clear()
         if state.on_move is not None:
             state.on_move(blocks)

@@ -4,7 +4,8 @@ A part of the block manager that takes the `BlockState` (its pool, tiers, hash i
 and cached-block set): a block whose last reference goes stays *cached* when it is
 the indexed copy of its hash — placed, unreferenced, found again by `hash_to_block`,
 ranked below every live block and evicted oldest first (vLLM's "free but cached";
-the state's `BlockOrder` keeps them in that order); any other block is released.
+the hash index ranks them by (last access, -id), `blocks/hash_index.py`); any other
+block is released.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ class CachedBlocks:
             return
         if block.block_hash is not None and state.hash_to_block.get(block.block_hash) == block_id:
             block.last_access = state.clock
-            state.cached[block_id] = None
-            state.num_cached_on[block.tier] += 1
-            state.order.cache(block.tier, block.last_access, block_id)
+            state.hash_to_block.rank(block.tier, block_id, (block.last_access, -block_id))
             return
         self.release(block)
 
@@ -52,11 +51,7 @@ class CachedBlocks:
 
     def uncache(self, block: Block) -> None:
         """A cached block is referenced again (or gone): it leaves the cached set."""
-        state = self.state
-        if block.block_id in state.cached:
-            del state.cached[block.block_id]
-            state.num_cached_on[block.tier] -= 1
-            state.order.uncache(block.tier, block.last_access, block.block_id)
+        self.state.hash_to_block.unrank(block.tier, block.block_id)
 
     # -- content hashes -----------------------------------------------------------------------
     def set_hash(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
@@ -84,8 +79,6 @@ class CachedBlocks:
         block.ref_count, block.num_tokens = 0, state.layout.block_size
         block.block_hash, block.token_ids = block_hash, token_ids
         state.hash_to_block[block_hash] = block.block_id
-        state.cached[block.block_id] = None
-        state.num_cached_on[tier] += 1
-        state.order.cache(tier, block.last_access, block.block_id)
+        state.hash_to_block.rank(tier, block.block_id, (block.last_access, -block.block_id))
         state.on_tier[tier].add(block.block_id)
         return block.block_id

@@ -64,7 +64,6 @@ class BlockManager:
     on_tier = _shared("on_tier")
     cached = _shared("cached")
     order = _shared("order")
-    num_cached_on = _shared("num_cached_on")
     hash_to_block = _shared("hash_to_block")
     clock = _shared("clock")
     seq_last_access = _shared("seq_last_access")
@@ -396,7 +395,7 @@ class BlockManager:
             for _, block_id in table.step_extra:
                 extra[state.pool.blocks[block_id].tier] += 1
         return sum(
-            (len(state.on_tier[n]) - state.num_cached_on[n] - extra[n]) * state.tiers[n].block_bytes
+            (len(state.on_tier[n]) - state.num_cached_on(n) - extra[n]) * state.tiers[n].block_bytes
             for n in state.tier_order
         )
 
@@ -407,7 +406,7 @@ class BlockManager:
             tier = state.tiers[name]
             out[name] = {
                 "used_blocks": tier.num_used,
-                "cached_blocks": state.num_cached_on[name],
+                "cached_blocks": state.num_cached_on(name),
                 "budget_blocks": state.budget_slots[name],
                 "capacity_blocks": tier.num_slots,
                 "used_bytes": tier.used_bytes,

@@ -6,7 +6,8 @@ table every policy ranks blocks by (is sink, logical index): non-sink blocks old
 first, then the sinks. So `BlockOrder` keeps, per tier and per table, the table's
 blocks on that tier as a sorted list of (is sink, index, block id) — a block that
 appears, moves or goes costs O(log n) — and per tier the cached (unreferenced) blocks
-sorted by (last access, -id). Touching a table (LRU / LFU) changes no entry.
+sorted by (last access, -id) — the ranks of the content-hash index (`blocks/hash_index.py`),
+which the order reads. Touching a table (LRU / LFU) changes no entry.
 
 The lowest-ranked blocks of a tier are then a lazy k-way merge: cached blocks first
 (they rank below every live block), then the heads of the per-table lists, each
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from sortedcontainers import SortedList
 
 from kvstrata.blocks.eviction import BlockView, EvictionPolicy
+from kvstrata.blocks.hash_index import HashIndex
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,17 @@ class TableState:
 class BlockOrder:
     """Per tier: live blocks per table in rank order, and cached blocks oldest first."""
 
-    def __init__(self, policy: EvictionPolicy, tiers: Iterable[str], num_sink_blocks: int) -> None:
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        tiers: Iterable[str],
+        num_sink_blocks: int,
+        hashes: HashIndex[int],
+    ) -> None:
         self.policy = policy
         self.num_sink_blocks = num_sink_blocks
         self.live: dict[str, dict[Hashable, SortedList]] = {t: {} for t in tiers}
-        self.cached: dict[str, SortedList] = {t: SortedList() for t in self.live}
+        self.hashes = hashes  # ranks the cached blocks per tier
         self.owners: dict[int, dict[Hashable, int]] = {}  # block -> {table: logical index}
 
     # -- upkeep ---------------------------------------------------------------------------------
@@ -65,8 +73,8 @@ class BlockOrder:
         if not entries:
             del self.live[tier][table]
 
-    def move(self, block_id: int, src: str, dst: str, cached_key: tuple | None) -> None:
-        """The block moved tier (`cached_key`: its (last access, -id) when cached)."""
+    def move(self, block_id: int, src: str, dst: str) -> None:
+        """The live block moved tier (its tables' entries follow it)."""
         for table, index in self.owners.get(block_id, {}).items():
             entry = (index < self.num_sink_blocks, index, block_id)
             src_entries = self.live[src][table]
@@ -77,15 +85,6 @@ class BlockOrder:
             if dst_entries is None:
                 dst_entries = self.live[dst][table] = SortedList()
             dst_entries.add(entry)
-        if cached_key is not None:
-            self.cached[src].remove(cached_key)
-            self.cached[dst].add(cached_key)
-
-    def cache(self, tier: str, last_access: int, block_id: int) -> None:
-        self.cached[tier].add((last_access, -block_id))
-
-    def uncache(self, tier: str, last_access: int, block_id: int) -> None:
-        self.cached[tier].remove((last_access, -block_id))
 
     # -- ranking --------------------------------------------------------------------------------
     def live_key(self, state: TableState, index: int, block_id: int) -> tuple:
@@ -110,8 +109,8 @@ class BlockOrder:
     ) -> Iterator[tuple[tuple, int]]:
         """(keep-key, block id) of every block on `tiers`, lowest first."""
         tiers = list(tiers)
-        cached = heapq.merge(*(self.cached[t] for t in tiers))
-        yield from (((0, last, neg_id), -neg_id) for last, neg_id in cached)
+        cached = heapq.merge(*(self.hashes.ascending(t) for t in tiers))
+        yield from (((0, *rank), block_id) for rank, block_id in cached)
         streams = [
             self._table_stream(table, entries, state(table))
             for t in tiers

@@ -116,7 +116,7 @@ class PlacementView:
         """Keep-key (larger = more deserving of the faster tier)."""
         if isinstance(b, PendingBlock):
             return self._pending_key[id(b)]
-        if b.block_id in self.block_state.cached:
+        if self.block_state.is_cached(b):
             return (0, b.last_access, -b.block_id)
         return self.block_state.order.block_key(b.block_id, self.state)
 

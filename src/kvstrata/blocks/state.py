@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 from kvstrata.blocks.eviction import EvictionPolicy
+from kvstrata.blocks.hash_index import HashIndex
 from kvstrata.blocks.order import BlockOrder
 from kvstrata.blocks.pool import Block, BlockPool
 from kvstrata.blocks.runs import Run
@@ -48,10 +49,9 @@ class BlockState:
         self.tables: dict[Hashable, BlockTable] = {}
         self.budget_slots = {t.name: t.num_slots for t in tiers}
         self.on_tier: dict[str, set[int]] = {t.name: set() for t in tiers}
-        self.cached: dict[int, None] = {}  # unreferenced hashed blocks
-        self.order = BlockOrder(policy, self.tier_order, self.num_sink_blocks)
-        self.num_cached_on: dict[str, int] = {t.name: 0 for t in tiers}
-        self.hash_to_block: dict[bytes, int] = {}
+        # content hash -> block id; the cached (unreferenced) blocks ranked per tier
+        self.hash_to_block: HashIndex[int] = HashIndex(self.tier_order)
+        self.order = BlockOrder(policy, self.tier_order, self.num_sink_blocks, self.hash_to_block)
         self.clock = 0
         self.seq_last_access: dict[Hashable, int] = {}
         self.seq_access_count: dict[Hashable, int] = {}
@@ -65,6 +65,17 @@ class BlockState:
         self.keep_skipped_blocks = False
         # called with the blocks after blocks moved tier (the store keys them)
         self.on_move: Callable[[list[Block]], object] | None = None
+
+    @property
+    def cached(self) -> set[int]:
+        """The cached blocks' ids (a copy; `hash_to_block.is_ranked` for one block)."""
+        return set(self.hash_to_block.ranked())
+
+    def is_cached(self, block: Block) -> bool:
+        return self.hash_to_block.is_ranked(block.tier, block.block_id)
+
+    def num_cached_on(self, tier: str) -> int:
+        return self.hash_to_block.num_ranked(tier)
 
     def hold(self, seq_id: Hashable) -> None:
         """Enter every block of the table in the eviction order."""

@@ -8,9 +8,10 @@ host is also written to disk, so the disk index is complete even after a crash):
                 allocated --(writer thread read it from disk: `reading`)--> ready
     disk copy:  allocated --(writer thread wrote it: `writing`)--> ready
 
-Eviction uses kvstrata's policies (policies/eviction.py) on every copy that may go:
-per tier, the evictable copies are kept sorted by the policy's keep-key, so the
-lowest-ranked are taken in O(log n) each. An offload cache has no sequences, so the
+The entries live in the store's content-hash index (`blocks/hash_index.py`, the one the
+block manager keys its full blocks in): key -> entry, and per tier the copies that may
+go ranked by kvstrata's eviction policy (`blocks/eviction.py`), so the lowest-ranked
+are taken in O(log n) each. An offload cache has no sequences, so the
 policy sees each block as a one-block table: `lru` ranks by last use, `lfu` by use
 count then last use, `window` by store order (oldest first).
 """
@@ -19,11 +20,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-
-from sortedcontainers import SortedList
+from dataclasses import dataclass
 
 from kvstrata.blocks.eviction import BlockView, EvictionPolicy
+from kvstrata.blocks.hash_index import HashIndex
 
 TIERS = ("host", "disk")
 
@@ -45,7 +45,6 @@ class Entry:
     pins: int = 0
     last_access: int = 0
     access_count: int = 0
-    ranked: dict[str, tuple] = field(default_factory=dict)  # tier -> its key in the order
 
     def evictable(self, tier: str) -> bool:
         """Whether this copy may be dropped now."""
@@ -57,7 +56,7 @@ class Entry:
 
 
 class BlockIndex:
-    """Entries by key, plus per tier the evictable copies in eviction order.
+    """Entries by key in a content-hash index, which ranks the evictable copies per tier.
 
     Args:
         policy: a kvstrata eviction policy name ("lru", "lfu", "window").
@@ -65,8 +64,7 @@ class BlockIndex:
 
     def __init__(self, policy: str) -> None:
         self.policy = EvictionPolicy(policy)
-        self.entries: dict[bytes, Entry] = {}
-        self._order: dict[str, SortedList] = {t: SortedList() for t in TIERS}
+        self.entries: HashIndex[Entry] = HashIndex(TIERS)
         self._seq = itertools.count()
         self.clock = 0
 
@@ -93,14 +91,12 @@ class BlockIndex:
 
     def refresh(self, entry: Entry) -> None:
         """Re-rank the entry after any change of its state (call after every change)."""
+        stored = entry.key in self.entries
         for tier in TIERS:
-            old = entry.ranked.pop(tier, None)
-            if old is not None:
-                self._order[tier].remove(old)
-            if entry.evictable(tier) and entry.key in self.entries:
-                rank = (self._keep_key(entry), entry.seq, entry.key)
-                self._order[tier].add(rank)
-                entry.ranked[tier] = rank
+            if stored and entry.evictable(tier):
+                self.entries.rank(tier, entry.key, (self._keep_key(entry), entry.seq))
+            else:
+                self.entries.unrank(tier, entry.key)
 
     def remove(self, entry: Entry) -> None:
         """Forget the entry (both copies must be gone)."""
@@ -112,7 +108,7 @@ class BlockIndex:
         """Up to `count` evictable copies on `tier`, lowest-ranked first, skipping the
         keys in `protect`."""
         out: list[Entry] = []
-        for _, _, key in self._order[tier]:
+        for _, key in self.entries.ascending(tier):
             if len(out) == count:
                 break
             if key not in protect:
@@ -120,7 +116,7 @@ class BlockIndex:
         return out
 
     def num_evictable(self, tier: str) -> int:
-        return len(self._order[tier])
+        return self.entries.num_ranked(tier)
 
     def on(self, tier: str) -> Iterator[Entry]:
         """Entries with a copy on `tier`."""
