@@ -74,6 +74,8 @@ def test_concurrent_requests_equal_solo_and_dynamic_cache(family):
 
 
 def test_preemption_demotes_and_resumes_without_recompute():
+    """Host blocks staged (as across PCIe): a running request's KV must fit the device,
+    so the newer requests are preempted (demoted) and resume."""
     ps = prompts(6, seed=1)
     ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in ps]  # 40 tokens each
     params = SamplingParams(max_tokens=40)
@@ -85,6 +87,7 @@ def test_preemption_demotes_and_resumes_without_recompute():
         block_size=BS,
         device_budget=2 * per_seq * block,  # the device holds two requests
         host_budget="8MiB",
+        cold_attention="stage",
         prefix_caching=False,
         config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
     ) as engine:
@@ -106,6 +109,35 @@ def test_preemption_demotes_and_resumes_without_recompute():
     # token (but each request's last) once
     assert prefill == sum(len(p) for p in ps)
     assert decode == sum(len(o.token_ids) - 1 for o in outs)
+    assert stats["live_blocks"] == 0 and stats["sequences"] == 0
+
+
+def test_host_blocks_read_in_place_let_every_request_run_at_once():
+    """The host tier read where it lies (the CPU computes): a running request's older
+    blocks live there instead of its being preempted, so as many run as the device
+    holds floors for (10 blocks, 3 each: three), not only the two whose whole KV it
+    holds; the tokens equal each request's alone."""
+    ps = prompts(6, seed=1)
+    ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in ps]
+    params = SamplingParams(max_tokens=40)
+    block = 2 * 2 * 16 * 2 * 4 * BS
+    per_seq = 80 // BS
+    with Engine(
+        tiny_model("llama"),
+        block_size=BS,
+        device_budget=2 * per_seq * block,
+        host_budget="8MiB",
+        prefix_caching=False,
+        config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
+    ) as engine:
+        outs = engine.generate(ps, params)
+        stats = engine.stats()
+        preemptions = engine.metrics.value("kvstrata_preemptions_total")
+        solo = [engine.generate([p], params)[0] for p in ps]
+    assert [o.token_ids for o in outs] == [s.token_ids for s in solo]
+    assert outs[0].token_ids == reference("llama", ps[0], 40)
+    assert preemptions == 0 and stats["peak_running"] == 3
+    assert stats["store"]["bytes_moved"].get("device->host", 0) > 0  # they did spill
     assert stats["live_blocks"] == 0 and stats["sequences"] == 0
 
 

@@ -3,7 +3,10 @@
 Runs in the engine thread (it owns the store). Policy, per step:
 
 1. Running requests, oldest first, keep their place while their KV fits the device
-   budget (`preemption="demote"`); a newer one that no longer fits is preempted:
+   budget (`preemption="demote"`) — with the lower tiers the step's attention reads
+   in place at the device's speed (`Capacity.in_place_blocks`: host RAM when the CPU
+   computes), whose blocks are as good as resident — and their floors fit the
+   device; a newer one that no longer fits is preempted:
    its full blocks are demoted to host / disk by `KVStore.demote` — nothing is
    recomputed or dropped — and it waits, first in line, to resume where it stopped.
    The oldest always runs (if it alone outgrows the device, placement spills its
@@ -192,15 +195,13 @@ class Scheduler:
     def plan_step(self) -> list[tuple[Request, int]]:
         cfg = self.config
         demote = cfg.preemption == "demote"
-        # preempted sequences still pin their floor (sinks, open block) on the device
-        device_blocks = self.store.capacity().device_blocks
-        room = device_blocks - len(self.preempted) * self.floor_blocks
+        room, seats = self._room()
         chunk = cfg.max_batched_tokens
         used = 0
         keep: list[Request] = []
         for req in self.running:
             need = self.device_need(req, req.computed + min(req.remaining, chunk))
-            if demote and keep and used + need > room:
+            if demote and keep and (used + need > room or len(keep) >= seats):
                 self._preempt(req)
                 continue
             used += need
@@ -214,7 +215,7 @@ class Scheduler:
                 batch.append((req, n))
                 left -= n
         while len(self.running) < min(cfg.max_num_seqs, self.cap) and left > 0:
-            req = self._admit(used, room, left)
+            req = self._admit(used, room, left, seats)
             if req is None:
                 break
             n = min(req.remaining, left)
@@ -223,13 +224,26 @@ class Scheduler:
             left -= n
         return batch
 
-    def _admit(self, used: int, room: int, left: int) -> Request | None:
+    def _room(self) -> tuple[int, int]:
+        """(blocks the running requests may hold where a step reads them in place, how
+        many may run with their floors on the device), after the preempted ones."""
+        cap = self.store.capacity()
+        floor = max(1, self.floor_blocks)
+        # preempted sequences still pin their floor (sinks, open block) on the device;
+        # their demoted blocks fill the in-place tiers first
+        held = [self.blocks_for(r.computed) if cap.in_place_blocks else 0 for r in self.preempted]
+        room = cap.device_blocks + cap.in_place_blocks
+        room -= sum(max(h, self.floor_blocks) for h in held)
+        return room, cap.device_blocks // floor - len(self.preempted)
+
+    def _admit(self, used: int, room: int, left: int, seats: int) -> Request | None:
         """Resume the oldest preempted request, else start the oldest waiting one, if
         it fits; None when nothing can start this step."""
+        full = len(self.running) >= seats
         if self.preempted:
             req = self.preempted[0]
             need = self.device_need(req, req.computed + min(req.remaining, left))
-            if self.running and used + need > room:
+            if self.running and (used + need > room or full):
                 return None
             self.preempted.pop(0)
             self.metrics.resumed.inc()
@@ -241,7 +255,7 @@ class Scheduler:
             if self.reserved + reserve > self.capacity_blocks and self.requests_admitted():
                 return None  # all tiers are promised to the requests running now
             need = self.device_need(req, min(len(req.prompt_ids), left))
-            if self.running and used + need > room:
+            if self.running and (used + need > room or full):
                 return None
             self.waiting.popleft()
             known = req.prompt_ids + req.out_ids if req.out_ids else req.prompt_ids

@@ -43,6 +43,11 @@ class Capacity:
         floor_blocks: what one running sequence pins on the device whatever its
             length: its sinks, its open block (and one more while a step crosses a
             block), its residual window above a lossy tier — summed over the groups.
+        in_place_blocks: the budgets of the tiers below the device that a step's
+            attention reads where they lie, losslessly and at the device's speed (host
+            RAM when the CPU computes): a running sequence's older blocks may live
+            there instead of the request being preempted. 0 where lower tiers are
+            staged (a GPU: host RAM across PCIe) or lossy.
     """
 
     block_size: int
@@ -50,6 +55,7 @@ class Capacity:
     device_blocks: int
     total_blocks: int
     floor_blocks: int
+    in_place_blocks: int = 0
 
 
 @dataclass(frozen=True)
