@@ -428,9 +428,8 @@ class KVStore(OneThread):
         """Blocks the built store holds (see `Capacity`)."""
         mgr = self.checked_manager()
         cc = self.config
-        device = mgr.tier_order[0]
-        local = self.runtime.local if self.runtime is not None else set()
-        in_place = [n for n in mgr.tier_order[1:] if n in local]
+        device, *lower = mgr.tier_order
+        local = self.runtime.local if self.runtime is not None else ()
         per_group = budgets.device_floor_blocks(
             cc.block_size, cc.sink_tokens, cc.residual_tokens, lossy=self.lossy_below, crossing=True
         )
@@ -440,7 +439,7 @@ class KVStore(OneThread):
             device_blocks=mgr.budget_slots[device],
             total_blocks=sum(mgr.budget_slots.values()),
             floor_blocks=len(self.groups) * per_group,
-            in_place_blocks=sum(mgr.budget_slots[n] for n in in_place),
+            in_place_blocks=sum(mgr.budget_slots[n] for n in lower if n in local),
         )
 
     def blocks_held(self, num_tokens: int) -> int:
