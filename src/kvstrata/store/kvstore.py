@@ -459,8 +459,7 @@ class KVStore(OneThread):
         """Tier occupancy, bytes moved, prefix-cache counters, tokens per sequence."""
         if self.manager is None:
             return {"initialized": False}
-        mgr = self.manager
-        runtime = self.runtime
+        mgr, runtime = self.manager, self.runtime
         staging = runtime.staging_bytes if runtime else 0
         dev = mgr.tiers[mgr.tier_order[0]]
         return {
@@ -482,11 +481,10 @@ class KVStore(OneThread):
 
     def close(self) -> None:
         """Persist hashed blocks to the disk tier and release files. Idempotent."""
-        if self._closed:
+        if self._closed or self.manager is None:
+            self._closed = True
             return
         self._closed = True
-        if self.manager is None:
-            return
         try:
             self.prefix_index.persist()
         finally:
