@@ -249,6 +249,30 @@ def test_a_step_that_never_finished_stops_indexing_its_sequence():
     assert len(store.manager.hash_to_block) == 2  # the possibly partial blocks are not
 
 
+@pytest.mark.parametrize(
+    ("fields", "in_place"),
+    [
+        ({"host_budget": 64 * 1024}, "host"),  # the CPU computes: host RAM read in place
+        ({"host_budget": 64 * 1024, "cold_attention": "stage"}, None),  # staged: not
+        ({"host_budget": 64 * 1024, "host_codec": "int8", "residual_tokens": 8}, None),  # lossy
+        ({}, None),
+    ],
+)
+def test_capacity_names_the_lower_tiers_a_step_reads_in_place(fields, in_place):
+    geometry = KVGeometry(
+        model_type="toy", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, v_head_dim=4,
+        dtype="fp32",
+    )  # fmt: skip
+    store = KVStore(
+        geometry, CacheConfig(block_size=4, max_tokens=64, device_budget=4096, **fields)
+    )
+    store.build(torch.float32)
+    slots = store.manager.budget_slots
+    assert store.capacity().in_place_blocks == (slots[in_place] if in_place else 0)
+    assert store.capacity().device_blocks == slots["device"]
+    store.close()
+
+
 # -- layer groups ------------------------------------------------------------------------------
 
 

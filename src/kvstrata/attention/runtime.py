@@ -130,6 +130,12 @@ class AttentionRuntime:
         # tiers whose raw arenas take token writes and zero-copy views directly
         self.arena_tiers = {t.name for t in tiers if isinstance(t, MemoryTier) and t.zero_copy}
         self.local = _local_tiers(tiers, device, cc.cold_attention)
+        # lower tiers read in place on the compute device itself (host RAM when the CPU
+        # computes; not host RAM a GPU step reaches with cold_attention="local"): a
+        # running sequence's blocks there cost what resident ones do
+        self.in_place = {
+            t.name for t in tiers[1:] if t.name in self.local and t.device.type == device.type
+        }
         use_native = self.native_attention if native is None else native
         self.native: set[str] = set()
         if (

@@ -429,7 +429,7 @@ class KVStore(OneThread):
         mgr = self.checked_manager()
         cc = self.config
         device, *lower = mgr.tier_order
-        local = self.runtime.local if self.runtime is not None else ()
+        in_place = self.runtime.in_place if self.runtime is not None else ()
         per_group = budgets.device_floor_blocks(
             cc.block_size, cc.sink_tokens, cc.residual_tokens, lossy=self.lossy_below, crossing=True
         )
@@ -439,7 +439,7 @@ class KVStore(OneThread):
             device_blocks=mgr.budget_slots[device],
             total_blocks=sum(mgr.budget_slots.values()),
             floor_blocks=len(self.groups) * per_group,
-            in_place_blocks=sum(mgr.budget_slots[n] for n in lower if n in local),
+            in_place_blocks=sum(mgr.budget_slots[n] for n in lower if n in in_place),
         )
 
     def blocks_held(self, num_tokens: int) -> int:
