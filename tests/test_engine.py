@@ -141,6 +141,41 @@ def test_host_blocks_read_in_place_let_every_request_run_at_once():
     assert stats["live_blocks"] == 0 and stats["sequences"] == 0
 
 
+def test_spilling_into_a_small_host_tier_preempts_the_rest_to_disk(tmp_path):
+    """The in-place host tier holds a little more than the device: the requests that
+    fit run with their older blocks there, the newest that outgrow it are preempted
+    (their blocks demoted past the full host tier to disk) and resume from there;
+    every output equals its solo run."""
+    ps = prompts(6, seed=1)
+    ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in ps]
+    params = SamplingParams(max_tokens=40)
+    block = 2 * 2 * 16 * 2 * 4 * BS
+    per_seq = 80 // BS
+    with Engine(
+        tiny_model("llama"),
+        block_size=BS,
+        device_budget=2 * per_seq * block,
+        host_budget=3 * block,
+        disk_dir=str(tmp_path),
+        disk_budget="1MiB",
+        prefix_caching=False,
+        config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
+    ) as engine:
+        outs = engine.generate(ps, params, timeout=300)
+        stats = engine.stats()
+        preemptions = engine.metrics.value("kvstrata_preemptions_total")
+        solo = [engine.generate([p], params, timeout=120)[0] for p in ps]
+    assert [o.token_ids for o in outs] == [s.token_ids for s in solo]
+    assert all(o.error is None and o.finish_reason in ("length", "stop") for o in outs)
+    assert preemptions >= 1 and stats["peak_running"] >= 2
+    assert (
+        stats["store"]["bytes_moved"].get("host->disk", 0)
+        + stats["store"]["bytes_moved"].get("device->disk", 0)
+        > 0
+    )
+    assert stats["live_blocks"] == 0 and stats["sequences"] == 0
+
+
 @pytest.mark.parametrize("preemption", ["off", "demote"])
 @pytest.mark.parametrize("device_blocks", [8, 12, 20])
 def test_tight_device_budgets_finish_every_request(preemption, device_blocks):
