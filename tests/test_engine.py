@@ -112,7 +112,7 @@ def test_preemption_demotes_and_resumes_without_recompute():
     assert stats["live_blocks"] == 0 and stats["sequences"] == 0
 
 
-def test_host_blocks_read_in_place_let_every_request_run_at_once():
+def test_host_blocks_read_in_place_let_more_requests_run_than_the_device_holds():
     """The host tier read where it lies (the CPU computes): a running request's older
     blocks live there instead of its being preempted, so as many run as the device
     holds floors for (10 blocks, 3 each: three), not only the two whose whole KV it
