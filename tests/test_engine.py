@@ -73,24 +73,31 @@ def test_concurrent_requests_equal_solo_and_dynamic_cache(family):
     assert sum(moved.values()) > 0, "the small device budget should have spilled blocks"
 
 
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 4 * BS  # layers * kv heads * head dim * (K,V) * fp32 * tokens
+PER_SEQ = 80 // BS  # blocks of one finished 40 + 40-token request
+
+
+def six_requests_over_a_two_request_device(**fields) -> tuple[list[list[int]], Engine]:
+    """Six 40-token prompts (40 new tokens each) and an engine whose device holds the
+    KV of two of them; `fields` add the lower tiers."""
+    ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in prompts(6, seed=1)]
+    engine = Engine(
+        tiny_model("llama"),
+        block_size=BS,
+        device_budget=2 * PER_SEQ * BLOCK_BYTES,
+        prefix_caching=False,
+        config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
+        **fields,
+    )
+    return ps, engine
+
+
 def test_preemption_demotes_and_resumes_without_recompute():
     """Host blocks staged (as across PCIe): a running request's KV must fit the device,
     so the newer requests are preempted (demoted) and resume."""
-    ps = prompts(6, seed=1)
-    ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in ps]  # 40 tokens each
     params = SamplingParams(max_tokens=40)
-    model = tiny_model("llama")
-    block = 2 * 2 * 16 * 2 * 4 * BS  # layers * kv heads * head dim * (K,V) * fp32 * tokens
-    per_seq = 80 // BS  # blocks of one finished request
-    with Engine(
-        model,
-        block_size=BS,
-        device_budget=2 * per_seq * block,  # the device holds two requests
-        host_budget="8MiB",
-        cold_attention="stage",
-        prefix_caching=False,
-        config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
-    ) as engine:
+    ps, engine = six_requests_over_a_two_request_device(host_budget="8MiB", cold_attention="stage")
+    with engine:
         outs = engine.generate(ps, params)
         stats = engine.stats()
         m = engine.metrics
@@ -104,7 +111,7 @@ def test_preemption_demotes_and_resumes_without_recompute():
     assert outs[0].token_ids == reference("llama", ps[0], 40)
     assert preemptions >= 1 and resumed >= 1
     assert demoted >= 1
-    assert stats["store"]["bytes_moved"].get("device->host", 0) >= demoted * block
+    assert stats["store"]["bytes_moved"].get("device->host", 0) >= demoted * BLOCK_BYTES
     # demotion, not recomputation: every prompt token was fed once, every generated
     # token (but each request's last) once
     assert prefill == sum(len(p) for p in ps)
@@ -117,19 +124,9 @@ def test_host_blocks_read_in_place_let_more_requests_run_than_the_device_holds()
     blocks live there instead of its being preempted, so as many run as the device
     holds floors for (10 blocks, 3 each: three), not only the two whose whole KV it
     holds; the tokens equal each request's alone."""
-    ps = prompts(6, seed=1)
-    ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in ps]
     params = SamplingParams(max_tokens=40)
-    block = 2 * 2 * 16 * 2 * 4 * BS
-    per_seq = 80 // BS
-    with Engine(
-        tiny_model("llama"),
-        block_size=BS,
-        device_budget=2 * per_seq * block,
-        host_budget="8MiB",
-        prefix_caching=False,
-        config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
-    ) as engine:
+    ps, engine = six_requests_over_a_two_request_device(host_budget="8MiB")
+    with engine:
         outs = engine.generate(ps, params)
         stats = engine.stats()
         preemptions = engine.metrics.value("kvstrata_preemptions_total")
@@ -146,21 +143,11 @@ def test_spilling_into_a_small_host_tier_preempts_the_rest_to_disk(tmp_path):
     fit run with their older blocks there, the newest that outgrow it are preempted
     (their blocks demoted past the full host tier to disk) and resume from there;
     every output equals its solo run."""
-    ps = prompts(6, seed=1)
-    ps = [p[:40] + [5] * max(0, 40 - len(p)) for p in ps]
     params = SamplingParams(max_tokens=40)
-    block = 2 * 2 * 16 * 2 * 4 * BS
-    per_seq = 80 // BS
-    with Engine(
-        tiny_model("llama"),
-        block_size=BS,
-        device_budget=2 * per_seq * block,
-        host_budget=3 * block,
-        disk_dir=str(tmp_path),
-        disk_budget="1MiB",
-        prefix_caching=False,
-        config=EngineConfig(max_num_seqs=6, max_batched_tokens=64),
-    ) as engine:
+    ps, engine = six_requests_over_a_two_request_device(
+        host_budget=3 * BLOCK_BYTES, disk_dir=str(tmp_path), disk_budget="1MiB"
+    )
+    with engine:
         outs = engine.generate(ps, params, timeout=300)
         stats = engine.stats()
         preemptions = engine.metrics.value("kvstrata_preemptions_total")
@@ -183,7 +170,7 @@ def test_tight_device_budgets_finish_every_request(preemption, device_blocks):
     finishes with its solo output: no livelock when a step cannot be placed."""
     ps = prompts(8, seed=5)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    block = 2 * 2 * 16 * 2 * 4 * BS
+    block = BLOCK_BYTES
     with Engine(
         tiny_model("llama"),
         block_size=BS,

@@ -56,9 +56,6 @@ class HashIndex(Generic[V]):
     def __delitem__(self, block_hash: bytes) -> None:
         del self._by_hash[block_hash]
 
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(self._by_hash)
-
     def get(self, block_hash: bytes, default: V | None = None) -> V | None:
         return self._by_hash.get(block_hash, default)
 

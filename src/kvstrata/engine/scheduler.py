@@ -195,7 +195,7 @@ class Scheduler:
     def plan_step(self) -> list[tuple[Request, int]]:
         cfg = self.config
         demote = cfg.preemption == "demote"
-        room, seats = self._room()
+        room, seats, _ = self._room()
         chunk = cfg.max_batched_tokens
         used = 0
         keep: list[Request] = []
@@ -215,7 +215,7 @@ class Scheduler:
                 batch.append((req, n))
                 left -= n
         while len(self.running) < min(cfg.max_num_seqs, self.cap) and left > 0:
-            req = self._admit(used, room, left, seats)
+            req = self._admit(used, left, *self._room())  # after this step's preemptions
             if req is None:
                 break
             n = min(req.remaining, left)
@@ -224,26 +224,34 @@ class Scheduler:
             left -= n
         return batch
 
-    def _room(self) -> tuple[int, int]:
+    def _room(self) -> tuple[int, int, bool]:
         """(blocks the running requests may hold where a step reads them in place, how
-        many may run with their floors on the device), after the preempted ones."""
+        many may run with their floors on the device — both after the preempted ones —
+        and whether there are in-place tiers below the device)."""
         cap = self.store.capacity()
-        floor = max(1, self.floor_blocks)
-        # preempted sequences still pin their floor (sinks, open block) on the device;
-        # their demoted blocks fill the in-place tiers first
-        held = [self.blocks_for(r.computed) if cap.in_place_blocks else 0 for r in self.preempted]
+        in_place = cap.in_place_blocks > 0
         room = cap.device_blocks + cap.in_place_blocks
-        room -= sum(max(h, self.floor_blocks) for h in held)
-        return room, cap.device_blocks // floor - len(self.preempted)
+        room -= sum(self._held(r, in_place) for r in self.preempted)
+        return room, cap.device_blocks // max(1, self.floor_blocks) - len(self.preempted), in_place
 
-    def _admit(self, used: int, room: int, left: int, seats: int) -> Request | None:
+    def _held(self, req: Request, in_place: bool) -> int:
+        """What a preempted request still takes from the running ones' room: its floor
+        (sinks, open block) on the device, and its demoted blocks where in-place tiers
+        take them first."""
+        if in_place:
+            return max(self.blocks_for(req.computed), self.floor_blocks)
+        return self.floor_blocks
+
+    def _admit(self, used: int, left: int, room: int, seats: int, in_place: bool) -> Request | None:
         """Resume the oldest preempted request, else start the oldest waiting one, if
         it fits; None when nothing can start this step."""
         full = len(self.running) >= seats
         if self.preempted:
             req = self.preempted[0]
             need = self.device_need(req, req.computed + min(req.remaining, left))
-            if self.running and (used + need > room or full):
+            # its own share of what the preempted hold comes back as it resumes
+            room += self._held(req, in_place)
+            if self.running and (used + need > room or len(self.running) > seats):
                 return None
             self.preempted.pop(0)
             self.metrics.resumed.inc()
