@@ -37,6 +37,7 @@ from kvstrata.engine.params import (
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Request, Scheduler
 from kvstrata.integrations.hf import enable
+from kvstrata.integrations.hf.lean import lean_forward
 from kvstrata.integrations.hf.linear import install as install_native_linear
 from kvstrata.integrations.hf.step import StepCache
 from kvstrata.store.kvstore import KVStore
@@ -319,6 +320,7 @@ class Engine:
                 weights.device,
                 self.abort,
                 self.config.native_linear and install_native_linear(self.model) > 0,
+                lean_forward(self.model) if self.config.lean_forward else None,
             )
             self._take_snapshot()
         except BaseException as err:  # reported by the constructor

@@ -202,6 +202,10 @@ class EngineConfig:
             native kernel, which streams each weight once (2-3x faster than torch's
             sgemm there). Its fixed-order sums differ from torch's BLAS in the last
             bits; False keeps torch's for every projection.
+        lean_forward: Llama / Mistral / Qwen2 / Qwen3 models run the engine's steps
+            through kvstrata's lean forward (integrations.hf.lean: the model's own
+            modules, without transformers' per-call machinery; the same logits bit for
+            bit); False, or another family, runs transformers' forward.
     """
 
     max_num_seqs: int = 8
@@ -210,6 +214,7 @@ class EngineConfig:
     salt: str = ""
     threads: int | None = None
     native_linear: bool = True
+    lean_forward: bool = True
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -224,6 +229,8 @@ class EngineConfig:
             raise ConfigError.field("salt", self.salt, "a string naming the tenant")
         if not isinstance(self.native_linear, bool):
             raise ConfigError.field("native_linear", self.native_linear, "True or False")
+        if not isinstance(self.lean_forward, bool):
+            raise ConfigError.field("lean_forward", self.lean_forward, "True or False")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from kvstrata.engine.metrics import EngineMetrics
 from kvstrata.engine.params import RequestOutput, TokenLogprobs
 from kvstrata.engine.sampling import sample, token_logprobs
 from kvstrata.engine.scheduler import Request, Scheduler
+from kvstrata.integrations.hf.lean import LeanForward
 from kvstrata.integrations.hf.linear import native_projections
 from kvstrata.integrations.hf.step import StepCache
 from kvstrata.store.contract import EngineStore
@@ -39,6 +40,7 @@ class StepRunner:
         device: where the model's weights are.
         abort: queues an abort of a request id (for a consumer that failed).
         native_linear: small projections take the native kernel (hf.linear).
+        lean: the model's lean packed-step forward (hf.lean), None: transformers'.
     """
 
     def __init__(
@@ -52,8 +54,10 @@ class StepRunner:
         device: torch.device,
         abort: Callable[[str], None],
         native_linear: bool = False,
+        lean: LeanForward | None = None,
     ) -> None:
         self.model = model
+        self.lean = lean
         self.native_linear = native_linear
         self.store = store
         self.sched = sched
@@ -87,14 +91,7 @@ class StepRunner:
         self.step_cache.begin(seq_ids, counts, tokens)
         try:
             with torch.inference_mode(), native_projections(self.native_linear):
-                dev = self.device
-                out = self.model(
-                    input_ids=torch.tensor([t for ts in tokens for t in ts], device=dev)[None],
-                    position_ids=torch.cat(positions).to(dev)[None],
-                    cache=self.step_cache,
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
-                )
+                logits = self._forward(tokens, positions, rows)
         except Exception as err:
             self._recover(batch, err)
             return True
@@ -103,10 +100,8 @@ class StepRunner:
             (self.metrics.decode_tokens if req.out_ids else self.metrics.prefill_tokens).inc(n)
             if req.prompt_lps is not None and req.computed >= len(req.prompt_ids):
                 req.prompt_scored = True  # (its rows are scored below, in this step)
-        if special is None:
-            logits = out.logits[0].float().cpu()  # sampled with per-request CPU generators
-        else:
-            logits = self._score_prompts(out.logits[0], special)
+        # sampled with per-request CPU generators
+        logits = logits.float().cpu() if special is None else self._score_prompts(logits, special)
         reqs = [batch[i][0] for i in ready]
         adjust = None
         if any(r.adjuster is not None for r in reqs):  # penalties, logit_bias, min_tokens
@@ -119,6 +114,22 @@ class StepRunner:
             self._accept(req, token, now)
         self.metrics.step.observe(time.perf_counter() - t0)
         return True
+
+    def _forward(
+        self, tokens: list[list[int]], positions: list[torch.Tensor], rows: list[int]
+    ) -> torch.Tensor:
+        """The packed row's logits at `rows` ([len(rows), vocab])."""
+        dev = self.device
+        ids = torch.tensor([t for ts in tokens for t in ts], device=dev)[None]
+        pos = torch.cat(positions).to(dev)[None]
+        keep = torch.tensor(rows, dtype=torch.long, device=dev)
+        if self.lean is not None:
+            return self.lean(ids, pos, self.step_cache, keep)[0]
+        out = self.model(
+            input_ids=ids, position_ids=pos, cache=self.step_cache, use_cache=True,
+            logits_to_keep=keep,
+        )  # fmt: skip
+        return out.logits[0]
 
     def _recover(self, batch: list[tuple[Request, int]], err: Exception) -> None:
         """A failed forward: undo the step, then by cause — out of blocks: preempt the

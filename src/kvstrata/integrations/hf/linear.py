@@ -63,6 +63,8 @@ def install(model: torch.nn.Module) -> int:
         weight = module.weight
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             continue
+        if "forward" in vars(module):  # a forward of the caller's own: it stays
+            continue
         module.forward = _native_forward(module, lib)  # an instance attribute
         module._kvstrata_native = True
         count += 1
