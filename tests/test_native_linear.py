@@ -73,7 +73,8 @@ def test_bad_shapes_are_refused_by_the_kernel():
     assert lib.kv_linear_small(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 0, 4, 3, 1) == -1
 
 
-def test_installed_layers_take_the_kernel_only_when_turned_on():
+def test_installed_layers_take_the_kernel_only_when_turned_on(monkeypatch):
+    monkeypatch.setattr(native_linear, "MIN_WEIGHT_BYTES", 0)
     torch.manual_seed(0)
     layer = torch.nn.Linear(40, 24)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
@@ -99,6 +100,12 @@ def test_installed_layers_take_the_kernel_only_when_turned_on():
     assert layer.weight.grad is not None
 
 
+def test_small_weights_keep_torchs_product():
+    small, big = torch.nn.Linear(256, 256), torch.nn.Linear(512, 512)  # 256 KiB, 1 MiB
+    assert native_linear.install(torch.nn.Sequential(small, big)) == 1
+    assert "forward" not in vars(small) and "forward" in vars(big)
+
+
 def test_a_layer_with_other_weights_keeps_torchs_product():
     layer = torch.nn.Linear(16, 8).to(torch.float64)
     assert native_linear.install(torch.nn.Sequential(layer)) == 0
@@ -108,7 +115,8 @@ def test_a_layer_with_other_weights_keeps_torchs_product():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_engine_greedy_tokens_equal_with_and_without_the_kernel(family):
+def test_engine_greedy_tokens_equal_with_and_without_the_kernel(family, monkeypatch):
+    monkeypatch.setattr(native_linear, "MIN_WEIGHT_BYTES", 0)  # (the tiny model's are small)
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(3, 97, (m,), generator=g).tolist() for m in (5, 30, 70, 12)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
