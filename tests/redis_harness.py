@@ -3,6 +3,7 @@ reconfigured; and a TCP proxy that delays every answer (a slow link)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -55,6 +56,9 @@ class RedisServer:
     def client(self, **kw):
         import redis
 
+        args = list(self.args)
+        if "--requirepass" in args:
+            kw.setdefault("password", args[args.index("--requirepass") + 1])
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kw)
 
     def stop(self) -> None:
@@ -86,26 +90,21 @@ class SlowProxy:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            threading.Thread(target=self._pipe, args=(client, upstream, 0.0), daemon=True).start()
-            threading.Thread(
-                target=self._pipe, args=(upstream, client, self.delay), daemon=True
-            ).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, delay: float) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
         try:
             while data := src.recv(1 << 20):
-                if delay:
-                    time.sleep(delay)
+                if slow and self.delay:  # read at each chunk: a test may change it
+                    time.sleep(self.delay)
                 dst.sendall(data)
         except OSError:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self._stop = True
