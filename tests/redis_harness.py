@@ -4,6 +4,7 @@ reconfigured; and a TCP proxy that delays every answer (a slow link)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -15,8 +16,9 @@ import pytest
 
 REDIS_SERVER = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(
-    REDIS_SERVER is None,
-    reason="redis-server is not installed (apt-get install -y redis-server; .ci/run does it)",
+    REDIS_SERVER is None or importlib.util.find_spec("redis") is None,
+    reason="needs redis-server (apt-get install -y redis-server; .ci/run does it) and the "
+    "redis client (pip install 'kvstrata[remote]', in the dev extra)",
 )
 
 
