@@ -273,10 +273,10 @@ def test_a_server_evicting_under_maxmemory_gives_a_shorter_prefix_never_a_wrong_
         srv.stop()
 
 
-def _greedy_ref(model, ids):
+def _greedy_ref(model, ids, n=NEW):
     model.set_attn_implementation("sdpa")
     try:
-        return _greedy(model, ids, DynamicCache(config=model.config))
+        return _greedy(model, ids, DynamicCache(config=model.config), n)
     finally:
         enable(model)
 
@@ -345,3 +345,27 @@ def test_wrong_password_and_a_too_small_server_are_refused_at_start(llama, tmp_p
         assert "maxmemory" in str(err.value)
     finally:
         srv.stop()
+
+
+@needs_redis
+def test_two_engines_share_one_pool_with_the_tokens_of_a_cold_run(server):
+    from kvstrata.engine import Engine, SamplingParams
+
+    model = tiny_model("llama", max_position_embeddings=4096)
+    doc = _ids(7, PREFIX)[0].tolist()
+    questions = [doc + _ids(s, 30)[0].tolist() for s in (40, 41)]
+    params = [SamplingParams(max_tokens=24)]
+    fields = {"block_size": 64, "host_budget": "16MiB", "remote_url": server.url}
+    with Engine(model, prefix_caching=False, block_size=64, host_budget="16MiB") as cold:
+        ref = [cold.generate([q], params)[0].token_ids for q in questions]
+    dynamic = _greedy_ref(model, torch.tensor([questions[1]]), 24)[0, len(questions[1]) :]
+    assert ref[1] == dynamic.tolist()  # the cold run is transformers' DynamicCache run
+    with Engine(model, **fields) as a:  # server A reads the document
+        assert a.generate([questions[0]], params)[0].token_ids == ref[0]
+        a.store.prefix_index.remote.tier.flush()
+    with Engine(model, **fields) as b:  # server B answers another question on it
+        out = b.generate([questions[1]], params)[0]
+        assert out.token_ids == ref[1] and out.cached_tokens == PREFIX
+        assert b.metrics.value("kvstrata_remote_hits_total") == BLOCKS
+        assert b.metrics.value("kvstrata_remote_decisions_total", choice="load") == 1
+        assert b.metrics.value("kvstrata_remote_read_seconds_count") == 1
