@@ -50,6 +50,10 @@ REFUSED = [  # argv, words of the one-line message
     (["--kv-cache-dtype", "int8", "--host-codec", "fp8"], ["kv_cache_dtype", "--host-codec"]),
     (["--kv-cache-dtype", "int8", "--disk-codec", "fp8"], ["--disk-codec"]),
     (["--kv-cache-dtype", "fp8_e5m2"], ["fp8_e5m2", "e4m3"]),
+    (["--remote-url", "http://h:6379"], ["remote_url='http://h:6379'", "redis or rediss"]),
+    (["--remote-url", "redis://:pw@h:x"], ["remote_url='redis://:***@h:x'"]),
+    (["--remote-codec", "int8"], ["remote_codec", "set remote_url"]),
+    (["--remote-url", "redis://h", "--remote-ttl", "0"], ["remote_ttl='0'"]),
     (["--gpu-memory-utilization", "1.5"], ["gpu_memory_utilization", "(0, 1]"]),
     (["--gpu-memory-utilization", "nan"], ["gpu_memory_utilization"]),
     (["--swap-space", "-1"], ["swap_space", "'-1'"]),
@@ -99,6 +103,20 @@ def test_vllm_flags_set_the_same_fields_as_kvstrata_flags():
         assert engine.store.prefix_caching is False
         assert (engine.config.max_num_seqs, engine.config.max_batched_tokens) == (3, 100)
         assert engine.model_name == "tiny"
+    finally:
+        engine.shutdown()
+
+
+def test_remote_flags_set_the_remote_fields():
+    with pytest.warns(RuntimeWarning, match="unreachable at start"):  # nothing on port 1
+        engine = _engine(
+            "--remote-url", "redis://127.0.0.1:1/0", "--remote-codec", "int8",
+            "--remote-ttl", "60", "--remote-timeout", "0.05",
+        )  # fmt: skip
+    try:
+        config = engine.store.config
+        assert (config.remote_url, config.remote_codec) == ("redis://127.0.0.1:1/0", "int8")
+        assert (config.remote_ttl, config.remote_timeout) == (60, 0.05)
     finally:
         engine.shutdown()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,9 @@ from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import (
     MAX_TOKENS,
     format_bytes,
+    parse_float,
     parse_fraction,
+    parse_int,
     parse_size,
     parse_tokens,
 )
@@ -39,6 +42,11 @@ COLD_ATTENTION = ("auto", "local", "stage")
 BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 1, 4096
 BLOCK_SIZE_HELP = f"{BLOCK_SIZE_MIN}-{BLOCK_SIZE_MAX} tokens per block (64-256 typical)"
 DEVICE_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+REMOTE_SCHEMES = ("redis", "rediss")
+REMOTE_URL_HELP = (
+    "redis://[:password@]host[:port][/db] or rediss://... (TLS); the password may also "
+    "come from $KVSTRATA_REMOTE_PASSWORD"
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,14 @@ class CacheConfig:
             CPU-only machine, stage with CUDA.
         device: compute device ("auto" = cuda when present, else cpu); "cuda" and
             "cuda:N" are refused when that device is not there.
+        remote_url: a Redis / Valkey server shared by many stores (the remote tier,
+            the `remote` extra): "redis://host:6379/0", "rediss://" for TLS; a password
+            in the URL or in $KVSTRATA_REMOTE_PASSWORD. None: no remote tier.
+        remote_codec: codec of remote blocks (None: the disk codec).
+        remote_ttl: seconds a remote block lives after it is written (None: until
+            the server evicts it).
+        remote_timeout: seconds one remote read may take (its deadline); past it the
+            blocks are recomputed.
     """
 
     block_size: int = 64
@@ -94,6 +110,10 @@ class CacheConfig:
     staging_tokens: int = 16384
     cold_attention: str = "auto"
     device: str = "auto"
+    remote_url: str | None = dataclasses.field(default=None, repr=False)  # may hold a password
+    remote_codec: str | None = None
+    remote_ttl: int | None = None
+    remote_timeout: float = 0.5
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -156,6 +176,7 @@ class CacheConfig:
             if getattr(self, name) and self.disk_dir is None:
                 raise ConfigError.field(name, True, "set disk_dir (and disk_budget) to add a disk")
         _check_codecs(self)
+        _check_remote(self, put)
         _check_machine(self, given)
 
     @classmethod
@@ -243,6 +264,74 @@ def check_disk_dir(value: Any) -> str:
     return str(path)
 
 
+def redact_url(url: str) -> str:
+    """The URL with its password (if any) replaced by '***', for messages and logs."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def check_remote_url(value: Any) -> urllib.parse.SplitResult:
+    """The parts of a redis:// or rediss:// URL (ConfigError naming remote_url otherwise;
+    the password never appears in the message)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError.field("remote_url", value, REMOTE_URL_HELP)
+    shown = redact_url(value)
+    try:
+        parts = urllib.parse.urlsplit(value)
+        port = parts.port  # raises for a port that is not a number or out of range
+    except ValueError as exc:
+        raise ConfigError.field("remote_url", shown, f"{exc}; {REMOTE_URL_HELP}") from None
+    if parts.scheme not in REMOTE_SCHEMES:
+        raise ConfigError.field(
+            "remote_url", shown, f"the scheme must be redis or rediss, not {parts.scheme!r}"
+        )
+    if not parts.hostname or any(c.isspace() for c in value):
+        raise ConfigError.field("remote_url", shown, f"no host name; {REMOTE_URL_HELP}")
+    if port == 0:
+        raise ConfigError.field("remote_url", shown, "port 0 is not a server port")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError.field("remote_url", shown, f"the database /{db} must be a number")
+    if parts.query or parts.fragment:
+        raise ConfigError.field("remote_url", shown, f"no ?query or #fragment; {REMOTE_URL_HELP}")
+    return parts
+
+
+def _check_remote(config: CacheConfig, put: Any) -> None:
+    if config.remote_url is None:
+        for name in ("remote_codec", "remote_ttl"):
+            if getattr(config, name) is not None:
+                raise ConfigError.field(
+                    name, getattr(config, name), "set remote_url to add a remote tier"
+                )
+    else:
+        check_remote_url(config.remote_url)
+    if config.remote_codec is not None:
+        if not isinstance(config.remote_codec, str) or not config.remote_codec:
+            raise ConfigError.field(
+                "remote_codec", config.remote_codec, "a codec name, e.g. 'int4'"
+            )
+        get_codec(config.remote_codec, "remote_codec")
+    if config.remote_ttl is not None:
+        put(
+            "remote_ttl",
+            parse_int(config.remote_ttl, "remote_ttl", maximum=10**9, what="seconds (>= 1)"),
+        )
+    put(
+        "remote_timeout",
+        parse_float(
+            config.remote_timeout, "remote_timeout", minimum=0.001, maximum=600, what="seconds"
+        ),
+    )
+
+
 def _check_device(value: Any) -> str:
     """'auto', 'cpu', 'cuda' or 'cuda:N' (also a torch.device), present on this machine."""
     if type(value).__module__ == "torch" and type(value).__name__ == "device":
@@ -315,4 +404,6 @@ __all__ = [
     "CacheConfig",
     "check_cache_config",
     "check_field_names",
+    "check_remote_url",
+    "redact_url",
 ]

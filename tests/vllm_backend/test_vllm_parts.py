@@ -81,12 +81,22 @@ def plan_for(tmp_path: Path | None = None, **extra: Any) -> tuple[VllmOptions, B
         ({"host_budget": "1GiB", "self_describing_kv_events": 1}, "true or false"),
         ({"host_budget": "1GiB", "disk_codec": "int8"}, "disk_codec='int8' is invalid: set disk"),
         ({"host_budget": "1GiB", "stats_file": "/no/such/dir/s.json"}, "does not exist"),
+        ({"host_budget": "1GiB", "remote_url": "http://h"}, "remote_url='http://h' is invalid"),
+        ({"host_budget": "1GiB", "remote_codec": "int8"}, "remote_codec='int8' is invalid: set"),
     ],
 )
 def test_settings_are_refused_in_one_line(extra: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
         kv_transfer_config(**extra)
     assert "\n" not in str(info.value)
+
+
+def test_remote_settings_are_parsed_and_their_absence_of_effect_said() -> None:
+    with pytest.warns(RuntimeWarning, match="does not read or write the remote tier yet"):
+        options = VllmOptions.from_extra_config(
+            {"host_budget": "1GiB", "remote_url": "redis://h:6379/0", "remote_ttl": 60}
+        )
+    assert (options.cache.remote_url, options.cache.remote_ttl) == ("redis://h:6379/0", 60)
 
 
 def test_settings_pass_vllm_keys_and_default_to_lru() -> None:

@@ -111,6 +111,36 @@ def sequence_block_hashes(
     return hashes
 
 
+def block_namespace(
+    model_key: str,
+    names: Mapping[str, str],
+    layout_version: int,
+    group: str,
+    salt: str,
+) -> dict[str, str | int]:
+    """The extra keys every block hash of one store, layer group and tenant carries:
+    the one place the key rules live (the prefix index hashes with them, so the disk
+    tier's durable index and the remote tier's keys follow them too).
+
+    Args:
+        model_key: names the model and its weights (KVStore.model_key).
+        names: what else changes the stored bytes, e.g. {"dtype": ..., "codecs": ...}.
+        layout_version: bumped when stored bytes change meaning.
+        group: the layer group ("index:window:groups").
+        salt: the tenant salt ("" for none).
+    """
+    return {"model": model_key, **names, "layout": layout_version, "group": group, "salt": salt}
+
+
+def namespace_digest(extra: Mapping[str, str | int], **more: str | int) -> str:
+    """A short hex digest of a namespace (`block_namespace`) plus what a store outside
+    this process must also agree on (`more`: e.g. the remote codec, the block shape):
+    keys under different digests never meet."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"kvstrata.ns")
+    h.update(_canonical_extra({**extra, **{f"+{k}": v for k, v in more.items()}}))
+    return h.hexdigest()
+
+
 # config id -> fingerprint of the weights of the model that owns it (set by
 # kvstrata.enable); a store names the weights in its block hashes with it, so two
 # models with one config name never share a block.

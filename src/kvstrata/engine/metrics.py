@@ -2,7 +2,8 @@
 
 Latencies are histograms observed as requests progress; the store's counters (tier
 occupancy, bytes moved per link, prefix lookups and hits per tier, evictions,
-demotions, transfer stalls) are read from the engine's latest snapshot when scraped,
+demotions, transfer stalls, the remote tier's hits, faults, bytes, round trips and
+cost decisions) are read from the engine's latest snapshot when scraped,
 so a scrape never touches the store from another thread.
 """
 
@@ -12,7 +13,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -75,6 +81,8 @@ class _SnapshotCollector:
         )
         evicted.add_metric([], snap.get("evicted_cached_blocks", 0))
         yield evicted
+        if store_stats.get("remote"):
+            yield from _remote_metrics(store_stats["remote"])
         xfer = store_stats.get("transfers")
         if xfer:
             stall = CounterMetricFamily(
@@ -86,6 +94,46 @@ class _SnapshotCollector:
             )
             hidden.add_metric([], xfer["overlap_ratio"])
             yield from (stall, hidden)
+
+
+_REMOTE_COUNTERS = (
+    ("hits", "remote blocks loaded (a prefix hit from the shared server)"),
+    ("misses", "remote blocks asked for and absent"),
+    ("corrupt", "remote values that failed a check: refused, deleted, recomputed"),
+    ("timeouts", "remote reads past their deadline (recomputed)"),
+    ("errors", "remote reads that failed (server down, connection lost)"),
+    ("skipped", "remote lookups skipped while the server is in backoff"),
+    ("writes", "blocks written to the remote server"),
+    ("writes_dropped", "remote writes dropped (queue full or server down)"),
+    ("write_errors", "remote writes the server refused"),
+    ("bytes_read", "bytes read from the remote server"),
+    ("bytes_written", "bytes written to the remote server"),
+)
+
+
+def _remote_metrics(remote: dict[str, Any]) -> Iterator[Metric]:
+    """The remote tier's counters, its round-trip histogram and its cost decisions."""
+    for key, doc in _REMOTE_COUNTERS:
+        c = CounterMetricFamily(f"kvstrata_remote_{key}", doc)
+        c.add_metric([], remote[key])
+        yield c
+    decisions = CounterMetricFamily(
+        "kvstrata_remote_decisions",
+        "lookups where the link model chose to load remote blocks or to recompute them",
+        labels=["choice"],
+    )
+    decisions.add_metric(["load"], remote["link"]["decisions_load"])
+    decisions.add_metric(["recompute"], remote["link"]["decisions_recompute"])
+    yield decisions
+    counts, total, buckets = remote["latency_counts"], 0, []
+    for bound, n in zip([*remote["latency_buckets_s"], float("inf")], counts, strict=True):
+        total += n
+        buckets.append((str(bound) if bound != float("inf") else "+Inf", total))
+    latency = HistogramMetricFamily(
+        "kvstrata_remote_read_seconds", "round trip of one batched remote read"
+    )
+    latency.add_metric([], buckets, sum_value=remote["latency_sum_s"])
+    yield latency
 
 
 class EngineMetrics:

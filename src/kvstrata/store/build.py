@@ -4,6 +4,8 @@ device   DeviceTier, sized by `budgets.device_slots` (device_budget, or
          resident_fraction of max_tokens; at least the floor every sequence pins)
 host     HostTier of host_budget bytes (pinned when CUDA is there), if any
 disk     DiskTier of disk_budget bytes in disk_dir (durable, checksummed), if any
+remote   RemoteTier on the server at remote_url (shared, content-addressed), if any:
+         not an arena, the prefix index reads and writes it (store/remote.py)
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from __future__ import annotations
 import torch
 
 from kvstrata.codecs.base import Codec
+from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.core.layout import BlockLayout
 from kvstrata.model import budgets
 from kvstrata.model.groups import LayerGroup
+from kvstrata.store.remote import RemoteBlocks
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import DeviceTier, HostTier
+from kvstrata.tiers.remote import RemoteTier
 
 CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
 
@@ -69,3 +74,16 @@ def build_tiers(
             )
         )
     return tiers
+
+
+def build_remote(
+    config: CacheConfig, layout: BlockLayout, groups: list[LayerGroup]
+) -> RemoteBlocks | None:
+    """The remote tier of `remote_url` (codec: remote_codec, else the disk codec), or None."""
+    if config.remote_url is None:
+        return None
+    name = config.remote_codec or config.disk_codec
+    codec = get_codec(name, "remote_codec" if config.remote_codec else "disk_codec")
+    codec.validate(layout)
+    tier = RemoteTier(config.remote_url, ttl=config.remote_ttl, timeout=config.remote_timeout)
+    return RemoteBlocks(tier, layout, codec, groups)

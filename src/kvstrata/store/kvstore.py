@@ -11,8 +11,8 @@ manager (tables, placement, eviction), the layer groups and the prefix index; a
 Prefix reuse (DESIGN.md decision 6) is the `PrefixIndex` (prefix.py): full blocks
 are content-addressed, shared by reference, verified on a hit (a corrupt disk block is
 a miss and is recomputed), kept cached after their last use, found again after a
-restart, and written to the disk tier by `close()`. The engine sees the store through
-`contract.EngineStore` only.
+restart, written to the disk tier by `close()` and shared through a remote tier
+(remote_url, store/remote.py). The engine sees the store through `contract.EngineStore`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvstrata.core.layout import BlockLayout
 from kvstrata.model import budgets
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import LayerGroup, layer_groups
-from kvstrata.store.build import CODEC_FIELDS, build_tiers, lossy_below
+from kvstrata.store.build import CODEC_FIELDS, build_remote, build_tiers, lossy_below
 from kvstrata.store.contract import Capacity, Usage
 from kvstrata.store.prefix import PrefixIndex, PrefixStats
 from kvstrata.store.sequences import SequenceState, table_keys
@@ -169,16 +169,11 @@ class KVStore(OneThread):
             model_key=lambda: self.model_key,
             dtype=str(layout.dtype).removeprefix("torch."),
             codecs="/".join(self.codecs[f].name for f in CODEC_FIELDS),
+            remote=build_remote(cc, layout, self.groups),
         )
         self.prefix_index.adopt_from_disk()  # what an earlier process keyed there
         self.runtime = AttentionRuntime(
-            self.manager,
-            layout,
-            cc,
-            self.device,
-            self.groups,
-            self.layer_map,
-            native=native,
+            self.manager, layout, cc, self.device, self.groups, self.layer_map, native=native
         )
 
     def checked_manager(self) -> BlockManager:
@@ -296,6 +291,7 @@ class KVStore(OneThread):
         writes = mgr.append(keys, counts * len(self.groups))
         if self.runtime is not None:
             self.runtime.begin_step(dict(zip(seq_ids, counts, strict=True)))
+        self.prefix_index.step_began(sum(counts))
         for i, seq in enumerate(seqs):
             if seq.in_step:  # the previous step never called step_done (K/V written
                 seq.token_ids = None  # without a forward?): never index this sequence
@@ -322,6 +318,7 @@ class KVStore(OneThread):
             if self.prefix_caching:  # before end_step: the step's skipped blocks get cached
                 self.prefix_index.hash_full_blocks(seq_id, seq, self.num_tokens(seq_id))
         mgr.end_step([k for s in seq_ids for k in self.tables(s)])
+        self.prefix_index.step_ended()
 
     def abort_step(self, seq_ids: list[int] | None = None) -> list[int]:
         """Undo the unfinished step of these sequences (default: all): back to the
@@ -476,6 +473,7 @@ class KVStore(OneThread):
             "peak_kv_bytes": mgr.peak_live_bytes,
             "transfers": runtime.transfer_stats() if runtime else None,
             "prefix": self.prefix.as_dict(),
+            "remote": self.prefix_index.remote_stats(),
             "tokens": {s: self.num_tokens(s) for s in sorted(self._seqs)},
         }
 
@@ -488,6 +486,7 @@ class KVStore(OneThread):
         try:
             self.prefix_index.persist()
         finally:
+            self.prefix_index.close()
             if self.runtime is not None:
                 self.runtime.close()
             for tier in self.manager.tiers.values():

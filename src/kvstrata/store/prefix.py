@@ -20,9 +20,10 @@ from typing import Any
 
 from kvstrata.blocks.manager import BlockManager
 from kvstrata.core.errors import TierIOError
-from kvstrata.core.hashing import block_hash
+from kvstrata.core.hashing import block_hash, block_namespace
 from kvstrata.model.groups import LayerGroup
-from kvstrata.store.sequences import SequenceState, table_keys
+from kvstrata.store.remote import RemoteBlocks
+from kvstrata.store.sequences import SequenceState, longest_match, table_keys
 from kvstrata.tiers.disk import DiskTier
 
 LAYOUT_VERSION = 2  # part of every block hash: bump when stored bytes change meaning
@@ -61,6 +62,7 @@ class PrefixIndex:
         self.stats = PrefixStats()
         self.manager: BlockManager | None = None
         self.disk: DiskTier | None = None
+        self.remote: RemoteBlocks | None = None
         self._caching: Callable[[], bool] = bool
         self._model_key: Callable[[], str] = str
         self._names: dict[str, str] = {}
@@ -74,25 +76,47 @@ class PrefixIndex:
         model_key: Callable[[], str],
         dtype: str,
         codecs: str,
+        remote: RemoteBlocks | None = None,
     ) -> None:
         """The built store's manager and disk tier (None without one), whether the store
         caches prefixes (asked when it matters: the store's flag may change), and what
         names its blocks in every hash: the model key (asked at the first hash: it is
-        fixed at first use), the KV dtype and the tiers' codecs."""
+        fixed at first use), the KV dtype and the tiers' codecs; and its remote tier."""
         self.manager, self.disk, self._caching = manager, disk, caching
         self._model_key, self._names = model_key, {"dtype": dtype, "codecs": codecs}
         self._extra.clear()
+        self.remote = remote
+        if remote is not None:
+            remote.bind(manager, self._extra_keys)
+
+    # -- the remote tier's view of steps, its counters, its lifetime ----------------------
+    def step_began(self, num_tokens: int) -> None:
+        """A step of `num_tokens` new tokens starts (the remote cost rule times them)."""
+        if self.remote is not None:
+            self.remote.step_began(num_tokens)
+
+    def step_ended(self) -> None:
+        if self.remote is not None:
+            self.remote.step_ended()
+
+    def remote_stats(self) -> dict[str, Any] | None:
+        return None if self.remote is None else self.remote.stats()
+
+    def close(self) -> None:
+        """Send the remote tier's queued writes and disconnect (idempotent)."""
+        if self.remote is not None:
+            self.remote.close()
 
     def _extra_keys(self, group: int, salt: str) -> dict[str, str | int]:
         extra = self._extra.get((group, salt))
         if extra is None:
-            extra = {
-                "model": self._model_key(),
-                **self._names,
-                "layout": LAYOUT_VERSION,
-                "group": f"{group}:{self.groups[group].window or 0}:{len(self.groups)}",
-                "salt": salt,
-            }
+            extra = block_namespace(
+                self._model_key(),
+                self._names,
+                LAYOUT_VERSION,
+                f"{group}:{self.groups[group].window or 0}:{len(self.groups)}",
+                salt,
+            )
             self._extra[(group, salt)] = extra
         return extra
 
@@ -108,7 +132,7 @@ class PrefixIndex:
             return
         bs = self.block_size
         num_full = min(len(seq.token_ids), num_tokens) // bs
-        indexed = []
+        indexed, fresh = [], []
         keys, blocks = table_keys(seq_id, self.groups), mgr.pool.blocks
         for i in range(seq.num_hashed, num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
@@ -118,8 +142,11 @@ class PrefixIndex:
                 block_id = mgr.block_at(key, i)
                 if block_id is not None and mgr.set_hash(block_id, h, tuple(tokens)):
                     indexed.append(blocks[block_id])
+                    fresh.append((blocks[block_id], g))
         seq.num_hashed = max(seq.num_hashed, num_full)
         self.key_on_disk(indexed)
+        if self.remote is not None:
+            self.remote.offer(fresh, seq.salt)
 
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),
@@ -147,6 +174,7 @@ class PrefixIndex:
         limit = max(0, len(token_ids) - 1) // bs
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids)
+        remote = self.remote.fill(seq.salt, token_ids, limit) if self.remote and limit else ()
         for _attempt in range(8):
             found = [self._lookup_blocks(g.index, seq.salt, token_ids, limit) for g in self.groups]
             k = self._longest_match(found)
@@ -172,7 +200,7 @@ class PrefixIndex:
             self.stats.hit_tokens += k * bs
             blocks = mgr.pool.blocks
             for block_id in chosen[0][1]:
-                tier = blocks[block_id].tier
+                tier = "remote" if block_id in remote else blocks[block_id].tier
                 self.stats.hit_tokens_by_tier[tier] = (
                     self.stats.hit_tokens_by_tier.get(tier, 0) + bs
                 )
@@ -189,24 +217,7 @@ class PrefixIndex:
         seq.num_hashed = num_blocks
 
     def _longest_match(self, found: list[list[int | None]]) -> int:
-        """The most full blocks k such that every group holds the blocks it needs
-        after k blocks (all of them for full attention, its window for sliding)."""
-        bs = self.block_size
-        k = len(found[0]) if found else 0
-        for group, ids in zip(self.groups, found, strict=True):
-            if group.window is None:
-                k = min(k, next((i for i, b in enumerate(ids) if b is None), len(ids)))
-        while k > 0:
-            ok = True
-            for group, ids in zip(self.groups, found, strict=True):
-                first = group.first_live_block(k * bs, bs)
-                if any(b is None for b in ids[first:k]):
-                    ok = False
-                    break
-            if ok:
-                return k
-            k -= 1
-        return 0
+        return longest_match(self.groups, self.block_size, found)
 
     def _verify_disk(self, block_ids: list[int]) -> bool:
         """Read back the disk blocks of a hit (checksums); drop corrupt ones from the

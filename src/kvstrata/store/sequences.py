@@ -29,3 +29,22 @@ class SequenceState:
 def table_keys(seq_id: int, groups: list[LayerGroup]) -> list[tuple[int, int]]:
     """The block-table keys of a sequence, one per layer group."""
     return [(seq_id, g.index) for g in groups]
+
+
+def longest_match(groups: list[LayerGroup], block_size: int, found: list[list]) -> int:
+    """The most full blocks k such that every group holds the blocks it needs after k
+    blocks (all of them for full attention, its window for sliding): `found[g][i]` is
+    None where group g lacks block i."""
+    bs = block_size
+    k = len(found[0]) if found else 0
+    for group, ids in zip(groups, found, strict=True):
+        if group.window is None:
+            k = min(k, next((i for i, b in enumerate(ids) if b is None), len(ids)))
+    while k > 0:
+        if all(
+            all(b is not None for b in ids[group.first_live_block(k * bs, bs) : k])
+            for group, ids in zip(groups, found, strict=True)
+        ):
+            return k
+        k -= 1
+    return 0

@@ -14,6 +14,7 @@ own KV block size. kvstrata stores one block per chunk, so the two agree.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,10 @@ CACHE_FIELDS = (
     "disk_compress",
     "disk_o_direct",
     "policy",
+    "remote_url",
+    "remote_codec",
+    "remote_ttl",
+    "remote_timeout",
 )
 OWN_KEYS = ("model_key", "stats_file")
 # Keys vLLM's OffloadingConnector itself reads from the same dict (vllm 0.32).
@@ -109,6 +114,14 @@ class VllmOptions:
                 extra.get("host_budget", 0),
                 "the vLLM backend moves every block through the host tier: set host_budget, "
                 "e.g. '1GiB' (the disk tier keeps what does not fit)",
+            )
+        if cache.remote_url is not None:
+            warnings.warn(
+                "kv_connector_extra_config: remote_url is checked, but the vLLM backend does "
+                "not read or write the remote tier yet (kvstrata serve and KVStore do): each "
+                "vLLM server keeps its own tiers",
+                RuntimeWarning,
+                stacklevel=2,
             )
         for name in OWN_KEYS:
             value = extra.get(name)

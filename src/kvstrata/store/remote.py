@@ -1,0 +1,292 @@
+"""The store's side of a remote tier: what to fetch, the checks, the cost rule, the
+import into a local tier, and the write-behind of every new full block.
+
+Reads (`fill`, at admission, before the prefix index's own lookup): the prompt's
+chain of block hashes is walked per layer group; the blocks no local tier holds, past
+the longest local match, are asked for in one round trip — only when the link model
+predicts loading them beats recomputing those tokens (the decision is counted). Every
+value is checked (tiers/remote_format.py: header, namespace, block hash, lengths,
+XXH3, and the token ids against the prompt's); one that fails is a miss, counted,
+deleted from the server and recomputed, never served. The longest prefix every group
+can then serve is installed as cached blocks on the highest local tier with room
+(evicting older cached blocks when needed, never the ones this lookup matched), so
+the prefix index finds it like any local hit.
+
+Writes (`offer`, when a step's full blocks are hashed): their stored bytes are copied
+on the store's thread and queued; the tier's writer thread encodes them in the remote
+codec and sends them. A dropped write costs another server a recompute, nothing else.
+
+Keys name the block hash under a namespace digest of the same extra keys the block
+hash carries (core.hashing.block_namespace, via the prefix index) plus the remote
+format's version, codec and block shape: another model, weights, codec, layout,
+block size or tenant salt is another key.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvstrata.blocks.manager import BlockManager
+from kvstrata.blocks.pool import Block
+from kvstrata.codecs.base import Codec
+from kvstrata.core.hashing import block_hash, namespace_digest
+from kvstrata.core.layout import KINDS, BlockLayout
+from kvstrata.model.groups import LayerGroup
+from kvstrata.store.sequences import longest_match
+from kvstrata.tiers.base import Encoded
+from kvstrata.tiers.remote import RemoteTier
+from kvstrata.tiers.remote_format import BadValue, RemoteFormat
+
+ExtraKeys = Callable[[int, str], dict[str, str | int]]
+PING_STALE_S = 5.0  # re-measure the latency of a link the rule keeps refusing this often
+
+
+class RemoteBlocks:
+    """A remote tier as seen by one store (see the module docstring).
+
+    Args:
+        tier: the remote tier (its connection, writer thread, stats and link model).
+        layout: the store's block layout.
+        codec: the remote codec.
+        groups: the store's layer groups.
+    """
+
+    def __init__(
+        self, tier: RemoteTier, layout: BlockLayout, codec: Codec, groups: list[LayerGroup]
+    ) -> None:
+        self.tier = tier
+        self.layout = layout
+        self.format = RemoteFormat(layout, codec)
+        self.groups = groups
+        self.block_size = layout.block_size
+        self.manager: BlockManager | None = None
+        self._extra_keys: ExtraKeys | None = None
+        self._ns: dict[tuple[int, str], str] = {}
+        self._step: tuple[float, int] | None = None
+        self._last_ping = time.monotonic()
+
+    def bind(self, manager: BlockManager, extra_keys: ExtraKeys) -> None:
+        """The store's block manager and its hash extra keys per (group, salt)."""
+        self.manager, self._extra_keys = manager, extra_keys
+        self._ns.clear()
+        self.tier.start(self.format.value_bytes)
+
+    def namespace(self, group: int, salt: str) -> str:
+        ns = self._ns.get((group, salt))
+        if ns is None:
+            assert self._extra_keys is not None, "RemoteBlocks used before bind()"
+            ns = namespace_digest(self._extra_keys(group, salt), **self.format.shape_names)
+            self._ns[(group, salt)] = ns
+        return ns
+
+    def key(self, group: int, salt: str, block_hash: bytes) -> bytes:
+        """The server key of one block (tests read raw keys with it)."""
+        return self.format.key(self.namespace(group, salt), block_hash)
+
+    # -- what recomputing costs here ----------------------------------------------------
+    def step_began(self, num_tokens: int) -> None:
+        self._step = (time.perf_counter(), num_tokens)
+
+    def step_ended(self) -> None:
+        if self._step is not None:
+            t0, tokens = self._step
+            self.tier.link.observe_compute(tokens, time.perf_counter() - t0)
+            self._step = None
+
+    # -- reads --------------------------------------------------------------------------
+    def fill(self, salt: str, token_ids: list[int], limit: int) -> set[int]:
+        """Install the remote blocks that extend the local prefix match of `token_ids`
+        (up to `limit` full blocks) as cached blocks; returns their block ids."""
+        mgr = self.manager
+        assert mgr is not None and self._extra_keys is not None, "RemoteBlocks used before bind()"
+        bs, stats = self.block_size, self.tier.stats
+        hashes: list[list[bytes]] = []
+        local: list[list[int | None]] = []
+        blocks = mgr.pool.blocks
+        for g in range(len(self.groups)):
+            extra, parent, chain, ids = self._extra_keys(g, salt), None, [], []
+            for i in range(limit):
+                tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+                parent = block_hash(parent, tokens, extra)
+                block_id = mgr.hash_to_block.get(parent)
+                if block_id is not None and blocks[block_id].token_ids != tokens:
+                    block_id = None
+                chain.append(parent)
+                ids.append(block_id)
+            hashes.append(chain)
+            local.append(ids)
+        k0 = longest_match(self.groups, bs, local)
+        want = [
+            (g, i)
+            for g, group in enumerate(self.groups)
+            for i in range(group.first_live_block((k0 + 1) * bs, bs), limit)
+            if local[g][i] is None
+        ]
+        if k0 >= limit or not want:
+            return set()
+        value_bytes = self.format.value_bytes
+        if not self.tier.link.worth_loading(len(want) * value_bytes, (limit - k0) * bs):
+            if time.monotonic() - self._last_ping > PING_STALE_S and self.tier.available:
+                self._last_ping = time.monotonic()
+                self.tier.ping()
+            return set()
+        keys = [self.key(g, salt, hashes[g][i]) for g, i in want]
+        values = self.tier.get(keys, value_bytes)
+        if values is None:  # down, in backoff or past the deadline: counted by the tier
+            return set()
+        fetched: dict[tuple[int, int], Encoded] = {}
+        bad: list[bytes] = []
+        for (g, i), key, value in zip(want, keys, values, strict=True):
+            if value is None:
+                continue
+            try:
+                tokens, fields = self.format.decode(value, self.namespace(g, salt), hashes[g][i])
+                if tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
+                    raise BadValue("token ids differ from the prompt's")
+            except BadValue:
+                stats.corrupt += 1
+                bad.append(key)
+                continue
+            fetched[(g, i)] = fields
+        self.tier.delete(bad)
+        present: list[list[int | None]] = [list(ids) for ids in local]
+        for g, i in fetched:
+            present[g][i] = -1  # held remotely
+        k = longest_match(self.groups, bs, present)
+        needed = [
+            (g, i)
+            for g, group in enumerate(self.groups)
+            for i in range(group.first_live_block(k * bs, bs), k)
+            if local[g][i] is None
+        ]
+        stats.hits += len(needed)
+        stats.misses += len(want) - len(fetched) - len(bad)
+        if k <= k0 or not needed:
+            return set()
+        protect = {b for ids in local for b in ids if b is not None}
+        items = [
+            (fetched[(g, i)], hashes[g][i], tuple(token_ids[i * bs : (i + 1) * bs]))
+            for g, i in needed
+        ]
+        return self._install(items, protect)
+
+    def _install(self, items: list[tuple[Encoded, bytes, tuple[int, ...]]], protect: set) -> set:
+        """Write fetched blocks to a local tier and index them as cached blocks."""
+        mgr = self.manager
+        assert mgr is not None
+        target = self._room(len(items), protect)
+        if target is None:
+            self.tier.stats.no_room += 1
+            return set()
+        tier = mgr.tiers[target]
+        slots = tier.allocate(len(items))
+        assert slots is not None, "room was checked"
+        data = {
+            key: torch.cat([f[key] for f, _, _ in items], dim=2) for key, _ in self.format.specs
+        }
+        try:
+            if tier.codec.name == self.format.codec.name:
+                tier.write_encoded(slots, data)
+            else:
+                n, lay, codec = len(items), self.layout, self.format.codec
+                raw = {kind: torch.empty(lay.raw_shape(kind, n), dtype=lay.dtype) for kind in KINDS}
+                for kind in KINDS:
+                    enc = {f: data[f"{kind}.{f}"] for f in codec.fields(kind, lay)}
+                    codec.decode(kind, enc, raw[kind])
+                tier.write_blocks(slots, raw["k"], raw["v"])
+        except BaseException:
+            tier.free(slots)
+            raise
+        return {
+            mgr.adopt_cached(target, slot, h, tokens)
+            for (_, h, tokens), slot in zip(items, slots, strict=True)
+        }
+
+    def _room(self, n: int, protect: set) -> str | None:
+        """The highest tier with `n` free slots in its budget, else the lowest one that
+        gets them by evicting cached blocks this lookup did not match."""
+        mgr = self.manager
+        assert mgr is not None
+
+        def free(name: str) -> int:
+            tier = mgr.tiers[name]
+            return min(tier.num_free, mgr.budget_slots[name] - len(mgr.on_tier[name]))
+
+        for name in mgr.tier_order:
+            if free(name) >= n:
+                return name
+        for name in reversed(mgr.tier_order):
+            short = n - max(0, free(name))
+            evictable = [b for _, b in mgr.hash_to_block.ascending(name) if b not in protect]
+            if len(evictable) >= short:
+                for block_id in evictable[:short]:
+                    mgr.evict_cached(block_id)
+                    mgr.num_evicted_cached += 1
+                if free(name) >= n:
+                    return name
+        return None
+
+    # -- writes -------------------------------------------------------------------------
+    def offer(self, fresh: list[tuple[Block, int]], salt: str) -> None:
+        """Queue the just-hashed full blocks `(block, group)` of one sequence for the
+        server (copied now; encoded and sent by the writer thread)."""
+        mgr = self.manager
+        if not fresh or mgr is None or not self.tier.available:
+            if fresh:
+                self.tier.stats.writes_dropped += len(fresh)
+            return
+        by_tier: dict[str, list[tuple[Block, int]]] = {}
+        for block, g in fresh:
+            by_tier.setdefault(block.tier, []).append((block, g))
+        for name, entries in by_tier.items():
+            tier, n, lay = mgr.tiers[name], len(entries), self.layout
+            slots = [b.slot for b, _ in entries]
+            if tier.codec.name == self.format.codec.name:
+                data = {k: t.cpu() for k, t in tier.read_encoded(slots).items()}
+                encoded = True
+            else:
+                data = {
+                    kind: torch.empty(lay.raw_shape(kind, n), dtype=lay.dtype) for kind in KINDS
+                }
+                tier.read_blocks(slots, data["k"], data["v"])
+                encoded = False
+            metas = [
+                (self.namespace(g, salt), b.block_hash, tuple(b.token_ids or ()))
+                for b, g in entries
+            ]
+            make = functools.partial(self._values, metas, data, encoded)
+            self.tier.submit(make, n * self.format.value_bytes, n)
+
+    def _values(self, metas: list, data: dict, encoded: bool) -> list[tuple[bytes, bytes]]:
+        """(key, value) of queued blocks (on the writer thread)."""
+        fmt, lay = self.format, self.layout
+        if not encoded:
+            n, raw, data = len(metas), data, {}
+            for kind in KINDS:
+                fields = {
+                    f: torch.empty(
+                        (lay.num_layers, lay.num_kv_heads, n * s.rows, s.cols), dtype=s.dtype
+                    )
+                    for f, s in fmt.codec.fields(kind, lay).items()
+                }
+                fmt.codec.encode(kind, raw[kind], fields)
+                data.update({f"{kind}.{f}": t for f, t in fields.items()})
+        rows = dict(fmt.specs)
+        out = []
+        for i, (ns, h, tokens) in enumerate(metas):
+            fields = {
+                key: data[key].narrow(2, i * spec.rows, spec.rows) for key, spec in rows.items()
+            }
+            out.append((fmt.key(ns, h), fmt.encode(ns, h, tokens, fields)))
+        return out
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.tier.as_dict()
+
+    def close(self) -> None:
+        self.tier.close()
