@@ -12,6 +12,7 @@ characters) read the validation context (`Limits`).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -127,10 +128,9 @@ class Request(_Body):
     )
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description=f"a whole number 0..{MAX_SEED}")
     stop: Annotated[
-        list[StopString] | None,
+        Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
         BeforeValidator(_listed),
         Field(
-            max_length=MAX_STOP_STRINGS,
             description=f"a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to "
             f"{MAX_STOP_CHARS} characters",
         ),
@@ -358,7 +358,9 @@ def _accepted(model: type[_Body], loc: tuple[int | str, ...]) -> str | None:
 def body_error(exc: ValidationError) -> APIError:
     """The OpenAI error object (400) of a request body pydantic refused: its first error,
     one line naming the field (`param`), the value and what is accepted."""
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # an unknown field first: a misspelled one leaves the field it meant missing
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     kind, loc, ctx = err["type"], tuple(err["loc"]), err.get("ctx") or {}
     model = MODELS.get(exc.title, Request)
     if kind == "json_invalid":
@@ -372,7 +374,11 @@ def body_error(exc: ValidationError) -> APIError:
     if kind == "extra_forbidden":
         owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
         known = sorted(owner.model_fields)
-        message = str(ConfigError.unknown(param, value, known))
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        message = str(
+            ConfigError.field(param, value, f"unknown field; {guess}known: {', '.join(known)}")
+        )
         where = {"CompletionRequest": COMPLETIONS, "ChatRequest": CHAT}.get(exc.title)
         message += f" (endpoint {where})" if where else ""
         return APIError(400, message, param=param, code="unknown_parameter")
