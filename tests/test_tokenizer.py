@@ -109,3 +109,24 @@ def test_shipped_tokenizer_matches_builder(tok):
         pytest.skip("embedded model not built yet")
     vocab = json.loads(shipped.read_text())["model"]["vocab"]
     assert vocab == json.loads(tok.backend_tokenizer.to_str())["model"]["vocab"]
+
+
+def test_the_incremental_detokenizer_steps_tokenizers_decode_stream(tok):
+    """Detokenizer pushes through tokenizers' DecodeStream (same pieces as its own two
+    decodes a token); its own code stays for the end of a text inside a character,
+    where the stream gives nothing and a whole decode gives U+FFFD."""
+    from tokenizers.decoders import DecodeStream
+
+    from kvstrata.engine.sampling import Detokenizer
+
+    ids = tok.encode("é€😀 x = 'ü'\n", add_special_tokens=False) + [0xE2, 0x82]  # € cut
+    streamed = Detokenizer(tok, [BOS_ID])
+    assert streamed.stream is not None
+    own = Detokenizer(tok, [BOS_ID])
+    own.stream = None  # its own decodes
+    pieces = [streamed.push([t]) for t in ids]
+    assert pieces == [own.push([t]) for t in ids]
+    assert pieces[:6] == ["", "é", "", "", "€", ""]
+    assert "".join(pieces) + streamed.flush() == tok.decode(ids) == "é€😀 x = 'ü'\n\ufffd"
+    library = DecodeStream(skip_special_tokens=True)
+    assert "".join(library.step(tok.backend_tokenizer, t) or "" for t in ids) == "é€😀 x = 'ü'\n"

@@ -86,6 +86,19 @@ def check_flags(args: argparse.Namespace) -> None:
     for name in ("device_budget", "host_budget", "disk_budget"):
         if getattr(args, name) is not None:
             parse_size(getattr(args, name), name, allow_zero=name == "host_budget")
+    serve_limits(args)
+
+
+def serve_limits(args: argparse.Namespace) -> Any:
+    """The server's request limits (kvstrata.server.limits.ServeLimits) from the flags."""
+    from kvstrata.server.limits import ServeLimits
+
+    tokens = args.max_request_tokens
+    return ServeLimits(
+        max_body_bytes=parse_size(args.max_request_body, "max_request_body"),
+        max_request_tokens=None if tokens is None else parse_tokens(tokens, "max_request_tokens"),
+        trust_special_tokens=args.trust_special_tokens,
+    )
 
 
 def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             name = served_name(args)
             key = os.environ.get(API_KEY_ENV) if args.api_key is None else args.api_key
-            app = build_app(engine, name, key or None)  # --api-key "": none
+            app = build_app(engine, name, key or None, serve_limits(args))  # --api-key "": none
             config = uvicorn.Config(
                 app,
                 log_level=args.uvicorn_log_level,
@@ -346,6 +359,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"require Authorization: Bearer <key> on every route but /health and /metrics "
         f"(default: ${API_KEY_ENV}; '' for none)",
+    )
+    lim = p.add_argument_group("request limits")
+    lim.add_argument(
+        "--max-request-body",
+        default="8MiB",
+        help="request body bytes at most, a 413 past it before it is read (default 8MiB)",
+    )
+    lim.add_argument(
+        "--max-request-tokens",
+        default=None,
+        help="tokens of work one request may ask for: (prompt + max_tokens) x n over its "
+        "prompts, a 400 past it; logprob entries at most 4 per token of it (default: "
+        "--max-num-seqs x the model's positions)",
+    )
+    lim.add_argument(
+        "--trust-special-tokens",
+        action="store_true",
+        help="a special token's text in chat content (or a chat model's completion prompt) "
+        "is that token, so callers can write turns of any role (default: plain text)",
     )
     p.add_argument(
         "--threads",

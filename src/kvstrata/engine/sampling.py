@@ -194,6 +194,7 @@ class Detokenizer:
         self.ids: list[int] = list(context_ids)[-self.CONTEXT :]
         self.prefix = 0  # ids[prefix:read] is the context of the next decode
         self.read = len(self.ids)  # ids before this are in the text
+        self.stream, self.backend = _decode_stream(tokenizer, self.ids, skip_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -206,7 +207,12 @@ class Detokenizer:
     def push(self, token_ids: list[int]) -> str:
         """The text `token_ids` add ("" while an incomplete character waits)."""
         self.ids.extend(token_ids)
-        return self.advance()
+        if self.stream is None:
+            return self.advance()
+        text = self.stream.step(self.backend, list(token_ids))
+        if text:  # (None: an incomplete character waits, as in advance)
+            self.prefix, self.read = self.read, len(self.ids)
+        return text or ""
 
     def advance(self, final: bool = False) -> str:
         context = self.decode(self.ids[self.prefix : self.read])
@@ -226,6 +232,30 @@ class Detokenizer:
         context = self.decode(self.ids[self.prefix : self.read])
         head = self.ids[self.prefix :]
         return [self.decode([*head, t])[len(context) :] for t in token_ids]
+
+
+def _decode_stream(tokenizer: Any, context: list[int], skip: bool) -> tuple[Any, Any]:
+    """`tokenizers`' DecodeStream (the same algorithm, in Rust: one decode a token instead
+    of two) primed with the context, and the backend it steps with; (None, None) where
+    it would give another text than `tokenizer.decode`, so `Detokenizer` decodes itself:
+    a slow tokenizer (no backend), one that cleans up spaces after decoding
+    (clean_up_tokenization_spaces: the stream does not), a context ending inside a
+    character (the stream would emit those bytes again). Detokenizer's own code stays
+    for `flush` (the stream never emits an incomplete character; the text ends with
+    U+FFFD, as a whole decode's) and `candidates` (no look-ahead in the stream)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None, None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers < 0.21
+        return None, None
+    if context and tokenizer.decode(context, skip_special_tokens=skip).endswith("\ufffd"):
+        return None, None
+    stream = DecodeStream(skip_special_tokens=skip)
+    if context:
+        stream.step(backend, list(context))  # its text is the context's, not ours
+    return stream, backend
 
 
 class TextOutput:

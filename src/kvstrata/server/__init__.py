@@ -14,7 +14,12 @@ from kvstrata.core.errors import MissingExtraError
 from kvstrata.server.deps import require_serve
 
 
-def build_app(engine: Any, served_model_name: str | None = None, api_key: str | None = None) -> Any:
+def build_app(
+    engine: Any,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    limits: Any = None,
+) -> Any:
     """The FastAPI app serving `engine` (see kvstrata.server.app).
 
     Args:
@@ -22,6 +27,8 @@ def build_app(engine: Any, served_model_name: str | None = None, api_key: str | 
         served_model_name: The model name clients use (default: engine.model_name).
         api_key: When set, every request but /health and /metrics needs
             `Authorization: Bearer <api_key>`.
+        limits: kvstrata.server.limits.ServeLimits (body bytes, tokens of work per
+            request, trusted special tokens); None: the defaults.
 
     Returns:
         A FastAPI app; MissingExtraError when FastAPI or uvicorn is not installed.
@@ -29,7 +36,7 @@ def build_app(engine: Any, served_model_name: str | None = None, api_key: str | 
     require_serve()
     from kvstrata.server.app import build_app as _build_app
 
-    return _build_app(engine, served_model_name, api_key)
+    return _build_app(engine, served_model_name, api_key, limits)
 
 
 __all__ = ["MissingExtraError", "build_app", "require_serve"]

@@ -14,8 +14,10 @@ tokenized and chat templates rendered in a worker thread. Every choice is checke
 before any is submitted. A client that goes away — mid-stream or while waiting for a
 whole completion — cancels its task, which closes its choices and so aborts their
 requests (their blocks are freed at the engine's next step).
-Errors are OpenAI error objects with a one-line message: a bad body or field 400,
-an unknown model 404, a request the engine can never run 400, the engine stopped 503.
+Errors are OpenAI error objects with a one-line message: a bad body or field 400 (the
+request models' ValidationError, one handler), a body past the limit 413, an unknown
+model 404, a request the engine can never run or past the work ceiling 400, the
+engine stopped 503.
 
 This module wires the app (routes, error handlers, middleware) and is the one
 `kvstrata.server.build_app` imports when an app is built (the `serve` extra).
@@ -27,17 +29,22 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from kvstrata.core.errors import ConfigError
 from kvstrata.server.errors import APIError, engine_error
-from kvstrata.server.middleware import CountRequests, RequireApiKey
+from kvstrata.server.limits import ServeLimits
+from kvstrata.server.middleware import CountRequests, LimitBody, RequireApiKey
+from kvstrata.server.protocol import CHAT, COMPLETIONS, MODELS, body_error
 from kvstrata.server.routes import OpenAIServer
-from kvstrata.server.validation import CHAT, COMPLETIONS
 
 
 def build_app(
-    engine: Any, served_model_name: str | None = None, api_key: str | None = None
+    engine: Any,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    limits: ServeLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (module docstring).
 
@@ -45,7 +52,10 @@ def build_app(
         engine: A running kvstrata.engine.Engine; its owner shuts it down.
         served_model_name: The model name clients use (default: engine.model_name).
         api_key: When set, every request but /health and /metrics (open, as in vLLM)
-            must send `Authorization: Bearer <it>` (a 401 otherwise).
+            must send `Authorization: Bearer <it>` (a 401 otherwise, also for two
+            Authorization headers).
+        limits: What one request may ask (ServeLimits: body bytes, tokens of work,
+            trusted special tokens); default ServeLimits().
 
     Returns:
         A FastAPI app (serve it with uvicorn).
@@ -66,9 +76,11 @@ def build_app(
             "printable ASCII without spaces around it (what an HTTP header can carry), "
             "or leave it out",
         )
-    server = OpenAIServer(engine, name)
+    limits = limits or ServeLimits()
+    server = OpenAIServer(engine, name, limits)
     app = FastAPI(title="kvstrata", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(LimitBody, max_bytes=limits.max_body_bytes)  # inside the key check
     if api_key is not None:
         app.add_middleware(RequireApiKey, api_key=api_key)
     app.add_middleware(CountRequests, registry=server.http_registry)
@@ -78,12 +90,20 @@ def build_app(
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI error object: an APIError with its status, Starlette's
-    own (an unknown path, a wrong method) with theirs, anything else a 500."""
+    """Every error as an OpenAI error object: an APIError with its status, a request
+    model's ValidationError a 400 (`protocol.body_error`), Starlette's own (an unknown
+    path, a wrong method) with theirs, anything else a 500."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ValidationError)
+    async def invalid_body(_: Request, exc: ValidationError) -> JSONResponse:
+        if exc.title not in MODELS:  # not a request body: the server's own fault
+            return JSONResponse(engine_error(exc).body(), status_code=500)
+        error = body_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

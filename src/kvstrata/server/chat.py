@@ -17,17 +17,21 @@ one `<role>: <content>` line per message (a "developer" message is a "system" on
 then `assistant:` with no trailing space or newline, so the model writes the reply
 (left out with `add_generation_prompt: false`; the plain template has no variables, so
 it ignores `chat_template_kwargs`).
+
+Only the template writes special tokens: the text of one (`<|im_start|>`, `<eos>`) in a
+message's content is tokenized as plain text, so a user cannot write a turn of another
+role — unless the server trusts its callers (`trust_special_tokens`,
+`kvstrata serve --trust-special-tokens`).
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 from kvstrata.server.errors import APIError, invalid
 
-ROLES = ("system", "developer", "user", "assistant")
-_MESSAGE_KEYS = ("role", "content", "name")
 # What controls the rendering rather than feeding the template (besides every named
 # parameter of the tokenizer's apply_chat_template, and any return_* one).
 _RENDER_CONTROLS = frozenset(
@@ -63,23 +67,15 @@ def _render_controls(tokenizer: Any) -> frozenset[str]:
     return frozenset(names)
 
 
-def template_options(body: dict[str, Any], tokenizer: Any = None) -> tuple[bool, dict[str, Any]]:
+def template_options(body: Any, tokenizer: Any = None) -> tuple[bool, dict[str, Any]]:
     """The request's `add_generation_prompt` (default true) and `chat_template_kwargs`
-    (default {}), checked: only template variables — a key that names a parameter of
+    (default {}) — a parsed ChatRequest, or a mapping of those two fields — checked:
+    only template variables — a key that names a parameter of
     `tokenizer.apply_chat_template` or otherwise controls the rendering (the template
     itself, tokenize, tools, documents, return_*, ...) is a 400 naming it."""
-    add = body.get("add_generation_prompt")
-    if add is None:
-        add = True
-    if not isinstance(add, bool):
-        raise invalid("add_generation_prompt", add, "true or false")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise invalid(
-            "chat_template_kwargs", kwargs, "an object of template variables, e.g. {'x': 1}"
-        )
+    get = body.get if isinstance(body, dict) else lambda name: getattr(body, name)
+    add = get("add_generation_prompt")
+    kwargs = get("chat_template_kwargs") or {}
     reserved = _render_controls(tokenizer)
     for key, value in kwargs.items():
         if key in reserved or key.startswith("return_"):
@@ -89,68 +85,20 @@ def template_options(body: dict[str, Any], tokenizer: Any = None) -> tuple[bool,
                 "not a template variable: a parameter of the chat template call, set by the "
                 "server (use the request's own field where there is one)",
             )
-    return add, kwargs
+    return add is not False, kwargs
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
-    """The `messages` of a chat request as [{"role", "content"(, "name")}] with text
-    content; text parts ({"type": "text", "text": ...}) are joined with newlines.
-
-    Args:
-        messages: The request's `messages` field.
-
-    Returns:
-        The messages, roles and contents checked (400 naming the message otherwise).
-    """
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", messages, "a non-empty list of {role, content} objects")
+def chat_messages(messages: list[Any]) -> list[dict[str, str]]:
+    """Parsed messages (`protocol.Message`) as the template takes them: role ("developer"
+    is "system"), content as text, name when given."""
     out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(where, message, "an object with role and content")
-        for key, value in message.items():
-            if key not in _MESSAGE_KEYS and value not in (None, [], ""):
-                raise invalid(
-                    f"{where}.{key}",
-                    value,
-                    "not supported (tool calls and audio are not implemented); "
-                    f"known: {', '.join(_MESSAGE_KEYS)}",
-                    code="unsupported_value",
-                )
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid(f"{where}.role", role, f"one of {', '.join(ROLES)}")
-        content = _text(message.get("content"), f"{where}.content")
-        item = {"role": "system" if role == "developer" else role, "content": content}
-        name = message.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise invalid(f"{where}.name", name, "a string")
-            item["name"] = name
+    for message in messages:
+        role = "system" if message.role == "developer" else message.role
+        item = {"role": role, "content": message.content}
+        if message.name is not None:
+            item["name"] = message.name
         out.append(item)
     return out
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(where, content, "a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else part
-            raise invalid(
-                f"{where}[{j}].type",
-                kind,
-                "'text' (only text content is supported)",
-                code="unsupported_value",
-            )
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"{where}[{j}].text", part.get("text"), "a string")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def plain_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -164,32 +112,98 @@ def chat_prompt_ids(
     messages: list[dict[str, str]],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    trust_special_tokens: bool = False,
 ) -> list[int]:
     """Render checked messages to prompt token ids (module docstring).
 
     Args:
         tokenizer: A Hugging Face tokenizer.
-        messages: From check_messages.
+        messages: From chat_messages.
         add_generation_prompt: end with the assistant's turn opening.
         template_kwargs: more variables for the tokenizer's chat template.
+        trust_special_tokens: a special token's text in a message's content is that
+            token (a caller may write turns); False (default): it is plain text, and
+            only the template writes special tokens.
 
     Returns:
         The prompt's token ids.
     """
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **(template_kwargs or {}),
-            )
-        except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja)
-            raise APIError(
-                400,
-                f"messages could not be rendered by the model's chat template: {exc}",
-                param="messages",
-                code="invalid_value",
-            ) from None
+    specials = () if trust_special_tokens else special_strings(tokenizer)
+    hidden: dict[str, str] = {}  # a stand-in character -> the special token's text
+    if any(s in m["content"] for m in messages for s in specials):
+        messages, hidden = _hide(messages, specials)
+    if not getattr(tokenizer, "chat_template", None):
+        text = _show(plain_chat_prompt(messages, add_generation_prompt), hidden)
+        return encode_text(tokenizer, text, bool(specials))
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja)
+        raise APIError(
+            400,
+            f"messages could not be rendered by the model's chat template: {exc}",
+            param="messages",
+            code="invalid_value",
+        ) from None
+    if not hidden:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(plain_chat_prompt(messages, add_generation_prompt))["input_ids"])
+    # the template's own special tokens (the contents' are hidden) split the text, as the
+    # tokenizer splits it; each piece between them is tokenized on its own, the contents'
+    # special tokens as plain text
+    ids: list[int] = []
+    for i, piece in enumerate(re.split(f"({'|'.join(map(re.escape, specials))})", text)):
+        if i % 2:
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        elif piece:
+            ids += encode_text(tokenizer, _show(piece, hidden), True, add_special_tokens=False)
+    return ids
+
+
+def special_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The texts the tokenizer reads as special tokens (every added token marked
+    special), longest first."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        added = backend.get_added_tokens_decoder().values()
+        names = {t.content for t in added if t.special}
+    else:
+        names = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    return tuple(sorted((n for n in names if n), key=lambda n: (-len(n), n)))
+
+
+def encode_text(
+    tokenizer: Any, text: str, split_special: bool, add_special_tokens: bool = True
+) -> list[int]:
+    """`text`'s token ids; `split_special`: a special token's text in it is plain text."""
+    kwargs = {"split_special_tokens": True} if split_special else {}
+    return list(tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)["input_ids"])
+
+
+def _hide(
+    messages: list[dict[str, str]], specials: tuple[str, ...]
+) -> tuple[list[dict[str, str]], dict[str, str]]:
+    """The messages with each special token's text in their contents replaced by a
+    private-use character none of them holds, and those characters."""
+    contents = "".join(m["content"] for m in messages)
+    base = 0xF0000  # plane 15, private use
+    while any(chr(c) in contents for c in range(base, base + len(specials))):
+        base += len(specials)
+    hidden = {chr(base + i): s for i, s in enumerate(specials)}
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    stand_in = {s: c for c, s in hidden.items()}
+    out = [
+        {**m, "content": pattern.sub(lambda hit: stand_in[hit.group()], m["content"])}
+        for m in messages
+    ]
+    return out, hidden
+
+
+def _show(text: str, hidden: dict[str, str]) -> str:
+    """`text` with the stand-ins of _hide back to the special tokens' texts."""
+    for char, special in hidden.items():
+        text = text.replace(char, special)
+    return text

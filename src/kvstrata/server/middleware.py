@@ -1,7 +1,7 @@
 """The app's ASGI middleware (plain ASGI wrappers: BaseHTTPMiddleware would buffer the
-event streams' cancellation): the API key every request but /health and /metrics
-needs (`RequireApiKey`), and the count of HTTP requests answered, by path and status
-(`CountRequests`).
+event streams' cancellation): the body size limit (`LimitBody`), the API key every
+request but /health and /metrics needs (`RequireApiKey`), and the count of HTTP
+requests answered, by path and status (`CountRequests`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvstrata.core.units import format_bytes
 from kvstrata.server.errors import APIError
-from kvstrata.server.validation import CHAT, COMPLETIONS
+from kvstrata.server.protocol import CHAT, COMPLETIONS
 
 ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")  # counted by path
 
@@ -37,12 +38,15 @@ class RequireApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _route_path(scope) not in self.OPEN:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
+            given = [v for k, v in scope.get("headers") or () if k == b"authorization"]
+            scheme, _, token = (given[0] if len(given) == 1 else b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+                why = "several Authorization headers: send one" if len(given) > 1 else (
+                    "missing or wrong API key"
+                )  # fmt: skip
                 error = APIError(
                     401,
-                    "missing or wrong API key: send the header Authorization: Bearer <key> "
+                    f"{why}: send the header Authorization: Bearer <key> "
                     "with the key the server was started with (--api-key)",
                     type="authentication_error",
                     code="invalid_api_key",
@@ -84,3 +88,48 @@ class CountRequests:
         finally:
             path = scope.get("path", "")
             self.requests.labels(path if path in ROUTES else "other", str(status[0] or 500)).inc()
+
+
+class LimitBody:
+    """ASGI middleware: a request body of more than `max_bytes` is a 413 — at once when
+    its Content-Length says so (nothing read), else as soon as the bytes received pass
+    it (a chunked body), so no more than `max_bytes` of it is ever held."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self, size: str) -> APIError:
+        return APIError(
+            413,
+            f"the request body is {size}: this server takes at most "
+            f"{format_bytes(self.max_bytes)} ({self.max_bytes} bytes; --max-request-body)",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        lengths = [v for k, v in scope.get("headers") or () if k == b"content-length"]
+        error = None
+        if len(lengths) > 1 or any(not v.isdigit() for v in lengths):
+            error = APIError(400, "one Content-Length header of digits, or none", code="bad_header")
+        elif lengths and int(lengths[0]) > self.max_bytes:
+            error = self.too_large(f"{int(lengths[0]):,} bytes (Content-Length)")
+        if error is not None:
+            response = JSONResponse(error.body(), status_code=error.status)
+            await response(scope, receive, send)  # the body is never read
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # the app's handler answers it
+                    raise self.too_large(f"more than {received:,} bytes")
+            return message
+
+        await self.app(scope, counting_receive, send)

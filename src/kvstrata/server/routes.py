@@ -19,10 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvstrata.core.errors import ConfigError, KvstrataError
 from kvstrata.engine.params import RequestRejected, SamplingParams
-from kvstrata.server.chat import chat_prompt_ids, check_messages, template_options
+from kvstrata.server.chat import chat_messages, chat_prompt_ids, encode_text, template_options
 from kvstrata.server.choices import Choices, ChoiceState, Job, collect, next_output, usage_of
 from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
-from kvstrata.server.errors import APIError, aborted_error, engine_error
+from kvstrata.server.errors import APIError, aborted_error, engine_error, invalid
+from kvstrata.server.limits import ServeLimits, longest_token_chars
+from kvstrata.server.protocol import ChatRequest, CompletionRequest, Limits, too_long
+from kvstrata.server.protocol import Request as Body
 from kvstrata.server.responses import (
     ResponseHead,
     chat_choice,
@@ -44,11 +47,10 @@ from kvstrata.server.validation import (
     Logprobs,
     check_choices,
     check_fields,
+    check_work,
     choice_params,
-    completion_prompts,
-    logit_bias,
     logprobs_request,
-    parse_json_body,
+    parse_request,
     sampling_params,
 )
 
@@ -63,7 +65,8 @@ def engine_running(engine: Any) -> bool:
 class OpenAIServer:
     """The endpoints' logic over one engine (`build_app` wires them to routes)."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Any, model_name: str, limits: ServeLimits | None = None) -> None:
+        limits = limits or ServeLimits()
         self.engine = engine
         self.model_name = model_name
         self.created = int(time.time())
@@ -76,6 +79,13 @@ class OpenAIServer:
         self.eos_ids = set(getattr(engine, "eos_ids", ()) or ())
         store_config = getattr(getattr(engine, "store", None), "config", None)
         self.block_size = int(getattr(store_config, "block_size", 0) or 0)
+        # a prompt string longer than the model's positions x its longest token cannot
+        # fit: refused before it is tokenized (tokenizing costs ~200 bytes a character)
+        longest, positions = longest_token_chars(tokenizer), engine.max_model_len
+        bound = positions * longest if positions and longest else None
+        self.limits = Limits(self.vocab_size, bound)
+        self.ceiling = limits.request_tokens(engine)
+        self.trust_special_tokens = limits.trust_special_tokens
 
     def stop_requests(self) -> None:
         """Abort every request being answered and refuse new ones (503): their streams
@@ -127,8 +137,8 @@ class OpenAIServer:
         choices built off the event loop, then answered (`answer`)."""
         if self.stopping:
             raise APIError(503, "the server is shutting down", code="unavailable")
-        body = parse_json_body(await request.body())
-        fields = check_fields(body, endpoint)
+        body = parse_request(await request.body(), endpoint, self.limits)
+        fields = check_fields(body)
         if fields.model is not None and fields.model != self.model_name:
             raise APIError(
                 404,
@@ -143,9 +153,9 @@ class OpenAIServer:
             created=int(time.time()),
             model=self.model_name,
         )
-        logprobs = logprobs_request(body, endpoint)
+        logprobs = logprobs_request(body)
         # tokenizing, rendering a chat template, checking: off the event loop
-        jobs = await asyncio.to_thread(self.jobs, body, endpoint, head.id, fields.n, logprobs)
+        jobs = await asyncio.to_thread(self.jobs, body, head.id, fields.n, logprobs)
         if self.stopping:  # stop_requests came meanwhile: submit nothing
             raise APIError(503, "the server is shutting down", code="unavailable")
         states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
@@ -200,16 +210,14 @@ class OpenAIServer:
         stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)}
         return ChoiceTokens(self.engine.tokenizer, self.texts, job.prompt_ids, stop_ids)
 
-    def jobs(
-        self, body: dict[str, Any], endpoint: str, head_id: str, n: int, logprobs: Logprobs
-    ) -> list[Job]:
+    def jobs(self, body: Body, head_id: str, n: int, logprobs: Logprobs) -> list[Job]:
         """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i),
         each checked by the engine (a request it can never run is a 400 before any
         choice is submitted). Runs in a worker thread."""
-        bias = logit_bias(body, self.vocab_size)
-        prompts, default_max = self.prompts(body, endpoint, n, logprobs.echo)
+        prompts, default_max = self.prompts(body, n, logprobs.echo)
         check_choices(n, len(prompts))
-        params = sampling_params(body, endpoint, default_max, logprobs, bias)
+        params = sampling_params(body, default_max, logprobs)
+        check_work([len(ids) for ids, _ in prompts], n, params, logprobs, self.ceiling)
         # choices 1.. of a prompt wait for choice 0 to compute it, when it holds a full
         # block to share (a request scoring its prompt shares nothing: no lookup)
         share = n > 1 and params.prompt_logprobs is None
@@ -230,25 +238,35 @@ class OpenAIServer:
                 raise engine_error(exc) from None
         return jobs
 
-    def prompts(
-        self, body: dict[str, Any], endpoint: str, n: int, echo: bool
-    ) -> tuple[list[tuple[list[int], str]], int]:
+    def prompts(self, body: Body, n: int, echo: bool) -> tuple[list[tuple[list[int], str]], int]:
         """The request's prompts as (token ids, the text echo puts in front), and the
         max_tokens of a request that gives none: chat's messages rendered by the chat
         template (room_for), or each completion prompt tokenized (n x prompts checked
         before). Runs in a worker thread."""
         tokenizer = self.engine.tokenizer
-        if endpoint == CHAT:
+        trust = self.trust_special_tokens
+        if isinstance(body, ChatRequest):
             add_generation_prompt, template_kwargs = template_options(body, tokenizer)
-            messages = check_messages(body.get("messages"))
-            ids = chat_prompt_ids(tokenizer, messages, add_generation_prompt, template_kwargs)
+            messages = chat_messages(body.messages)
+            chars, bound = sum(len(m["content"]) for m in messages), self.limits.max_prompt_chars
+            if bound is not None and chars > bound:
+                raise invalid("messages", f"<{chars} chars>", too_long(chars, bound))
+            ids = chat_prompt_ids(
+                tokenizer, messages, add_generation_prompt, template_kwargs, trust
+            )
             return [(ids, "")], self.room_for(ids)
+        assert isinstance(body, CompletionRequest)
         prompts: list[tuple[list[int], str]] = []
-        given = completion_prompts(body, self.vocab_size)
+        given = body.prompt
         check_choices(n, len(given))  # before tokenizing them all
+        # a chat model's control tokens: only from token ids, unless callers are trusted
+        split = not trust and bool(getattr(tokenizer, "chat_template", None))
         for prompt in given:
             try:
-                ids = self.engine.encode(prompt)
+                if split and isinstance(prompt, str):
+                    ids = encode_text(tokenizer, prompt, True)
+                else:
+                    ids = self.engine.encode(prompt)
             except KvstrataError as exc:
                 raise engine_error(exc) from None
             if isinstance(prompt, str):

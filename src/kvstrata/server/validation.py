@@ -1,27 +1,37 @@
-"""Request bodies checked, without HTTP: the JSON body, the fields each endpoint
-accepts (unknown ones and unsupported features refused, neutral values let through),
-the prompts, the logprobs asked for, and the sampling fields into `SamplingParams`.
+"""A request body checked, without HTTP: parsed into its pydantic model
+(`server.protocol`; a refusal there is a `ValidationError` the app's one handler
+answers), duplicate JSON keys refused, then what needs several fields at once — the
+common fields, the logprobs asked for, the sampling fields into `SamplingParams` and
+the work the request asks for against the server's ceiling.
 
-Every refusal is an `APIError` (a 400) whose one-line message names the field, the
-value and what is accepted.
+Every refusal is a 400 whose one-line message names the field, the value and what is
+accepted.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstrata.core.errors import ConfigError
-from kvstrata.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams
+from kvstrata.engine.params import MAX_SEED, SamplingParams
 from kvstrata.server.errors import APIError, field_of, invalid
+from kvstrata.server.protocol import (
+    CHAT,
+    COMPLETIONS,
+    REQUESTS,
+    ChatRequest,
+    Limits,
+    Request,
+)
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+__all__ = ["CHAT", "COMPLETIONS"]
+
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
-MAX_N = 128  # choices per prompt at most (OpenAI's limit)
 MAX_CHOICES = 256  # choices per request at most: prompts x n (each an engine request)
+LOGPROB_ENTRIES_PER_TOKEN = 4  # logprob entries a request may ask for per ceiling token
 
 # SamplingParams field -> the request field that feeds it (for messages and `param`).
 _SAMPLING_FIELDS = (
@@ -39,122 +49,35 @@ _SAMPLING_FIELDS = (
     "min_p",
     "min_tokens",
 )
-# Fields read by both endpoints (top_k, salt / cache_salt, stop_token_ids, ignore_eos,
-# repetition_penalty, min_p, min_tokens, skip_special_tokens: extensions, named as
-# vLLM names them).
-_COMMON = frozenset(
-    {
-        *_SAMPLING_FIELDS,
-        "model",
-        "n",
-        "stream",
-        "stream_options",
-        "user",
-        "salt",
-        "cache_salt",
-        "logit_bias",
-        "logprobs",
-    }
-)
-SUPPORTED = {
-    COMPLETIONS: _COMMON | {"prompt", "echo"},
-    CHAT: _COMMON
-    | {
-        "messages",
-        "max_completion_tokens",
-        "top_logprobs",
-        "add_generation_prompt",
-        "chat_template_kwargs",
-    },
-}
 
 
-def _is_null(value: Any) -> bool:
-    return value is None
+class _DuplicateKey(Exception):
+    pass
 
 
-def _is_one(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and value == 1)
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
-def _is_empty(value: Any) -> bool:
-    return value is None or value in ("", [], {})
-
-
-# OpenAI / vLLM fields kvstrata does not implement: accepted only at their neutral
-# value, so a client that sends the defaults works and one that relies on the feature
-# is told.
-_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "skip_special_tokens": (
-        lambda v: v is None or v is True,
-        "true (special tokens are always left out of the text)",
-    ),
-}
-NEUTRAL = {
-    COMPLETIONS: {
-        **_NEUTRAL,
-        "best_of": (_is_one, "1 (best_of is not supported: use n)"),
-        "suffix": (_is_empty, "null (suffix / insertion is not supported)"),
-    },
-    CHAT: {
-        **_NEUTRAL,
-        "prediction": (_is_null, "null (predicted outputs are not supported)"),
-        "modalities": (
-            lambda v: v is None or v == ["text"],
-            "['text'] or null (only text is generated)",
-        ),
-        "audio": (_is_null, "null (only text is generated)"),
-        "tools": (_is_empty, "null (tool calling is not supported)"),
-        "tool_choice": (
-            lambda v: v in (None, "none", "auto"),
-            "null or 'none' (tool calling is not supported)",
-        ),
-        "response_format": (
-            lambda v: v is None or v == {"type": "text"},
-            "null or {'type': 'text'} (structured output is not supported)",
-        ),
-        "reasoning_effort": (_is_null, "null (not a reasoning model)"),
-    },
-}
-# Fields that change nothing about generation here; accepted whatever their value
-# (spaces_between_special_tokens: special tokens are never in the text).
-IGNORED = frozenset(
-    {"metadata", "store", "service_tier", "parallel_tool_calls", "spaces_between_special_tokens"}
-)
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 saying what is wrong with it."""
-    try:
-        body = json.loads(raw)
-    except UnicodeDecodeError as exc:
-        raise APIError(
-            400, f"the request body is not UTF-8 JSON ({exc.reason})", code="invalid_json"
-        ) from None
-    except json.JSONDecodeError as exc:
+def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
+    """The body as the endpoint's request model (a pydantic ValidationError otherwise),
+    with no key given twice in any object (JSON leaves that open; the last one would
+    win silently)."""
+    request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
+    try:  # valid JSON by now (pydantic-core bounded its depth and numbers)
+        json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
         raise APIError(
             400,
-            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
-            f"{exc.colno}",
+            f"the request body gives the key {str(exc.args[0])[:100]!r} twice in one object: "
+            "give each key once",
             code="invalid_json",
         ) from None
-    if not isinstance(body, dict):
-        raise APIError(
-            400,
-            f"the request body must be a JSON object ({{...}}), not {_json_kind(body)}",
-            code="invalid_json",
-        )
-    return body
-
-
-def _json_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return "a string" if isinstance(value, str) else "an array"
+    return request
 
 
 @dataclass(frozen=True)
@@ -169,113 +92,22 @@ class CommonFields:
     continuous_usage: bool = False  # a running `usage` on every chunk (vLLM's option)
 
 
-def check_fields(body: Mapping[str, Any], endpoint: str) -> CommonFields:
-    """Refuse unknown fields, unsupported features and bad shapes of the common fields.
-
-    Args:
-        body: The request object.
-        endpoint: COMPLETIONS or CHAT.
-
-    Returns:
-        The model asked for, whether to stream, whether to send a usage chunk (and a
-        running usage on every chunk), the salt, n.
-    """
-    _check_names(body, endpoint)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid("model", model, "a model name (GET /v1/models lists them)")
-    n = body.get("n")
-    if n is None:
-        n = 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise invalid("n", n, f"a whole number of choices from 1 to {MAX_N}")
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise invalid("stream", stream, "true or false")
-    include_usage, continuous = _stream_options(body.get("stream_options"), stream)
-    for name in ("user", "salt", "cache_salt"):
-        value = body.get(name)
-        if value is not None and not isinstance(value, str):
-            raise invalid(name, value, "a string")
+def check_fields(body: Request) -> CommonFields:
+    """The common fields with their defaults, and the checks between them."""
+    stream = bool(body.stream)
+    options = body.stream_options
+    if options is not None and not stream:
+        raise invalid("stream_options", options.model_dump(), "only allowed when stream is true")
+    include_usage = bool(options and options.include_usage)
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
     # the tenant salt: "salt", or "cache_salt" as vLLM names it (a client moving between
     # the two servers keeps its tenants apart)
-    salt, cache_salt = body.get("salt"), body.get("cache_salt")
+    salt, cache_salt = body.salt, body.cache_salt
     if salt is not None and cache_salt is not None and salt != cache_salt:
         raise invalid("cache_salt", cache_salt, "the same tenant as salt, or give one of them")
-    name, salt = ("salt", salt) if salt is not None else ("cache_salt", cache_salt)
-    if salt == "":
-        raise invalid(name, salt, "a non-empty tenant name, or leave it out")
-    return CommonFields(model, stream, include_usage, salt, n, continuous)
-
-
-def _check_names(body: Mapping[str, Any], endpoint: str) -> None:
-    """Refuse a field the endpoint does not know, or an unsupported one (NEUTRAL) at
-    another value than its neutral one; IGNORED ones pass."""
-    supported, neutral = SUPPORTED[endpoint], NEUTRAL[endpoint]
-    for name, value in body.items():
-        if name in supported or name in IGNORED:
-            continue
-        if name in neutral:
-            ok, accepted = neutral[name]
-            if not ok(value):
-                raise invalid(name, value, accepted, code="unsupported_value")
-            continue
-        known = sorted(supported | set(neutral))
-        raise APIError(
-            400,
-            f"{ConfigError.unknown(str(name), value, known)} (endpoint {endpoint})",
-            param=str(name),
-            code="unknown_parameter",
-        )
-
-
-def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
-    """`stream_options` checked: whether to send a usage chunk, and a running usage on
-    every chunk (both false when it is left out)."""
-    if options is None:
-        return False, False
-    if not stream:
-        raise invalid("stream_options", options, "only allowed when stream is true")
-    if not isinstance(options, dict):
-        raise invalid("stream_options", options, "an object such as {'include_usage': true}")
-    for key, value in options.items():
-        if key not in ("include_usage", "continuous_usage_stats"):
-            raise invalid(
-                f"stream_options.{key}", value, "known: include_usage, continuous_usage_stats"
-            )
-        if value is not None and not isinstance(value, bool):
-            raise invalid(f"stream_options.{key}", value, "true or false")
-    include_usage = bool(options.get("include_usage"))
-    # vLLM's: with include_usage, every chunk carries its choice's usage so far
-    continuous = include_usage and bool(options.get("continuous_usage_stats"))
-    return include_usage, continuous
-
-
-def completion_prompts(body: Mapping[str, Any], vocab_size: int) -> list[str | list[int]]:
-    """The `prompt` of a completion request as a list of prompts: a string, a list of
-    token ids, or a list of several of either (one choice per prompt and n, in order).
-    """
-    if "prompt" not in body or body["prompt"] is None:
-        raise invalid("prompt", None, "a string or a list of token ids (required)")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return [_one_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]
-    return [_one_prompt(prompt, "prompt", vocab_size)]
-
-
-def _one_prompt(prompt: Any, where: str, vocab_size: int) -> str | list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid(where, prompt, "a non-empty string")
-        return prompt
-    if not isinstance(prompt, list) or not prompt:
-        raise invalid(where, prompt, "a non-empty string or list of token ids, or a list of those")
-    for i, token in enumerate(prompt):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise invalid(f"{where}[{i}]", token, f"a token id in [0, {vocab_size})")
-    return list(prompt)
+    salt = salt if salt is not None else cache_salt
+    return CommonFields(body.model, stream, include_usage, salt, body.n or 1, continuous)
 
 
 def check_choices(n: int, num_prompts: int) -> None:
@@ -299,97 +131,69 @@ class Logprobs:
     echo: bool = False
 
 
-def logprobs_request(body: Mapping[str, Any], endpoint: str) -> Logprobs:
-    """The request's logprobs / top_logprobs (chat) and echo (completions), checked."""
-    accepted = f"a whole number from 0 to {MAX_LOGPROBS}"
-    if endpoint == COMPLETIONS:
-        echo = body.get("echo")
-        if echo is not None and not isinstance(echo, bool):
-            raise invalid("echo", echo, "true or false")
-        top = body.get("logprobs")
-        if top is False:
-            top = None
-        if top is not None and (
-            isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
-        ):
-            raise invalid(
-                "logprobs",
-                top,
-                f"{accepted}: the most likely tokens listed per token (or null); "
-                "chat takes logprobs: true with top_logprobs",
-            )
-        return Logprobs(top, bool(echo))
-    wanted = body.get("logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise invalid("logprobs", wanted, "true or false (top_logprobs: how many per token)")
-    top = body.get("top_logprobs")
-    if top is not None and (
-        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
-    ):
-        raise invalid("top_logprobs", top, f"{accepted} (or null)")
-    if top and not wanted:
+def logprobs_request(body: Request) -> Logprobs:
+    """The request's logprobs / top_logprobs (chat) and echo (completions)."""
+    if not isinstance(body, ChatRequest):
+        return Logprobs(body.logprobs, bool(body.echo))  # type: ignore[attr-defined]
+    top = body.top_logprobs
+    if top and not body.logprobs:
         raise invalid("top_logprobs", top, "only with logprobs: true (or leave it out)")
-    return Logprobs((top or 0) if wanted else None)
+    return Logprobs((top or 0) if body.logprobs else None)
 
 
-def logit_bias(body: Mapping[str, Any], vocab_size: int) -> dict[int, float]:
-    """`logit_bias` ({"token id": bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries)
-    with int keys; a 400 naming the bad key (or the count) otherwise."""
-    value = body.get("logit_bias")
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise invalid("logit_bias", value, "an object {token id: bias in [-100, 100]}")
-    if len(value) > MAX_LOGIT_BIAS:
+def check_work(
+    prompt_lengths: list[int], n: int, params: SamplingParams, logprobs: Logprobs, ceiling: int
+) -> None:
+    """A 400 with the numbers when the request asks for more than `ceiling` tokens of
+    work (every choice's prompt + max_tokens), or for more logprob entries than
+    LOGPROB_ENTRIES_PER_TOKEN x ceiling (scored tokens x (top + 1))."""
+    tokens = sum((length + params.max_tokens) * n for length in prompt_lengths)
+    if tokens > ceiling:
         raise APIError(
             400,
-            f"logit_bias has {len(value)} entries: at most {MAX_LOGIT_BIAS} are accepted "
-            "(OpenAI's limit)",
-            param="logit_bias",
-            code="invalid_value",
+            f"the request asks for {tokens:,} tokens of work ({len(prompt_lengths)} prompts "
+            f"of {sum(prompt_lengths):,} tokens together + max_tokens {params.max_tokens}, "
+            f"x n={n}); this server takes at most {ceiling:,} per request "
+            "(--max-request-tokens): lower n or max_tokens, or split the request",
+            param="n" if n > 1 else "max_tokens",
+            code="request_too_large",
         )
-    out = {}
-    for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            token = -1
-        if not 0 <= token < vocab_size:
-            raise invalid(
-                f"logit_bias[{key!r}]",
-                bias,
-                f"keys are token ids in [0, {vocab_size}) written as strings",
-            )
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise invalid(f"logit_bias[{key!r}]", bias, "a bias from -100 to 100")
-        out[token] = float(bias)
-    return out
+    if logprobs.top is None:
+        return
+    scored = sum((length if logprobs.echo else 0) + params.max_tokens for length in prompt_lengths)
+    entries = scored * n * (logprobs.top + 1)
+    if entries > ceiling * LOGPROB_ENTRIES_PER_TOKEN:
+        raise APIError(
+            400,
+            f"the request asks for {entries:,} logprob entries ({scored * n:,} tokens x "
+            f"(logprobs {logprobs.top} + 1), n={n}); this server returns at most "
+            f"{ceiling * LOGPROB_ENTRIES_PER_TOKEN:,} per request: lower logprobs, n or "
+            "max_tokens",
+            param="logprobs",
+            code="request_too_large",
+        )
 
 
 def sampling_params(
-    body: Mapping[str, Any],
-    endpoint: str,
+    body: Request,
     default_max_tokens: int,
     logprobs: Logprobs | None = None,
-    bias: Mapping[int, float] | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request (OpenAI defaults: temperature 1, top_p 1).
 
     Args:
-        body: The request object (already through check_fields).
-        endpoint: COMPLETIONS or CHAT (chat reads max_completion_tokens too).
+        body: The parsed request.
         default_max_tokens: max_tokens when the request gives none.
         logprobs: from logprobs_request (None: none asked for).
-        bias: from logit_bias.
 
     Returns:
         The checked SamplingParams; a 400 naming the request field otherwise.
     """
     logprobs = logprobs or Logprobs()
-    source = _field_sources(body, endpoint)
+    source = _field_sources(body)
     kwargs: dict[str, Any] = {"max_tokens": default_max_tokens, "temperature": DEFAULT_TEMPERATURE}
     for field, name in source.items():
-        value = body.get(name)
+        value = getattr(body, name)
         if value is not None:
             kwargs[field] = value
     if kwargs.get("top_k") == -1:
@@ -397,7 +201,7 @@ def sampling_params(
     max_tokens = kwargs["max_tokens"]
     # max_tokens 0 (echo only): the prompt alone, computed (its cached prefix reused)
     # and nothing generated; scored only when logprobs asks for its tokens' logprobs
-    if max_tokens == 0 and not isinstance(max_tokens, bool) and not logprobs.echo:
+    if max_tokens == 0 and not logprobs.echo:
         raise invalid(
             source["max_tokens"],
             max_tokens,
@@ -407,8 +211,8 @@ def sampling_params(
     kwargs["logprobs"] = logprobs.top
     if logprobs.echo and logprobs.top is not None:
         kwargs["prompt_logprobs"] = logprobs.top
-    if bias:
-        kwargs["logit_bias"] = dict(bias)
+    if body.logit_bias:
+        kwargs["logit_bias"] = dict(body.logit_bias)
     try:
         return SamplingParams(**kwargs)
     except ConfigError as exc:
@@ -420,19 +224,18 @@ def sampling_params(
         raise APIError(400, message, param=name, code="invalid_value") from None
 
 
-def _field_sources(body: Mapping[str, Any], endpoint: str) -> dict[str, str]:
+def _field_sources(body: Request) -> dict[str, str]:
     """SamplingParams field -> the request field that feeds it: chat's
     max_completion_tokens, when given, feeds max_tokens (a different max_tokens
     beside it is a 400)."""
     source = {name: name for name in _SAMPLING_FIELDS}
-    if endpoint == CHAT and body.get("max_completion_tokens") is not None:
-        given = body.get("max_tokens")
-        if given is not None and given != body["max_completion_tokens"]:
+    given = getattr(body, "max_completion_tokens", None)
+    if given is not None:
+        if body.max_tokens is not None and body.max_tokens != given:
             raise invalid(
                 "max_tokens",
-                given,
-                f"the same as max_completion_tokens ({body['max_completion_tokens']!r}), "
-                "or give only one of them",
+                body.max_tokens,
+                f"the same as max_completion_tokens ({given!r}), or give only one of them",
             )
         source["max_tokens"] = "max_completion_tokens"
     return source

@@ -1,0 +1,72 @@
+"""What one request may ask of the server (`ServeLimits`): the bytes of its body, the
+tokens of work (every choice's prompt + max_tokens), and whether a special token's
+text in a message is that token. The defaults come from the server's own budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.core.errors import ConfigError
+
+# A body holds at most a few prompts of max_model_len tokens: 8 MiB is a 131k-token
+# prompt as token ids ("123456, " each) or a 650k-character string, ten times what a
+# 8k-position model takes in one prompt.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+DEFAULT_MAX_NUM_SEQS = 8  # an engine without a config (a stand-in in tests)
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Limits of one request.
+
+    Args:
+        max_body_bytes: request body bytes at most (a 413 past it, before it is read).
+        max_request_tokens: tokens of work at most: (prompt + max_tokens) x n over
+            every prompt (a 400 with the numbers past it); None: the engine's
+            max_num_seqs x max_model_len (what it runs at once).
+        trust_special_tokens: a special token's text in chat content (and, for a chat
+            model, in a completion prompt string) is that token; False (default): it
+            is plain text, so a client cannot forge a turn.
+    """
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_request_tokens: int | None = None
+    trust_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_request_tokens"):
+            value = getattr(self, name)
+            if value is None and name == "max_request_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError.field(name, value, "a whole number >= 1")
+        if not isinstance(self.trust_special_tokens, bool):
+            raise ConfigError.field("trust_special_tokens", self.trust_special_tokens, "a bool")
+
+    def request_tokens(self, engine: Any) -> int:
+        """The work ceiling over `engine` (max_request_tokens, or its default)."""
+        if self.max_request_tokens is not None:
+            return self.max_request_tokens
+        config = getattr(engine, "config", None)
+        seqs = int(getattr(config, "max_num_seqs", 0) or DEFAULT_MAX_NUM_SEQS)
+        positions = getattr(engine, "max_model_len", None) or 0
+        if not positions:  # no position limit: what all tiers hold
+            sched = getattr(engine, "sched", None)
+            positions = getattr(sched, "capacity_blocks", 0) * getattr(sched, "block_size", 0)
+        return max(1, seqs * int(positions or 2**20))
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest token as its vocabulary spells it (at least
+    what that token decodes to: a byte-level or SentencePiece spelling takes one
+    character per byte or more); 0 without a tokenizer or a vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return 0
+    try:
+        vocab = get_vocab()
+    except Exception:  # noqa: BLE001 - no vocabulary to read: no bound
+        return 0
+    return max((len(token) for token in vocab), default=0)

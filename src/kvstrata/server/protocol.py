@@ -1,0 +1,393 @@
+"""The OpenAI request bodies as pydantic models (OpenAI's field names and vLLM's
+extensions), parsed by pydantic-core's JSON parser (its nesting-depth and number-size
+limits and strict Unicode: a lone surrogate is invalid JSON there), and their
+`ValidationError` turned into one OpenAI error object (`body_error`, a 400 naming the
+field, the value and what is accepted, `param` set to the field).
+
+Every model refuses an unknown field, naming the closest known one. A field kvstrata
+does not implement is accepted only at its neutral value (`neutral`); the checks that
+need the served model (token ids against the vocabulary, a prompt's length in
+characters) read the validation context (`Limits`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from kvstrata.core.errors import ConfigError
+from kvstrata.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED
+from kvstrata.server.errors import APIError
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MAX_N = 128  # choices per prompt at most (OpenAI's limit)
+MAX_STOP_STRINGS = 64  # stop strings per request (each is looked for after every token)
+MAX_STOP_CHARS = 1024  # characters per stop string (the stream holds back this many)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_SALT_CHARS = 256  # a tenant name, not a payload
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the checks against the served model read (the validation context):
+    `vocab_size` (0: unknown, token ids unchecked) and `max_prompt_chars`, the longest
+    prompt string that can fit the model (None: no bound)."""
+
+    vocab_size: int = 0
+    max_prompt_chars: int | None = None
+
+
+def _refuse(
+    accepted: str, param: str | None = None, kind: str = "invalid_value", **value: Any
+) -> Exception:
+    """A validator's refusal: `accepted` says what is; `param` names the value when it
+    is deeper than the field (prompt[1][3], or [1].type after it), `value=` gives it."""
+    return PydanticCustomError(kind, "{accepted}", {"accepted": accepted, "param": param, **value})
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    return info.context if isinstance(info.context, Limits) else Limits()
+
+
+def neutral(ok: Callable[[Any], bool], accepted: str) -> Any:
+    """A field kvstrata lacks: accepted at its neutral value only (`ok`)."""
+
+    def check(value: Any) -> Any:
+        if not ok(value):
+            raise _refuse(accepted, kind="unsupported_value")
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value in ("", [], {})
+
+
+Ignored = Any  # a field that changes nothing here, whatever its value
+NoTools = neutral(_empty, "null (tool calling is not supported)")
+Penalty = Annotated[float | None, Field(ge=-2, le=2, description="a number from -2 to 2")]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _listed(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = Field(None, description="true or false")
+    continuous_usage_stats: bool | None = Field(None, description="true or false")
+
+
+class Request(_Body):
+    """The fields both endpoints take (top_k, min_p, repetition_penalty, min_tokens,
+    stop_token_ids, ignore_eos, skip_special_tokens, salt / cache_salt: vLLM's)."""
+
+    model: str | None = Field(None, description="a model name (GET /v1/models lists them)")
+    n: int | None = Field(None, ge=1, le=MAX_N, description=f"a whole number from 1 to {MAX_N}")
+    stream: bool | None = Field(None, description="true or false")
+    stream_options: StreamOptions | None = Field(
+        None, description="an object such as {'include_usage': true}"
+    )
+    user: str | None = Field(None, description="a string")
+    salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SALT_CHARS,
+        description=f"a tenant name of 1 to {MAX_SALT_CHARS} characters, or leave it out",
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SALT_CHARS,
+        description=f"a tenant name of 1 to {MAX_SALT_CHARS} characters, or leave it out",
+    )
+    max_tokens: int | None = Field(None, ge=0, description="a whole number >= 1")
+    temperature: float | None = Field(None, ge=0, le=100, description="a number from 0 to 100")
+    top_p: float | None = Field(None, gt=0, le=1, description="a number > 0 and <= 1")
+    top_k: int | None = Field(
+        None, ge=-1, description="a whole number from -1 to the vocabulary size (-1, 0: off)"
+    )
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description=f"a whole number 0..{MAX_SEED}")
+    stop: Annotated[
+        Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
+        BeforeValidator(_listed),
+        Field(
+            description=f"a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to "
+            f"{MAX_STOP_CHARS} characters",
+        ),
+    ] = None
+    stop_token_ids: list[int] | None = Field(
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description=f"a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+    )
+    ignore_eos: bool | None = Field(None, description="true or false")
+    frequency_penalty: Penalty = None
+    presence_penalty: Penalty = None
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=100, description="a number > 0 and <= 100 (1 = off)"
+    )
+    min_p: float | None = Field(None, ge=0, le=1, description="a number from 0 to 1")
+    min_tokens: int | None = Field(None, ge=0, description="a whole number >= 0")
+    logit_bias: dict[str, Any] | None = None
+    skip_special_tokens: neutral(  # type: ignore[valid-type]
+        lambda v: v is None or v is True,
+        "true (special tokens are always left out of the text)",
+    ) = None
+    spaces_between_special_tokens: Ignored = None  # special tokens are never in the text
+    metadata: Ignored = None
+    store: Ignored = None
+    service_tier: Ignored = None
+    parallel_tool_calls: Ignored = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None, info: ValidationInfo) -> int | None:
+        vocab = _limits(info).vocab_size
+        if value is not None and vocab and value > vocab:
+            raise _refuse(f"a whole number from -1 to the vocabulary size {vocab} (-1, 0: off)")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        vocab = _limits(info).vocab_size
+        for i, token in enumerate(value or ()):
+            if token < 0 or (vocab and token >= vocab):
+                raise _refuse(_token_ids(vocab), f"stop_token_ids[{i}]", value=token)
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise _refuse(
+                f"at most {MAX_LOGIT_BIAS} entries (OpenAI's limit), not {len(value)} entries"
+            )
+        vocab = _limits(info).vocab_size
+        out = {}
+        for key, bias in value.items():
+            where = f"logit_bias[{key!r}]"
+            token = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
+            if token < 0 or (vocab and token >= vocab):
+                raise _refuse(f"keys are {_token_ids(vocab)} written as strings", where, value=bias)
+            number = not isinstance(bias, bool) and isinstance(bias, (int, float))
+            if not number or not -100 <= bias <= 100:
+                raise _refuse("a bias from -100 to 100", where, value=bias)
+            out[token] = float(bias)
+        return out
+
+
+def _token_ids(vocab: int) -> str:
+    return f"token ids in [0, {vocab})" if vocab else "token ids >= 0"
+
+
+def _prompt(value: Any, info: ValidationInfo) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a list of several of either, as a
+    list of prompts; token ids in the vocabulary, strings no longer than can fit."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        return [_one_prompt(p, f"prompt[{i}]", info) for i, p in enumerate(value)]
+    return [_one_prompt(value, "prompt", info)]
+
+
+def _one_prompt(prompt: Any, where: str, info: ValidationInfo) -> str | list[int]:
+    limits = _limits(info)
+    if prompt is None:
+        raise _refuse("a string or a list of token ids (required)", where, value=None)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _refuse("a non-empty string", where, value=prompt)
+        bound = limits.max_prompt_chars
+        if bound is not None and len(prompt) > bound:
+            raise _refuse(too_long(len(prompt), bound), where, value=f"<{len(prompt)} chars>")
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise _refuse(
+            "a non-empty string or list of token ids, or a list of those", where, value=prompt
+        )
+    vocab = limits.vocab_size
+    for i, token in enumerate(prompt):
+        if type(token) is not int or token < 0 or (vocab and token >= vocab):
+            raise _refuse(f"a token id in [0, {vocab})", f"{where}[{i}]", value=token)
+    return prompt
+
+
+def too_long(chars: int, bound: int) -> str:
+    return (
+        f"{chars:,} characters: at most {bound:,} fit the model (its positions x its longest "
+        "token in characters); shorten it"
+    )
+
+
+class CompletionRequest(Request):
+    prompt: Annotated[Any, AfterValidator(_prompt)] = Field(
+        None, validate_default=True, description="a string or a list of token ids (required)"
+    )
+    echo: bool | None = Field(None, description="true or false")
+    logprobs: Annotated[int | None, BeforeValidator(lambda v: None if v is False else v)] = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description=f"a whole number from 0 to {MAX_LOGPROBS}: the most likely tokens listed "
+        "per token (or null); chat takes logprobs: true with top_logprobs",
+    )
+    best_of: neutral(  # type: ignore[valid-type]
+        lambda v: v is None or (type(v) is int and v == 1), "1 (best_of is not supported: use n)"
+    ) = None
+    suffix: neutral(_empty, "null (suffix / insertion is not supported)") = None  # type: ignore[valid-type]
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def _content(value: Any) -> str:
+    """A message's content as text: text parts ({"type": "text", "text"}) joined with
+    newlines."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _refuse("a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise _refuse(
+                "'text' (only text content is supported)",
+                f"[{j}].type",
+                "unsupported_value",
+                value=kind,
+            )
+        if not isinstance(part.get("text"), str):
+            raise _refuse("a string", f"[{j}].text", value=part.get("text"))
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+_NO_TOOLS = "not supported (tool calls and audio are not implemented)"
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description=f"one of {', '.join(ROLES)}"
+    )
+    content: Annotated[Any, AfterValidator(_content)] = Field(
+        None, validate_default=True, description="a string or a list of text parts"
+    )
+    name: str | None = Field(None, description="a string")
+    tool_calls: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
+    tool_call_id: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
+    function_call: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
+    audio: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
+    refusal: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
+
+
+class ChatRequest(Request):
+    messages: list[Message] = Field(
+        min_length=1, description="a non-empty list of {role, content} objects"
+    )
+    max_completion_tokens: int | None = Field(None, ge=0, description="a whole number >= 1")
+    logprobs: bool | None = Field(
+        None, description="true or false (top_logprobs: how many per token)"
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description=f"a whole number from 0 to {MAX_LOGPROBS}"
+    )
+    add_generation_prompt: bool | None = Field(None, description="true or false")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="an object of template variables, e.g. {'x': 1}"
+    )
+    prediction: neutral(lambda v: v is None, "null (predicted outputs are not supported)") = None  # type: ignore[valid-type]
+    modalities: neutral(  # type: ignore[valid-type]
+        lambda v: v is None or v == ["text"], "['text'] or null (only text is generated)"
+    ) = None
+    audio: neutral(lambda v: v is None, "null (only text is generated)") = None  # type: ignore[valid-type]
+    tools: NoTools = None
+    tool_choice: neutral(  # type: ignore[valid-type]
+        lambda v: v in (None, "none", "auto"), "null or 'none' (tool calling is not supported)"
+    ) = None
+    response_format: neutral(  # type: ignore[valid-type]
+        lambda v: v is None or v == {"type": "text"},
+        "null or {'type': 'text'} (structured output is not supported)",
+    ) = None
+    reasoning_effort: neutral(lambda v: v is None, "null (not a reasoning model)") = None  # type: ignore[valid-type]
+
+
+MODELS: dict[str, type[_Body]] = {m.__name__: m for m in (CompletionRequest, ChatRequest)}
+REQUESTS = {COMPLETIONS: CompletionRequest, CHAT: ChatRequest}
+_INNER = {"messages": Message, "stream_options": StreamOptions}  # field -> its items' model
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    """A pydantic location as the request spells it: messages[0].content."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _accepted(model: type[_Body], loc: tuple[int | str, ...]) -> str | None:
+    """The description of the field `loc` ends at (None: not a field)."""
+    if not loc or not isinstance(loc[-1], str):
+        return None
+    owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
+    field = owner.model_fields.get(loc[-1])
+    return field.description if field is not None else None
+
+
+def body_error(exc: ValidationError) -> APIError:
+    """The OpenAI error object (400) of a request body pydantic refused: its first error,
+    one line naming the field (`param`), the value and what is accepted."""
+    errors = exc.errors(include_url=False)
+    # an unknown field first: a misspelled one leaves the field it meant missing
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    kind, loc, ctx = err["type"], tuple(err["loc"]), err.get("ctx") or {}
+    model = MODELS.get(exc.title, Request)
+    if kind == "json_invalid":
+        why = ctx.get("error", "malformed")
+        return APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object ({...})", code="invalid_json")
+    deeper = ctx.get("param") or ""  # a validator's: the value's own place
+    param = _where(loc) + deeper if deeper.startswith("[") else deeper or _where(loc)
+    value = ctx["value"] if "value" in ctx else err.get("input")
+    if kind == "extra_forbidden":
+        owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
+        known = sorted(owner.model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        message = str(
+            ConfigError.field(param, value, f"unknown field; {guess}known: {', '.join(known)}")
+        )
+        where = {"CompletionRequest": COMPLETIONS, "ChatRequest": CHAT}.get(exc.title)
+        message += f" (endpoint {where})" if where else ""
+        return APIError(400, message, param=param, code="unknown_parameter")
+    if kind == "missing":
+        value = None
+    accepted = ctx.get("accepted") or _accepted(model, loc) or _lower(err["msg"])
+    code = "unsupported_value" if kind == "unsupported_value" else "invalid_value"
+    return APIError(400, str(ConfigError.field(param, value, accepted)), param=param, code=code)
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:]
