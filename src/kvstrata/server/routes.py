@@ -24,7 +24,13 @@ from kvstrata.server.choices import Choices, ChoiceState, Job, collect, next_out
 from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
 from kvstrata.server.errors import APIError, aborted_error, engine_error, invalid
 from kvstrata.server.limits import ServeLimits, longest_token_chars
-from kvstrata.server.protocol import ChatRequest, CompletionRequest, Limits, too_long
+from kvstrata.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    parse_request,
+    too_long,
+)
 from kvstrata.server.protocol import Request as Body
 from kvstrata.server.responses import (
     ResponseHead,
@@ -50,7 +56,6 @@ from kvstrata.server.validation import (
     check_work,
     choice_params,
     logprobs_request,
-    parse_request,
     sampling_params,
 )
 

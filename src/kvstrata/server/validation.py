@@ -10,21 +10,13 @@ accepted.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstrata.core.errors import ConfigError
 from kvstrata.engine.params import MAX_SEED, SamplingParams
 from kvstrata.server.errors import APIError, field_of, invalid
-from kvstrata.server.protocol import (
-    CHAT,
-    COMPLETIONS,
-    REQUESTS,
-    ChatRequest,
-    Limits,
-    Request,
-)
+from kvstrata.server.protocol import CHAT, COMPLETIONS, ChatRequest, Request
 
 __all__ = ["CHAT", "COMPLETIONS"]
 
@@ -49,35 +41,6 @@ _SAMPLING_FIELDS = (
     "min_p",
     "min_tokens",
 )
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
-
-
-def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
-    """The body as the endpoint's request model (a pydantic ValidationError otherwise),
-    with no key given twice in any object (JSON leaves that open; the last one would
-    win silently)."""
-    request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
-    try:  # valid JSON by now (pydantic-core bounded its depth and numbers)
-        json.loads(raw, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as exc:
-        raise APIError(
-            400,
-            f"the request body gives the key {str(exc.args[0])[:100]!r} twice in one object: "
-            "give each key once",
-            code="invalid_json",
-        ) from None
-    return request
 
 
 @dataclass(frozen=True)
