@@ -97,6 +97,14 @@ class ResponseHead:
     def chat(self, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
         return {**self._base("chat.completion"), "choices": choices, "usage": use}
 
+    def _chunk(self, obj: str, choice: dict[str, Any], with_usage: Any) -> dict[str, Any]:
+        """`with_usage`: True puts `usage: null` on the chunk (OpenAI: null on every
+        chunk but the usage one), a usage object puts that (continuous usage)."""
+        chunk = {**self._base(obj), "choices": [choice]}
+        if with_usage is not False:
+            chunk["usage"] = None if with_usage is True else with_usage
+        return chunk
+
     def completion_chunk(
         self,
         index: int,
@@ -105,13 +113,8 @@ class ResponseHead:
         with_usage: bool | dict[str, Any],
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """`with_usage`: True puts `usage: null` on the chunk (OpenAI: null on every
-        chunk but the usage one), a usage object puts that (continuous usage)."""
         choice = completion_choice(index, text, finish_reason, logprobs)
-        chunk = {**self._base("text_completion"), "choices": [choice]}
-        if with_usage is not False:
-            chunk["usage"] = None if with_usage is True else with_usage
-        return chunk
+        return self._chunk("text_completion", choice, with_usage)
 
     def chat_chunk(
         self,
@@ -121,17 +124,10 @@ class ResponseHead:
         with_usage: bool | dict[str, Any],
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """`with_usage` as in completion_chunk."""
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        chunk = {**self._base("chat.completion.chunk"), "choices": [choice]}
-        if with_usage is not False:
-            chunk["usage"] = None if with_usage is True else with_usage
-        return chunk
+        choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        return self._chunk(
+            "chat.completion.chunk", {**choice, "finish_reason": finish_reason}, with_usage
+        )
 
     def usage_chunk(self, chat: bool, use: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if chat else "text_completion"
