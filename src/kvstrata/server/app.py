@@ -44,13 +44,8 @@ def build_app(
     name = engine.model_name if served_model_name is None else served_model_name
     if not isinstance(name, str) or not name.strip():
         raise ConfigError.field("served_model_name", name, "a non-empty model name")
-    if api_key is not None and not (
-        isinstance(api_key, str)
-        and api_key
-        and api_key.isascii()
-        and api_key.isprintable()
-        and api_key == api_key.strip()
-    ):
+    header_safe = isinstance(api_key, str) and api_key.isascii() and api_key.isprintable()
+    if api_key is not None and not (header_safe and api_key and api_key == api_key.strip()):
         raise ConfigError.field(
             "api_key",
             "<hidden>" if isinstance(api_key, str) else api_key,

@@ -35,12 +35,8 @@ def completion_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
     text of the most likely tokens to their logprob, most likely first (a text two
     tokens share keeps the likelier), and always holds the chosen token (OpenAI: up to
     logprobs + 1 entries)."""
-    out: dict[str, list[Any]] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    out: dict[str, list[Any]] = {key: [] for key in keys}
     for info in tokens:
         out["tokens"].append(info.text)
         out["text_offset"].append(info.offset)
