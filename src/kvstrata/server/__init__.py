@@ -20,19 +20,11 @@ def build_app(
     api_key: str | None = None,
     limits: Any = None,
 ) -> Any:
-    """The FastAPI app serving `engine` (see kvstrata.server.app).
-
-    Args:
-        engine: A running kvstrata.engine.Engine (its owner shuts it down).
-        served_model_name: The model name clients use (default: engine.model_name).
-        api_key: When set, every request but /health and /metrics needs
-            `Authorization: Bearer <api_key>`.
-        limits: kvstrata.server.limits.ServeLimits (body bytes, tokens of work per
-            request, trusted special tokens); None: the defaults.
-
-    Returns:
-        A FastAPI app; MissingExtraError when FastAPI or uvicorn is not installed.
-    """
+    """The FastAPI app serving `engine` (a running Engine; its owner shuts it down) as
+    `served_model_name` (default engine.model_name); with `api_key`, every request but
+    /health and /metrics needs `Authorization: Bearer <api_key>` (a 401 otherwise, also
+    for two such headers); `limits`: a ServeLimits (default ServeLimits()).
+    MissingExtraError when FastAPI or uvicorn is not installed."""
     require_serve()
     from kvstrata.server.app import build_app as _build_app
 

@@ -7,20 +7,13 @@
     GET  /health                200 while the engine runs, 503 once it has stopped
     GET  /metrics               Prometheus text: the engine's metrics + HTTP requests
 
-Each choice of a request (prompts x n) is its own engine request, submitted with a
-callback that queues its outputs for the event loop (`Choices`); the event loop only
-submits and aborts (both quick), the engine thread does every forward, and prompts are
-tokenized and chat templates rendered in a worker thread. Every choice is checked
-before any is submitted. A client that goes away — mid-stream or while waiting for a
-whole completion — cancels its task, which closes its choices and so aborts their
-requests (their blocks are freed at the engine's next step).
-Errors are OpenAI error objects with a one-line message: a bad body or field 400 (the
-request models' ValidationError, one handler), a body past the limit 413, an unknown
-model 404, a request the engine can never run or past the work ceiling 400, the
-engine stopped 503.
-
-This module wires the app (routes, error handlers, middleware) and is the one
-`kvstrata.server.build_app` imports when an app is built (the `serve` extra).
+Each choice of a request (prompts x n) is its own engine request (`Choices`); the event
+loop only submits and aborts, the engine thread does every forward, and prompts are
+tokenized and chat templates rendered in a worker thread. Every choice is checked before
+any is submitted. A client that goes away cancels its task, which aborts its requests.
+Errors are OpenAI error objects with a one-line message: a bad body 400 (one handler for
+the request models' ValidationError), a body past the limit 413, an unknown model 404, a
+request the engine can never run or past the work ceiling 400, the engine stopped 503.
 """
 
 from __future__ import annotations
@@ -46,30 +39,13 @@ def build_app(
     api_key: str | None = None,
     limits: ServeLimits | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (module docstring).
-
-    Args:
-        engine: A running kvstrata.engine.Engine; its owner shuts it down.
-        served_model_name: The model name clients use (default: engine.model_name).
-        api_key: When set, every request but /health and /metrics (open, as in vLLM)
-            must send `Authorization: Bearer <it>` (a 401 otherwise, also for two
-            Authorization headers).
-        limits: What one request may ask (ServeLimits: body bytes, tokens of work,
-            trusted special tokens); default ServeLimits().
-
-    Returns:
-        A FastAPI app (serve it with uvicorn).
-    """
+    """The OpenAI-compatible app over `engine` (module docstring; the arguments:
+    `kvstrata.server.build_app`)."""
     name = engine.model_name if served_model_name is None else served_model_name
     if not isinstance(name, str) or not name.strip():
         raise ConfigError.field("served_model_name", name, "a non-empty model name")
-    if api_key is not None and not (
-        isinstance(api_key, str)
-        and api_key
-        and api_key.isascii()
-        and api_key.isprintable()
-        and api_key == api_key.strip()
-    ):
+    header_safe = isinstance(api_key, str) and api_key.isascii() and api_key.isprintable()
+    if api_key is not None and not (header_safe and api_key and api_key == api_key.strip()):
         raise ConfigError.field(
             "api_key",
             "<hidden>" if isinstance(api_key, str) else api_key,
@@ -90,9 +66,8 @@ def build_app(
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI error object: an APIError with its status, a request
-    model's ValidationError a 400 (`protocol.body_error`), Starlette's own (an unknown
-    path, a wrong method) with theirs, anything else a 500."""
+    """Every error as an OpenAI error object: Starlette's own (an unknown path, a wrong
+    method) with their status, anything not an APIError or a request body's a 500."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -1,13 +1,10 @@
 """Chat messages -> prompt token ids: the tokenizer's chat template, or a plain one.
 
-A tokenizer with a `chat_template` renders the messages with it
-(`add_generation_prompt`: the request's, default true; `chat_template_kwargs`: more
-variables for the template, vLLM's field — only variables: what would control the
-rendering itself is refused); the text is then tokenized without adding special tokens
-(the template writes its own). The server renders it off the event loop (a template
-may be slow). A tokenizer without one (the embedded
-byte-level model) gets the plain template below, documented in the README, tokenized
-like a completion prompt:
+A tokenizer with a `chat_template` renders the messages with it (`add_generation_prompt`,
+default true; `chat_template_kwargs`, vLLM's field: template variables only), and the
+text is tokenized without adding special tokens (the template writes its own). A
+tokenizer without one (the embedded byte-level model) gets the plain template below,
+documented in the README, tokenized like a completion prompt:
 
     system: You are terse.
     user: Write a haiku.
@@ -54,7 +51,7 @@ _RENDER_CONTROLS = frozenset(
 
 
 def _render_controls(tokenizer: Any) -> frozenset[str]:
-    """_RENDER_CONTROLS and the named parameters of `tokenizer.apply_chat_template`."""
+    """_RENDER_CONTROLS and the named parameters of its `apply_chat_template`."""
     names = set(_RENDER_CONTROLS)
     method = getattr(type(tokenizer), "apply_chat_template", None)
     if method is not None:
@@ -69,10 +66,8 @@ def _render_controls(tokenizer: Any) -> frozenset[str]:
 
 def template_options(body: Any, tokenizer: Any = None) -> tuple[bool, dict[str, Any]]:
     """The request's `add_generation_prompt` (default true) and `chat_template_kwargs`
-    (default {}) — a parsed ChatRequest, or a mapping of those two fields — checked:
-    only template variables — a key that names a parameter of
-    `tokenizer.apply_chat_template` or otherwise controls the rendering (the template
-    itself, tokenize, tools, documents, return_*, ...) is a 400 naming it."""
+    (default {}; a ChatRequest or a mapping of the two): a key that controls the
+    rendering (_render_controls, return_*) rather than a template variable is a 400."""
     get = body.get if isinstance(body, dict) else lambda name: getattr(body, name)
     add = get("add_generation_prompt")
     kwargs = get("chat_template_kwargs") or {}
@@ -114,20 +109,9 @@ def chat_prompt_ids(
     template_kwargs: dict[str, Any] | None = None,
     trust_special_tokens: bool = False,
 ) -> list[int]:
-    """Render checked messages to prompt token ids (module docstring).
-
-    Args:
-        tokenizer: A Hugging Face tokenizer.
-        messages: From chat_messages.
-        add_generation_prompt: end with the assistant's turn opening.
-        template_kwargs: more variables for the tokenizer's chat template.
-        trust_special_tokens: a special token's text in a message's content is that
-            token (a caller may write turns); False (default): it is plain text, and
-            only the template writes special tokens.
-
-    Returns:
-        The prompt's token ids.
-    """
+    """The prompt token ids of `messages` (from chat_messages; module docstring):
+    `trust_special_tokens`, a special token's text in a content is that token (a caller
+    may write turns); else it is plain text and only the template writes them."""
     specials = () if trust_special_tokens else special_strings(tokenizer)
     hidden: dict[str, str] = {}  # a stand-in character -> the special token's text
     if any(s in m["content"] for m in messages for s in specials):

@@ -34,16 +34,13 @@ class Job:
 
 
 class Choices:
-    """The engine requests of one HTTP request, one per choice: their outputs merged,
-    in arrival order, as `(choice index, RequestOutput)`; iteration ends when every
-    choice has finished. `start()` submits the choices that start at once (a refused
-    one aborts the rest and raises); a choice with `after` is submitted when that
-    choice's first output comes — the engine sends it as soon as that choice's first
-    token is chosen (`first_output`), text or not: its prompt is computed and in the
-    prefix cache by then, so the other choices of a prompt reuse its blocks instead of
-    all computing it in the same step. Once `stopping()` (the server stops taking
-    requests) they are not submitted: they end as aborted. `aclose()` aborts the ones
-    not finished."""
+    """The engine requests of one HTTP request, one per choice: their outputs merged, in
+    arrival order, as `(choice index, RequestOutput)` until every choice has finished.
+    `start()` submits the choices that start at once (a refused one aborts the rest and
+    raises); a choice with `after` is submitted on that choice's first output (sent as
+    soon as its first token is chosen, `first_output`): its prompt is in the prefix cache
+    by then, so the prompt's other choices reuse its blocks. Once `stopping()` they end
+    as aborted instead. `aclose()` aborts the ones not finished."""
 
     def __init__(
         self,

@@ -37,14 +37,7 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return {"error": {key: getattr(self, key) for key in ("message", "type", "param", "code")}}
 
 
 def field_of(message: str) -> str | None:

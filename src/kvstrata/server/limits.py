@@ -19,28 +19,21 @@ DEFAULT_MAX_NUM_SEQS = 8  # an engine without a config (a stand-in in tests)
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """Limits of one request.
+    """Limits of one request."""
 
-    Args:
-        max_body_bytes: request body bytes at most (a 413 past it, before it is read).
-        max_request_tokens: tokens of work at most: (prompt + max_tokens) x n over
-            every prompt (a 400 with the numbers past it); None: the engine's
-            max_num_seqs x max_model_len (what it runs at once).
-        trust_special_tokens: a special token's text in chat content (and, for a chat
-            model, in a completion prompt string) is that token; False (default): it
-            is plain text, so a client cannot forge a turn.
-    """
-
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a 413 past it, before it is read
+    # (prompt + max_tokens) x n over every prompt, at most (a 400 with the numbers past
+    # it); None: the engine's max_num_seqs x max_model_len (what it runs at once)
     max_request_tokens: int | None = None
+    # a special token's text in chat content (and, for a chat model, in a completion
+    # prompt string) is that token; False: it is plain text, so no client forges a turn
     trust_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_request_tokens"):
             value = getattr(self, name)
-            if value is None and name == "max_request_tokens":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            whole = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            if not whole and (value is not None or name == "max_body_bytes"):
                 raise ConfigError.field(name, value, "a whole number >= 1")
         if not isinstance(self.trust_special_tokens, bool):
             raise ConfigError.field("trust_special_tokens", self.trust_special_tokens, "a bool")

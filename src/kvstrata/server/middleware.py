@@ -7,6 +7,7 @@ requests answered, by path and status (`CountRequests`).
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
@@ -17,6 +18,10 @@ from kvstrata.server.errors import APIError
 from kvstrata.server.protocol import CHAT, COMPLETIONS
 
 ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")  # counted by path
+
+
+async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send, **kw: Any) -> None:
+    await JSONResponse(error.body(), status_code=error.status, **kw)(scope, receive, send)
 
 
 def _route_path(scope: Scope) -> str:
@@ -41,9 +46,8 @@ class RequireApiKey:
             given = [v for k, v in scope.get("headers") or () if k == b"authorization"]
             scheme, _, token = (given[0] if len(given) == 1 else b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
-                why = "several Authorization headers: send one" if len(given) > 1 else (
-                    "missing or wrong API key"
-                )  # fmt: skip
+                several = "several Authorization headers: send one"
+                why = several if len(given) > 1 else "missing or wrong API key"
                 error = APIError(
                     401,
                     f"{why}: send the header Authorization: Bearer <key> "
@@ -51,17 +55,13 @@ class RequireApiKey:
                     type="authentication_error",
                     code="invalid_api_key",
                 )
-                response = JSONResponse(
-                    error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
-                )
-                await response(scope, receive, send)
+                await _answer(error, scope, receive, send, headers={"WWW-Authenticate": "Bearer"})
                 return
         await self.app(scope, receive, send)
 
 
 class CountRequests:
-    """ASGI middleware: `kvstrata_http_requests_total{path, status}` (a plain ASGI
-    wrapper: BaseHTTPMiddleware would buffer the event streams' cancellation)."""
+    """ASGI middleware: `kvstrata_http_requests_total{path, status}`."""
 
     def __init__(self, app: ASGIApp, registry: CollectorRegistry) -> None:
         self.app = app
@@ -118,8 +118,7 @@ class LimitBody:
         elif lengths and int(lengths[0]) > self.max_bytes:
             error = self.too_large(f"{int(lengths[0]):,} bytes (Content-Length)")
         if error is not None:
-            response = JSONResponse(error.body(), status_code=error.status)
-            await response(scope, receive, send)  # the body is never read
+            await _answer(error, scope, receive, send)  # the body is never read
             return
         received = 0
 

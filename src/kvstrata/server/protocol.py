@@ -2,7 +2,8 @@
 extensions), parsed by pydantic-core's JSON parser (its nesting-depth and number-size
 limits and strict Unicode: a lone surrogate is invalid JSON there), and their
 `ValidationError` turned into one OpenAI error object (`body_error`, a 400 naming the
-field, the value and what is accepted, `param` set to the field).
+field, the value and what is accepted — said from the field's type and constraints —
+with `param` set to the field).
 
 Every model refuses an unknown field, naming the closest known one. A field kvstrata
 does not implement is accepted only at its neutral value (`neutral`); the checks that
@@ -13,9 +14,11 @@ characters) read the validation context (`Limits`).
 from __future__ import annotations
 
 import difflib
+import json
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -27,6 +30,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from kvstrata.core.errors import ConfigError
@@ -43,9 +47,8 @@ MAX_SALT_CHARS = 256  # a tenant name, not a payload
 
 @dataclass(frozen=True)
 class Limits:
-    """What the checks against the served model read (the validation context):
-    `vocab_size` (0: unknown, token ids unchecked) and `max_prompt_chars`, the longest
-    prompt string that can fit the model (None: no bound)."""
+    """The validation context: `vocab_size` (0: unknown, token ids unchecked) and
+    `max_prompt_chars`, the longest prompt string that can fit the model (None: any)."""
 
     vocab_size: int = 0
     max_prompt_chars: int | None = None
@@ -78,9 +81,14 @@ def _empty(value: Any) -> bool:
     return value is None or value in ("", [], {})
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
 Ignored = Any  # a field that changes nothing here, whatever its value
-NoTools = neutral(_empty, "null (tool calling is not supported)")
-Penalty = Annotated[float | None, Field(ge=-2, le=2, description="a number from -2 to 2")]
+NoTools = neutral(_empty, "not supported (tool calls and audio are not implemented)")
+Penalty = Annotated[float | None, Field(ge=-2, le=2)]
+Salt = Annotated[str | None, Field(min_length=1, max_length=MAX_SALT_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -93,61 +101,41 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool | None = Field(None, description="true or false")
-    continuous_usage_stats: bool | None = Field(None, description="true or false")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class Request(_Body):
     """The fields both endpoints take (top_k, min_p, repetition_penalty, min_tokens,
     stop_token_ids, ignore_eos, skip_special_tokens, salt / cache_salt: vLLM's)."""
 
-    model: str | None = Field(None, description="a model name (GET /v1/models lists them)")
-    n: int | None = Field(None, ge=1, le=MAX_N, description=f"a whole number from 1 to {MAX_N}")
-    stream: bool | None = Field(None, description="true or false")
-    stream_options: StreamOptions | None = Field(
-        None, description="an object such as {'include_usage': true}"
-    )
-    user: str | None = Field(None, description="a string")
-    salt: str | None = Field(
-        None,
-        min_length=1,
-        max_length=MAX_SALT_CHARS,
-        description=f"a tenant name of 1 to {MAX_SALT_CHARS} characters, or leave it out",
-    )
-    cache_salt: str | None = Field(
-        None,
-        min_length=1,
-        max_length=MAX_SALT_CHARS,
-        description=f"a tenant name of 1 to {MAX_SALT_CHARS} characters, or leave it out",
-    )
-    max_tokens: int | None = Field(None, ge=0, description="a whole number >= 1")
-    temperature: float | None = Field(None, ge=0, le=100, description="a number from 0 to 100")
-    top_p: float | None = Field(None, gt=0, le=1, description="a number > 0 and <= 1")
-    top_k: int | None = Field(
-        None, ge=-1, description="a whole number from -1 to the vocabulary size (-1, 0: off)"
-    )
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description=f"a whole number 0..{MAX_SEED}")
+    model: str | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    salt: Salt = None
+    cache_salt: Salt = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1, 0: off
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Annotated[
         Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None,
         BeforeValidator(_listed),
         Field(
             description=f"a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to "
-            f"{MAX_STOP_CHARS} characters",
+            f"{MAX_STOP_CHARS} characters"
         ),
     ] = None
-    stop_token_ids: list[int] | None = Field(
-        None,
-        max_length=MAX_STOP_TOKEN_IDS,
-        description=f"a list of at most {MAX_STOP_TOKEN_IDS} token ids",
-    )
-    ignore_eos: bool | None = Field(None, description="true or false")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool | None = None
     frequency_penalty: Penalty = None
     presence_penalty: Penalty = None
-    repetition_penalty: float | None = Field(
-        None, gt=0, le=100, description="a number > 0 and <= 100 (1 = off)"
-    )
-    min_p: float | None = Field(None, ge=0, le=1, description="a number from 0 to 1")
-    min_tokens: int | None = Field(None, ge=0, description="a whole number >= 0")
+    repetition_penalty: float | None = Field(None, gt=0, le=100)  # 1: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0)
     logit_bias: dict[str, Any] | None = None
     skip_special_tokens: neutral(  # type: ignore[valid-type]
         lambda v: v is None or v is True,
@@ -241,10 +229,8 @@ def too_long(chars: int, bound: int) -> str:
 
 
 class CompletionRequest(Request):
-    prompt: Annotated[Any, AfterValidator(_prompt)] = Field(
-        None, validate_default=True, description="a string or a list of token ids (required)"
-    )
-    echo: bool | None = Field(None, description="true or false")
+    prompt: Annotated[Any, AfterValidator(_prompt)] = Field(None, validate_default=True)
+    echo: bool | None = None
     logprobs: Annotated[int | None, BeforeValidator(lambda v: None if v is False else v)] = Field(
         None,
         ge=0,
@@ -256,9 +242,6 @@ class CompletionRequest(Request):
         lambda v: v is None or (type(v) is int and v == 1), "1 (best_of is not supported: use n)"
     ) = None
     suffix: neutral(_empty, "null (suffix / insertion is not supported)") = None  # type: ignore[valid-type]
-
-
-ROLES = ("system", "developer", "user", "assistant")
 
 
 def _content(value: Any) -> str:
@@ -284,45 +267,30 @@ def _content(value: Any) -> str:
     return "\n".join(texts)
 
 
-_NO_TOOLS = "not supported (tool calls and audio are not implemented)"
-
-
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description=f"one of {', '.join(ROLES)}"
-    )
-    content: Annotated[Any, AfterValidator(_content)] = Field(
-        None, validate_default=True, description="a string or a list of text parts"
-    )
-    name: str | None = Field(None, description="a string")
-    tool_calls: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
-    tool_call_id: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
-    function_call: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
-    audio: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
-    refusal: neutral(_empty, _NO_TOOLS) = None  # type: ignore[valid-type]
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[Any, AfterValidator(_content)] = Field(None, validate_default=True)
+    name: str | None = None
+    tool_calls: NoTools = None
+    tool_call_id: NoTools = None
+    function_call: NoTools = None
+    audio: NoTools = None
+    refusal: NoTools = None
 
 
 class ChatRequest(Request):
-    messages: list[Message] = Field(
-        min_length=1, description="a non-empty list of {role, content} objects"
-    )
-    max_completion_tokens: int | None = Field(None, ge=0, description="a whole number >= 1")
-    logprobs: bool | None = Field(
-        None, description="true or false (top_logprobs: how many per token)"
-    )
-    top_logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description=f"a whole number from 0 to {MAX_LOGPROBS}"
-    )
-    add_generation_prompt: bool | None = Field(None, description="true or false")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="an object of template variables, e.g. {'x': 1}"
-    )
-    prediction: neutral(lambda v: v is None, "null (predicted outputs are not supported)") = None  # type: ignore[valid-type]
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    prediction: neutral(_is_none, "null (predicted outputs are not supported)") = None  # type: ignore[valid-type]
     modalities: neutral(  # type: ignore[valid-type]
         lambda v: v is None or v == ["text"], "['text'] or null (only text is generated)"
     ) = None
-    audio: neutral(lambda v: v is None, "null (only text is generated)") = None  # type: ignore[valid-type]
-    tools: NoTools = None
+    audio: neutral(_is_none, "null (only text is generated)") = None  # type: ignore[valid-type]
+    tools: neutral(_empty, "null (tool calling is not supported)") = None  # type: ignore[valid-type]
     tool_choice: neutral(  # type: ignore[valid-type]
         lambda v: v in (None, "none", "auto"), "null or 'none' (tool calling is not supported)"
     ) = None
@@ -330,12 +298,41 @@ class ChatRequest(Request):
         lambda v: v is None or v == {"type": "text"},
         "null or {'type': 'text'} (structured output is not supported)",
     ) = None
-    reasoning_effort: neutral(lambda v: v is None, "null (not a reasoning model)") = None  # type: ignore[valid-type]
+    reasoning_effort: neutral(_is_none, "null (not a reasoning model)") = None  # type: ignore[valid-type]
 
 
-MODELS: dict[str, type[_Body]] = {m.__name__: m for m in (CompletionRequest, ChatRequest)}
 REQUESTS = {COMPLETIONS: CompletionRequest, CHAT: ChatRequest}
+MODELS = {model.__name__: endpoint for endpoint, model in REQUESTS.items()}
 _INNER = {"messages": Message, "stream_options": StreamOptions}  # field -> its items' model
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
+def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
+    """The body as the endpoint's request model (a pydantic ValidationError otherwise),
+    with no key given twice in any object (JSON leaves that open; the last one would
+    win silently)."""
+    request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
+    try:  # valid JSON by now (pydantic-core bounded its depth and numbers)
+        json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise APIError(
+            400,
+            f"the request body gives the key {str(exc.args[0])[:100]!r} twice in one object: "
+            "give each key once",
+            code="invalid_json",
+        ) from None
+    return request
 
 
 def _where(loc: tuple[int | str, ...]) -> str:
@@ -346,13 +343,41 @@ def _where(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _accepted(model: type[_Body], loc: tuple[int | str, ...]) -> str | None:
-    """The description of the field `loc` ends at (None: not a field)."""
-    if not loc or not isinstance(loc[-1], str):
-        return None
-    owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
-    field = owner.model_fields.get(loc[-1])
-    return field.description if field is not None else None
+def _accepted(field: FieldInfo) -> str | None:
+    """What a field accepts, from its type and constraints (its description, where it
+    has one; None for a type this does not put in words)."""
+    if field.description:
+        return field.description
+    kind = field.annotation
+    if get_origin(kind) in (Union, types.UnionType):  # X | None
+        kind = next(arg for arg in get_args(kind) if arg is not type(None))
+    bounds = {
+        name: getattr(meta, name)
+        for meta in field.metadata
+        for name in ("gt", "ge", "le", "min_length", "max_length")
+        if getattr(meta, name, None) is not None
+    }
+    if "ge" in bounds and "le" in bounds:
+        span = f" from {bounds['ge']} to {bounds['le']}"
+    else:
+        ops = {"gt": ">", "ge": ">=", "le": "<="}
+        span = " and".join(f" {op} {bounds[name]}" for name, op in ops.items() if name in bounds)
+    least, most = bounds.get("min_length"), bounds.get("max_length")
+    if get_origin(kind) is Literal:
+        return f"one of {', '.join(map(repr, get_args(kind)))}"
+    if kind is bool:
+        return "true or false"
+    if kind in (int, float):
+        return ("a whole number" if kind is int else "a number") + span
+    if kind is str:
+        return f"a string of {least or 0} to {most} characters" if most else "a string"
+    if get_origin(kind) is list:
+        return ("a non-empty list" if least else "a list") + (
+            f" of at most {most} items" if most else ""
+        )
+    if get_origin(kind) is dict or isinstance(kind, type) and issubclass(kind, BaseModel):
+        return "an object"
+    return None
 
 
 def body_error(exc: ValidationError) -> APIError:
@@ -362,7 +387,6 @@ def body_error(exc: ValidationError) -> APIError:
     # an unknown field first: a misspelled one leaves the field it meant missing
     err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     kind, loc, ctx = err["type"], tuple(err["loc"]), err.get("ctx") or {}
-    model = MODELS.get(exc.title, Request)
     if kind == "json_invalid":
         why = ctx.get("error", "malformed")
         return APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json")
@@ -371,20 +395,19 @@ def body_error(exc: ValidationError) -> APIError:
     deeper = ctx.get("param") or ""  # a validator's: the value's own place
     param = _where(loc) + deeper if deeper.startswith("[") else deeper or _where(loc)
     value = ctx["value"] if "value" in ctx else err.get("input")
+    model = REQUESTS.get(MODELS.get(exc.title, ""), Request)
+    owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
     if kind == "extra_forbidden":
-        owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
         known = sorted(owner.model_fields)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
         guess = f"did you mean {close[0]!r}? " if close else ""
-        message = str(
-            ConfigError.field(param, value, f"unknown field; {guess}known: {', '.join(known)}")
+        why = f"unknown field; {guess}known: {', '.join(known)} (endpoint {MODELS[exc.title]})"
+        return APIError(
+            400, str(ConfigError.field(param, value, why)), param=param, code="unknown_parameter"
         )
-        where = {"CompletionRequest": COMPLETIONS, "ChatRequest": CHAT}.get(exc.title)
-        message += f" (endpoint {where})" if where else ""
-        return APIError(400, message, param=param, code="unknown_parameter")
-    if kind == "missing":
-        value = None
-    accepted = ctx.get("accepted") or _accepted(model, loc) or _lower(err["msg"])
+    field = owner.model_fields.get(loc[-1]) if isinstance(loc[-1], str) else None
+    accepted = ctx.get("accepted") or (field and _accepted(field)) or _lower(err["msg"])
+    value = None if kind == "missing" else value
     code = "unsupported_value" if kind == "unsupported_value" else "invalid_value"
     return APIError(400, str(ConfigError.field(param, value, accepted)), param=param, code=code)
 

@@ -35,12 +35,8 @@ def completion_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
     text of the most likely tokens to their logprob, most likely first (a text two
     tokens share keeps the likelier), and always holds the chosen token (OpenAI: up to
     logprobs + 1 entries)."""
-    out: dict[str, list[Any]] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    out: dict[str, list[Any]] = {key: [] for key in keys}
     for info in tokens:
         out["tokens"].append(info.text)
         out["text_offset"].append(info.offset)
@@ -97,6 +93,14 @@ class ResponseHead:
     def chat(self, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
         return {**self._base("chat.completion"), "choices": choices, "usage": use}
 
+    def _chunk(self, obj: str, choice: dict[str, Any], with_usage: Any) -> dict[str, Any]:
+        """`with_usage`: True puts `usage: null` on the chunk (OpenAI: null on every
+        chunk but the usage one), a usage object puts that (continuous usage)."""
+        chunk = {**self._base(obj), "choices": [choice]}
+        if with_usage is not False:
+            chunk["usage"] = None if with_usage is True else with_usage
+        return chunk
+
     def completion_chunk(
         self,
         index: int,
@@ -105,13 +109,8 @@ class ResponseHead:
         with_usage: bool | dict[str, Any],
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """`with_usage`: True puts `usage: null` on the chunk (OpenAI: null on every
-        chunk but the usage one), a usage object puts that (continuous usage)."""
         choice = completion_choice(index, text, finish_reason, logprobs)
-        chunk = {**self._base("text_completion"), "choices": [choice]}
-        if with_usage is not False:
-            chunk["usage"] = None if with_usage is True else with_usage
-        return chunk
+        return self._chunk("text_completion", choice, with_usage)
 
     def chat_chunk(
         self,
@@ -121,17 +120,10 @@ class ResponseHead:
         with_usage: bool | dict[str, Any],
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """`with_usage` as in completion_chunk."""
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        chunk = {**self._base("chat.completion.chunk"), "choices": [choice]}
-        if with_usage is not False:
-            chunk["usage"] = None if with_usage is True else with_usage
-        return chunk
+        choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        return self._chunk(
+            "chat.completion.chunk", {**choice, "finish_reason": finish_reason}, with_usage
+        )
 
     def usage_chunk(self, chat: bool, use: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if chat else "text_completion"

@@ -24,7 +24,14 @@ from kvstrata.server.choices import Choices, ChoiceState, Job, collect, next_out
 from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
 from kvstrata.server.errors import APIError, aborted_error, engine_error, invalid
 from kvstrata.server.limits import ServeLimits, longest_token_chars
-from kvstrata.server.protocol import ChatRequest, CompletionRequest, Limits, too_long
+from kvstrata.server.protocol import (
+    CHAT,
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    parse_request,
+    too_long,
+)
 from kvstrata.server.protocol import Request as Body
 from kvstrata.server.responses import (
     ResponseHead,
@@ -41,7 +48,6 @@ from kvstrata.server.streaming import (
     until_disconnect,
 )
 from kvstrata.server.validation import (
-    CHAT,
     DEFAULT_COMPLETION_TOKENS,
     CommonFields,
     Logprobs,
@@ -50,16 +56,10 @@ from kvstrata.server.validation import (
     check_work,
     choice_params,
     logprobs_request,
-    parse_request,
     sampling_params,
 )
 
 CHAT_DEFAULT_MAX_TOKENS = 2048  # chat without max_tokens: see OpenAIServer.room_for
-
-
-def engine_running(engine: Any) -> bool:
-    """Whether the engine takes requests (not shut down, not stopped on an error)."""
-    return bool(engine.is_running)
 
 
 class OpenAIServer:
@@ -119,7 +119,7 @@ class OpenAIServer:
         }
 
     def health(self) -> Response:
-        if engine_running(self.engine):
+        if self.engine.is_running:  # not shut down, not stopped on an error
             return JSONResponse({"status": "ok"})
         return JSONResponse(APIError(503, "the engine has stopped").body(), status_code=503)
 
@@ -215,7 +215,6 @@ class OpenAIServer:
         each checked by the engine (a request it can never run is a 400 before any
         choice is submitted). Runs in a worker thread."""
         prompts, default_max = self.prompts(body, n, logprobs.echo)
-        check_choices(n, len(prompts))
         params = sampling_params(body, default_max, logprobs)
         check_work([len(ids) for ids, _ in prompts], n, params, logprobs, self.ceiling)
         # choices 1.. of a prompt wait for choice 0 to compute it, when it holds a full

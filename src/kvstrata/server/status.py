@@ -21,16 +21,7 @@ GENERATED = "kvstrata_generation_tokens_total"
 
 
 def status_text(name: str, stats: dict[str, Any], tokens_per_s: float) -> str:
-    """The status line for one engine snapshot.
-
-    Args:
-        name: The served model name.
-        stats: Engine.stats().
-        tokens_per_s: Tokens generated per second over the last interval.
-
-    Returns:
-        One line of plain text.
-    """
+    """The status line (plain text) of one `Engine.stats()` snapshot."""
     parts = [
         f"{name}:",
         f"running {stats.get('running', 0)}",
@@ -51,13 +42,8 @@ def status_text(name: str, stats: dict[str, Any], tokens_per_s: float) -> str:
 
 
 class StatusLine:
-    """Shows `status_text` on stderr, refreshed every `interval` seconds, until stop().
-
-    Args:
-        engine: The serving Engine.
-        name: The served model name.
-        interval: Seconds between refreshes.
-    """
+    """Shows `status_text` of the serving engine on stderr, refreshed every `interval`
+    seconds, until stop()."""
 
     def __init__(self, engine: Any, name: str, interval: float = 1.0) -> None:
         self.engine = engine

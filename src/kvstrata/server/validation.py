@@ -1,83 +1,25 @@
-"""A request body checked, without HTTP: parsed into its pydantic model
-(`server.protocol`; a refusal there is a `ValidationError` the app's one handler
-answers), duplicate JSON keys refused, then what needs several fields at once — the
-common fields, the logprobs asked for, the sampling fields into `SamplingParams` and
-the work the request asks for against the server's ceiling.
-
-Every refusal is a 400 whose one-line message names the field, the value and what is
-accepted.
+"""What a parsed request (`server.protocol`) asks that needs several fields at once: the
+common fields, the logprobs, the sampling fields as `SamplingParams` and the work against
+the server's ceiling; each refusal a one-line 400 naming the field.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvstrata.core.errors import ConfigError
 from kvstrata.engine.params import MAX_SEED, SamplingParams
 from kvstrata.server.errors import APIError, field_of, invalid
-from kvstrata.server.protocol import (
-    CHAT,
-    COMPLETIONS,
-    REQUESTS,
-    ChatRequest,
-    Limits,
-    Request,
-)
-
-__all__ = ["CHAT", "COMPLETIONS"]
+from kvstrata.server.protocol import ChatRequest, Request
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 MAX_CHOICES = 256  # choices per request at most: prompts x n (each an engine request)
 LOGPROB_ENTRIES_PER_TOKEN = 4  # logprob entries a request may ask for per ceiling token
 
-# SamplingParams field -> the request field that feeds it (for messages and `param`).
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_p",
-    "min_tokens",
-)
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
-
-
-def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
-    """The body as the endpoint's request model (a pydantic ValidationError otherwise),
-    with no key given twice in any object (JSON leaves that open; the last one would
-    win silently)."""
-    request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
-    try:  # valid JSON by now (pydantic-core bounded its depth and numbers)
-        json.loads(raw, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as exc:
-        raise APIError(
-            400,
-            f"the request body gives the key {str(exc.args[0])[:100]!r} twice in one object: "
-            "give each key once",
-            code="invalid_json",
-        ) from None
-    return request
+# the SamplingParams fields a request field of the same name feeds
+_SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.name in Request.model_fields]
 
 
 @dataclass(frozen=True)
@@ -179,16 +121,8 @@ def sampling_params(
     default_max_tokens: int,
     logprobs: Logprobs | None = None,
 ) -> SamplingParams:
-    """SamplingParams from the request (OpenAI defaults: temperature 1, top_p 1).
-
-    Args:
-        body: The parsed request.
-        default_max_tokens: max_tokens when the request gives none.
-        logprobs: from logprobs_request (None: none asked for).
-
-    Returns:
-        The checked SamplingParams; a 400 naming the request field otherwise.
-    """
+    """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1; max_tokens
+    `default_max_tokens`); a 400 naming the request field otherwise."""
     logprobs = logprobs or Logprobs()
     source = _field_sources(body)
     kwargs: dict[str, Any] = {"max_tokens": default_max_tokens, "temperature": DEFAULT_TEMPERATURE}
@@ -211,8 +145,6 @@ def sampling_params(
     kwargs["logprobs"] = logprobs.top
     if logprobs.echo and logprobs.top is not None:
         kwargs["prompt_logprobs"] = logprobs.top
-    if body.logit_bias:
-        kwargs["logit_bias"] = dict(body.logit_bias)
     try:
         return SamplingParams(**kwargs)
     except ConfigError as exc:
