@@ -86,13 +86,19 @@ def test_installed_layers_take_the_kernel_only_when_turned_on(monkeypatch):
         off = model(x)
         with native_linear.native_projections():
             on = model(x)
-            many_x = torch.randn(3, 3, 40)  # 9 rows: the BLAS
+            many_x = torch.randn(3, 3, 40)  # 9 rows: a prefill chunk's product
             many = model(many_x)
     assert torch.equal(off, F.linear(x, w, b))  # other callers: torch's, bit for bit
     assert on.shape == (2, 3, 24)
     assert torch.equal(on.reshape(6, 24), kernel(x.reshape(6, 40), w, b, torch.get_num_threads()))
     assert torch.allclose(on, off, rtol=1e-5, atol=1e-6)  # the same numbers to rounding
-    assert torch.equal(many, F.linear(many_x, w, b))
+    # more rows (a prefill chunk): oneDNN's product where torch has it, else torch's
+    if native_linear.onednn_available():
+        dnn = torch.ops.mkldnn._linear_pointwise(many_x.reshape(9, 40), w, b, "none", [], "")
+        assert torch.equal(many, dnn.reshape(3, 3, 24))
+    else:
+        assert torch.equal(many, F.linear(many_x, w, b))
+    assert torch.allclose(many, F.linear(many_x, w, b), rtol=1e-5, atol=1e-6)
     # autograd: the kernel has no backward, so a product that needs one is torch's
     with native_linear.native_projections():
         y = model(x)

@@ -9,17 +9,23 @@ among the step's threads. Measured on a 2-core EPYC VM (smollm2, 4 rows, all 211
 projections of a step): 50 ms against 118-158 ms for torch's.
 
 `install(model)` gives every fp32 CPU `nn.Linear` of a model (weights of at least
-MIN_WEIGHT_BYTES: smaller ones sit in cache) a forward that takes the
-kernel only while `native_projections()` is on in the calling thread (the engine turns
-it on around its own forwards) and for inputs of at most MAX_ROWS rows; anything else
-— more rows, other dtypes, autograd, other callers of the same model — runs torch's
+MIN_WEIGHT_BYTES: smaller ones sit in cache) a forward that, while
+`native_projections()` is on in the calling thread (the engine turns it on around its
+own forwards), takes the kernel for inputs of at most MAX_ROWS rows and oneDNN's fp32
+product (`mkldnn._linear_pointwise`, the library vLLM's CPU backend multiplies with)
+for more: a prefill chunk. On the 2-core EPYC VM, 512 rows, medians: gate/up
+(1536x576) 7.4 ms against 9.6-12.7 ms for torch's `F.linear` (MKL), down (576x1536)
+7.9 / 8.1, q/o (576x576) 2.9 / 2.8 — with the weight as it is, no packed copy.
+Anything else — other dtypes, autograd, other callers of the same model — runs
 `F.linear` as before. The kernel's sums are fixed-order fp32 dot products: they do not
-depend on the thread count or on how many rows come together, and they differ from
-torch's BLAS in the last bits (tests check greedy agreement with the reference path).
+depend on the thread count or on how many rows come together; both it and oneDNN
+differ from MKL in the last bits (tests check greedy agreement with the reference
+path, and `EngineConfig(native_linear=False)` keeps `F.linear` everywhere).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,10 +88,14 @@ def install(model: torch.nn.Module) -> int:
 def _native_forward(module: torch.nn.Linear, lib: Any) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight, bias = module.weight, module.bias
-        if not getattr(_state, "on", False) or not _fits(x, weight, bias):
+        route = _route(x, weight, bias) if getattr(_state, "on", False) else TORCH
+        if route == TORCH:
             return F.linear(x, weight, bias)
         n, k = weight.shape
         rows = x.numel() // k
+        if route == ONEDNN:
+            y = torch.ops.mkldnn._linear_pointwise(x.view(rows, k), weight, bias, "none", [], "")
+            return y.view(*x.shape[:-1], n)
         y = x.new_empty((*x.shape[:-1], n))
         status = lib.kv_linear_small(
             x.data_ptr(),
@@ -97,22 +107,39 @@ def _native_forward(module: torch.nn.Linear, lib: Any) -> Any:
             n,
             torch.get_num_threads(),
         )
-        if status != 0:  # (ruled out by _fits)
+        if status != 0:  # (ruled out by _route)
             return F.linear(x, weight, bias)
         return y
 
     return forward
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+TORCH, NATIVE, ONEDNN = 0, 1, 2
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's fp32 linear (`mkldnn._linear_pointwise`)."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(
+            torch.ops.mkldnn._linear_pointwise.default
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Which product an installed projection takes for `x` (engine forwards only)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-        return False
+        return TORCH
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return False
+        return TORCH
     if not weight.is_contiguous() or x.shape[-1] != weight.shape[1] or x.numel() == 0:
-        return False
+        return TORCH
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        return False
+        return TORCH
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False
-    return x.numel() // weight.shape[1] <= MAX_ROWS
+        return TORCH
+    if x.numel() // weight.shape[1] <= MAX_ROWS:
+        return NATIVE
+    return ONEDNN if onednn_available() else TORCH
