@@ -25,6 +25,7 @@ block size or tenant salt is another key.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 
@@ -131,8 +132,11 @@ class RemoteBlocks:
         value_bytes = self.format.value_bytes
         if not self.tier.link.worth_loading(len(want) * value_bytes, (limit - k0) * bs):
             if time.monotonic() - self._last_ping > PING_STALE_S and self.tier.available:
+                # off the step's path: a slow link's PING must not delay the recompute
                 self._last_ping = time.monotonic()
-                self.tier.ping()
+                threading.Thread(
+                    target=self.tier.ping, name="kvstrata-remote-ping", daemon=True
+                ).start()
             return set()
         keys = [self.key(g, salt, hashes[g][i]) for g, i in want]
         values = self.tier.get(keys, value_bytes)
