@@ -29,13 +29,11 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
-
 from kvstrata.blocks.manager import BlockManager
 from kvstrata.blocks.pool import Block
 from kvstrata.codecs.base import Codec
 from kvstrata.core.hashing import block_hash, namespace_digest
-from kvstrata.core.layout import KINDS, BlockLayout
+from kvstrata.core.layout import BlockLayout
 from kvstrata.model.groups import LayerGroup
 from kvstrata.store.sequences import longest_match
 from kvstrata.tiers.base import Encoded
@@ -189,19 +187,8 @@ class RemoteBlocks:
         tier = mgr.tiers[target]
         slots = tier.allocate(len(items))
         assert slots is not None, "room was checked"
-        data = {
-            key: torch.cat([f[key] for f, _, _ in items], dim=2) for key, _ in self.format.specs
-        }
         try:
-            if tier.codec.name == self.format.codec.name:
-                tier.write_encoded(slots, data)
-            else:
-                n, lay, codec = len(items), self.layout, self.format.codec
-                raw = {kind: torch.empty(lay.raw_shape(kind, n), dtype=lay.dtype) for kind in KINDS}
-                for kind in KINDS:
-                    enc = {f: data[f"{kind}.{f}"] for f in codec.fields(kind, lay)}
-                    codec.decode(kind, enc, raw[kind])
-                tier.write_blocks(slots, raw["k"], raw["v"])
+            self.format.write_tier(tier, slots, [fields for fields, _, _ in items])
         except BaseException:
             tier.free(slots)
             raise
@@ -247,46 +234,21 @@ class RemoteBlocks:
         for block, g in fresh:
             by_tier.setdefault(block.tier, []).append((block, g))
         for name, entries in by_tier.items():
-            tier, n, lay = mgr.tiers[name], len(entries), self.layout
-            slots = [b.slot for b, _ in entries]
-            if tier.codec.name == self.format.codec.name:
-                data = {k: t.cpu() for k, t in tier.read_encoded(slots).items()}
-                encoded = True
-            else:
-                data = {
-                    kind: torch.empty(lay.raw_shape(kind, n), dtype=lay.dtype) for kind in KINDS
-                }
-                tier.read_blocks(slots, data["k"], data["v"])
-                encoded = False
+            data = self.format.read_tier(mgr.tiers[name], [b.slot for b, _ in entries])
             metas = [
                 (self.namespace(g, salt), b.block_hash, tuple(b.token_ids or ()))
                 for b, g in entries
             ]
-            make = functools.partial(self._values, metas, data, encoded)
-            self.tier.submit(make, n * self.format.value_bytes, n)
+            make = functools.partial(self._values, metas, data)
+            self.tier.submit(make, len(entries) * self.format.value_bytes, len(entries))
 
-    def _values(self, metas: list, data: dict, encoded: bool) -> list[tuple[bytes, bytes]]:
+    def _values(self, metas: list, data: Encoded) -> list[tuple[bytes, bytes]]:
         """(key, value) of queued blocks (on the writer thread)."""
-        fmt, lay = self.format, self.layout
-        if not encoded:
-            n, raw, data = len(metas), data, {}
-            for kind in KINDS:
-                fields = {
-                    f: torch.empty(
-                        (lay.num_layers, lay.num_kv_heads, n * s.rows, s.cols), dtype=s.dtype
-                    )
-                    for f, s in fmt.codec.fields(kind, lay).items()
-                }
-                fmt.codec.encode(kind, raw[kind], fields)
-                data.update({f"{kind}.{f}": t for f, t in fields.items()})
-        rows = dict(fmt.specs)
-        out = []
-        for i, (ns, h, tokens) in enumerate(metas):
-            fields = {
-                key: data[key].narrow(2, i * spec.rows, spec.rows) for key, spec in rows.items()
-            }
-            out.append((fmt.key(ns, h), fmt.encode(ns, h, tokens, fields)))
-        return out
+        fmt = self.format
+        return [
+            (fmt.key(ns, h), fmt.encode(ns, h, tokens, fmt.split(data, i)))
+            for i, (ns, h, tokens) in enumerate(metas)
+        ]
 
     # -- lifecycle ----------------------------------------------------------------------
     def stats(self) -> dict:
