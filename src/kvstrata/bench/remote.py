@@ -12,9 +12,13 @@ Each repeat takes a fresh document (real text, --doc-tokens tokens + a short que
   B disk     B restarted (its disk tier persists its prefix cache at shutdown) answers
              it again: a hit on its own disk tier
   slow       B_slow (no disk) reaches Redis through a proxy that holds every answer back
-             --delay-ms: after one prefill teaches it this machine's prefill speed, the
-             link model predicts loading slower than recomputing, so it recomputes
-             (slow remote: A's document; slow cold: a fresh salt)
+             --delay-ms (its remote_timeout: 3x that, at least 0.5 s): after one prefill
+             teaches it this machine's prefill speed, the link model predicts loading
+             slower than recomputing, so it recomputes (slow remote: A's document; slow
+             cold: a fresh salt). A link it keeps refusing is re-measured by one real
+             read every 30 s (tiers/remote_link.py), which the deadline cuts short: with
+             prefills longer than that, each request pays up to one deadline for it
+             (counted as a load decision and a timeout)
 
 B cold and B remote alternate their order across repeats; every request waits until
 the servers' write-behind queues are empty (kvstrata_remote_pending_bytes), so no
@@ -251,8 +255,11 @@ def _slow_phase(o, docs: Docs, redis: _redis.RedisServer, log_dir: Path, out: di
     server = None
     try:
         port = srv.free_port()
-        # a long deadline: what keeps B_slow from loading is the cost rule, not a timeout
-        cmd = _command(o, docs.model_dir, port, remote_url=proxy.url, remote_timeout="30")
+        # a deadline the slow link's PING meets (3x the delay, at least the default 0.5 s):
+        # what keeps B_slow from loading is the cost rule; the deadline bounds the one
+        # read the link model makes every 30 s to re-measure a link it keeps refusing
+        timeout = f"{max(0.5, 3 * o.delay_ms / 1000):g}"
+        cmd = _command(o, docs.model_dir, port, remote_url=proxy.url, remote_timeout=timeout)
         server = _start("B_slow", cmd, log_dir, o, docs.warm)
         out["commands"]["B_slow"] = shlex.join(cmd)
         out["slow_warm"] = ask(server, "warm", docs.warm_doc, o.max_tokens, "warm")
