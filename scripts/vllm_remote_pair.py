@@ -41,13 +41,15 @@ def documents(model_dir: Path, tokens: int, count: int) -> list[list[int]]:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, url: str, stats: Path, max_len: int) -> None:
+    def __init__(self, model_dir: Path, url: str, stats: Path, max_len: int, timeout: float):
         from vllm import LLM
 
         from kvstrata.integrations.vllm import kv_transfer_config
 
         self.stats_file = stats
-        config = kv_transfer_config(host_budget="1GiB", remote_url=url, stats_file=str(stats))
+        config = kv_transfer_config(
+            host_budget="1GiB", remote_url=url, remote_timeout=timeout, stats_file=str(stats)
+        )
         self.llm = LLM(
             model=str(model_dir), enforce_eager=True, dtype="float32", block_size=64,
             kv_cache_memory_bytes=512 << 20, max_model_len=max_len, seed=0,
@@ -64,6 +66,17 @@ class Engine:
         assert self.llm.reset_prefix_cache()
         return elapsed, list(out.outputs[0].token_ids), out.num_cached_tokens or 0
 
+    def settle(self, timeout: float = 120.0) -> None:
+        """Step the engine until its remote write-behind queue is empty (the stats file
+        is rewritten at the end of a step), so a later read does not queue behind it."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.answer([7, 8, 9], 1)
+            stats = json.loads(self.stats_file.read_text())
+            if stats["remote"]["pending_bytes"] == 0:
+                return
+            time.sleep(0.2)
+
     def close(self) -> dict:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
@@ -76,35 +89,43 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--doc-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--remote-timeout", type=float, default=0.5, help="the read deadline")
     args = parser.parse_args()
     from kvstrata.bench._redis import RedisServer
     from kvstrata.model.zoo import resolve_model_dir
 
-    model_dir = resolve_model_dir(args.model)
+    # a model directory, or a kvstrata model name (smollm2 needs the model extra: run
+    # `kvstrata plan --model smollm2` once in kvstrata's environment, then pass the
+    # directory it converted, ~/.cache/kvstrata/models/smollm2-*)
+    model_dir = Path(args.model) if Path(args.model).is_dir() else resolve_model_dir(args.model)
     doc_a, doc_cold = documents(model_dir, args.doc_tokens, 2)
     work = Path(tempfile.mkdtemp(prefix="kvstrata-vllm-pair-"))
     redis = RedisServer(work).start()
     max_len = args.doc_tokens + 128
     rows = {}
     try:
-        a = Engine(model_dir, redis.url, work / "a.json", max_len)
-        a.answer(doc_cold[:100], 2)  # warm-up (a short prompt, not the documents)
+        a = Engine(model_dir, redis.url, work / "a.json", max_len, args.remote_timeout)
+        a.answer(list(range(1000, 1100)), 2)  # warm-up (a short prompt, no document's)
         load = os.getloadavg()[0]
         t, tokens_a, cached = a.answer(doc_a, args.max_tokens)
         rows["A cold (writes)"] = (t, cached, load)
         stats_a = a.close()
-        b = Engine(model_dir, redis.url, work / "b.json", max_len)
-        b.answer(doc_cold[-100:], 2)
+        b = Engine(model_dir, redis.url, work / "b.json", max_len, args.remote_timeout)
+        b.answer(list(range(2000, 2100)), 2)
         load = os.getloadavg()[0]
         t, _, cached = b.answer(doc_cold, args.max_tokens)
         rows["B cold (fresh document)"] = (t, cached, load)
+        b.settle()  # B's writes of that document first: Redis serves one client at a time
         load = os.getloadavg()[0]
         t, tokens_b, cached = b.answer(doc_a, args.max_tokens)
         rows["B on A's document (remote)"] = (t, cached, load)
         stats_b = b.close()
     finally:
         redis.stop()
-    print(f"{args.model}, {len(doc_a)}-token prompts, {args.max_tokens} greedy tokens")
+    print(
+        f"{model_dir.name}, {len(doc_a)}-token prompts, {args.max_tokens} greedy tokens, "
+        f"remote_timeout {args.remote_timeout:g} s"
+    )
     for name, (t, cached, load) in rows.items():
         print(f"  {name:30} {t:8.2f} s  cached {cached:5d}  load(1m) {load:.2f}")
     cold, hit = rows["B cold (fresh document)"][0], rows["B on A's document (remote)"][0]

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 ABSENT_S = 2.0  # a key the server did not have is a miss for this long (no re-asking)
 LOCAL_ONLY = ("host_codec", "disk_codec", "disk_compress")  # not part of the remote namespace
 RETRY, FOUND, ABSENT = "retry", "found", "absent"
+STEP_WAIT_S = 0.005  # a step's end waits this long for a remote read in flight
+CLOSE_FLUSH_S = 30.0  # closing sends the queued writes for at most this long
 
 
 class VllmRemote:
@@ -116,6 +118,11 @@ class VllmRemote:
         stats = self.tier.stats
         seen = (stats.writes, stats.writes_dropped, stats.hits, stats.misses, stats.corrupt)
         changed, self._seen = seen != self._seen, seen
+        fetcher = self._fetcher
+        if fetcher is not None and fetcher.is_alive():
+            # vLLM steps again at once while a deferred request waits: give the read
+            # the CPU (and the GIL) for a moment instead of spinning
+            fetcher.join(STEP_WAIT_S)
         with self._lock:
             if not self._queued or (self._fetcher is not None and self._fetcher.is_alive()):
                 return changed
@@ -206,4 +213,4 @@ class VllmRemote:
         fetcher = self._fetcher
         if fetcher is not None:
             fetcher.join(timeout=max(1.0, 2 * self.tier.timeout))
-        self.tier.close()
+        self.tier.close(CLOSE_FLUSH_S)
