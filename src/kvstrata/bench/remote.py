@@ -61,6 +61,10 @@ QUESTION = "\n\nQuestion: what does the code above do? Answer:"
 WARMUP_PROMPT = "def warm_up(server):\n    return server\n"
 BLOCK_TOKENS = 64
 SETTLE_TIMEOUT_S = 300.0
+# B_slow's writes go through the slow link; seen here: its writer stuck for a minute
+# with blocks queued and nothing sent (not understood yet), so its settling is bounded
+# tightly (long waits would also make the link model re-measure the link: EXPLORE_S)
+SLOW_SETTLE_S = 5.0
 REMOTE_KEYS = ("hits", "misses", "timeouts", "errors", "skipped", "bytes_read", "writes")
 
 
@@ -202,10 +206,18 @@ def settle(server: srv.Server, timeout: float = SETTLE_TIMEOUT_S) -> None:
     )
 
 
-def ask(server: srv.Server, key: str, prompt: list[int], max_tokens: int, salt: str | None):
+def ask(
+    server: srv.Server,
+    key: str,
+    prompt: list[int],
+    max_tokens: int,
+    salt: str | None,
+    wait: float = SETTLE_TIMEOUT_S,
+):
     """One streamed request: the client's record, the load before it, and the change
-    of the server's remote counters across it (writes settled first and after)."""
-    settle(server)
+    of the server's remote counters across it (writes settled first and after, for at
+    most `wait` seconds each)."""
+    settle(server, wait)
     before, load = remote_counts(scrape(server)), os.getloadavg()[0]
 
     async def go() -> dict[str, Any]:
@@ -216,7 +228,7 @@ def ask(server: srv.Server, key: str, prompt: list[int], max_tokens: int, salt: 
     after = remote_counts(scrape(server))
     record["remote"] = {k: after[k] - before[k] for k in after}
     record["load_1m"] = load
-    settle(server)
+    settle(server, wait)
     _progress(
         f"{server.variant} {key}: TTFT {record['ttft_s']:.3f} s, cached "
         f"{record['cached_tokens']}, remote hits {record['remote']['hits']:.0f}, load {load:.2f}"
@@ -262,11 +274,12 @@ def _slow_phase(o, docs: Docs, redis: _redis.RedisServer, log_dir: Path, out: di
         cmd = _command(o, docs.model_dir, port, remote_url=proxy.url, remote_timeout=timeout)
         server = _start("B_slow", cmd, log_dir, o, docs.warm)
         out["commands"]["B_slow"] = shlex.join(cmd)
-        out["slow_warm"] = ask(server, "warm", docs.warm_doc, o.max_tokens, "warm")
+        out["slow_warm"] = ask(server, "warm", docs.warm_doc, o.max_tokens, "warm", SLOW_SETTLE_S)
         for r, doc in enumerate(docs.docs):
             pair = [("slow_cold", f"slowcold-{r}"), ("slow_remote", None)]
             for kind, salt in pair if r % 2 else pair[::-1]:
-                out["records"][kind].append(ask(server, f"doc{r}", doc, o.max_tokens, salt))
+                record = ask(server, f"doc{r}", doc, o.max_tokens, salt, SLOW_SETTLE_S)
+                out["records"][kind].append(record)
         m = scrape(server)
         out["slow_link"] = {
             "latency_s": m.get("kvstrata_remote_link_latency_seconds"),
