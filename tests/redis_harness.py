@@ -1,113 +1,19 @@
 """A real `redis-server` for tests: started on a free loopback port, killed, restarted,
-reconfigured; and a TCP proxy that delays every answer (a slow link)."""
+reconfigured; and a TCP proxy that delays every answer (a slow link). Both live in
+kvstrata.bench._redis (`kvstrata bench remote` uses them too)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import shutil
-import socket
-import subprocess
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server")
+from kvstrata.bench._redis import REDIS_SERVER, RedisServer, SlowProxy, free_port
+
 needs_redis = pytest.mark.skipif(
     REDIS_SERVER is None or importlib.util.find_spec("redis") is None,
     reason="needs redis-server (apt-get install -y redis-server; .ci/run does it) and the "
     "redis client (pip install 'kvstrata[remote]', in the dev extra)",
 )
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """One redis-server process on 127.0.0.1:`port` (no persistence: a restart is empty)."""
-
-    def __init__(self, workdir: Path, port: int | None = None, *args: str) -> None:
-        self.workdir = workdir
-        self.port = port or free_port()
-        self.args = args
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        assert REDIS_SERVER is not None
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        cmd += ["--appendonly", "no", "--dir", str(self.workdir), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            try:
-                if self.client().ping():
-                    return self
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def client(self, **kw):
-        import redis
-
-        args = list(self.args)
-        if "--requirepass" in args:
-            kw.setdefault("password", args[args.index("--requirepass") + 1])
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kw)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-
-class SlowProxy:
-    """Forwards 127.0.0.1:`port` to a server, holding every server->client chunk back
-    `delay` seconds (a slow or far link)."""
-
-    def __init__(self, target_port: int, delay: float) -> None:
-        self.target_port, self.delay = target_port, delay
-        self.port = free_port()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
-        try:
-            while data := src.recv(1 << 20):
-                if slow and self.delay:  # read at each chunk: a test may change it
-                    time.sleep(self.delay)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.close()
-
-    def close(self) -> None:
-        self._stop = True
-        self._listener.close()
+__all__ = ["REDIS_SERVER", "RedisServer", "SlowProxy", "free_port", "needs_redis"]

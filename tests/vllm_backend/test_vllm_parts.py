@@ -91,12 +91,14 @@ def test_settings_are_refused_in_one_line(extra: dict, message: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_remote_settings_are_parsed_and_their_absence_of_effect_said() -> None:
-    with pytest.warns(RuntimeWarning, match="does not read or write the remote tier yet"):
-        options = VllmOptions.from_extra_config(
-            {"host_budget": "1GiB", "remote_url": "redis://h:6379/0", "remote_ttl": 60}
-        )
+def test_remote_settings_are_parsed() -> None:
+    options = VllmOptions.from_extra_config(
+        {"host_budget": "1GiB", "remote_url": "redis://h:6379/0", "remote_ttl": 60}
+    )
     assert (options.cache.remote_url, options.cache.remote_ttl) == ("redis://h:6379/0", 60)
+    lossy = {"host_budget": "1GiB", "remote_url": "redis://h", "remote_codec": "int8"}
+    with pytest.raises(ConfigError, match="remote_codec='int8' is invalid: a lossy codec"):
+        make_plan(VllmOptions.from_extra_config(lossy), side(page_layout="opaque"), GEOMETRY)
 
 
 def test_settings_pass_vllm_keys_and_default_to_lru() -> None:

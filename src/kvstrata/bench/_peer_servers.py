@@ -265,9 +265,9 @@ class Server:
 # -- the client: the official openai package, streamed completions --------------------------
 
 
-async def send(client: Any, model: str, req: wl.Req) -> dict[str, Any]:
+async def send(client: Any, model: str, req: wl.Req, salt: str | None = None) -> dict[str, Any]:
     """One streamed greedy completion (end-of-sequence ignored, so it runs to
-    max_tokens); what the client saw, or the error."""
+    max_tokens; `salt`: the request's cache_salt); what the client saw, or the error."""
     import openai
 
     times: list[float] = []
@@ -278,7 +278,8 @@ async def send(client: Any, model: str, req: wl.Req) -> dict[str, Any]:
         stream = await client.completions.create(
             model=model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0.0,
             stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "min_tokens": req.max_tokens},
+            extra_body={"ignore_eos": True, "min_tokens": req.max_tokens,
+                        **({"cache_salt": salt} if salt is not None else {})},
         )  # fmt: skip
         async for chunk in stream:
             now = time.perf_counter()

@@ -111,6 +111,13 @@ _REMOTE_COUNTERS = (
 )
 
 
+_LINK_GAUGES = (
+    ("latency_ms", "link_latency_seconds", 1e-3, "the link model's round-trip latency"),
+    ("bandwidth_mb_s", "link_bytes_per_second", 1e6, "the link model's read bandwidth"),
+    ("compute_tok_s", "compute_tokens_per_second", 1.0, "this store's measured prefill speed"),
+)
+
+
 def _remote_metrics(remote: dict[str, Any]) -> Iterator[Metric]:
     """The remote tier's counters, its round-trip histogram and its cost decisions."""
     for key, doc in _REMOTE_COUNTERS:
@@ -134,6 +141,18 @@ def _remote_metrics(remote: dict[str, Any]) -> Iterator[Metric]:
     )
     latency.add_metric([], buckets, sum_value=remote["latency_sum_s"])
     yield latency
+    pending = GaugeMetricFamily(
+        "kvstrata_remote_pending_bytes", "bytes queued for the remote server, not yet sent"
+    )
+    pending.add_metric([], remote["pending_bytes"])
+    yield pending
+    # what the cost rule compares (absent until measured)
+    link = remote["link"]
+    for key, name, scale, doc in _LINK_GAUGES:
+        if link.get(key) is not None:
+            g = GaugeMetricFamily(f"kvstrata_remote_{name}", doc)
+            g.add_metric([], link[key] * scale)
+            yield g
 
 
 class EngineMetrics:

@@ -25,16 +25,15 @@ block size or tenant salt is another key.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
-
-import torch
 
 from kvstrata.blocks.manager import BlockManager
 from kvstrata.blocks.pool import Block
 from kvstrata.codecs.base import Codec
 from kvstrata.core.hashing import block_hash, namespace_digest
-from kvstrata.core.layout import KINDS, BlockLayout
+from kvstrata.core.layout import BlockLayout
 from kvstrata.model.groups import LayerGroup
 from kvstrata.store.sequences import longest_match
 from kvstrata.tiers.base import Encoded
@@ -131,8 +130,11 @@ class RemoteBlocks:
         value_bytes = self.format.value_bytes
         if not self.tier.link.worth_loading(len(want) * value_bytes, (limit - k0) * bs):
             if time.monotonic() - self._last_ping > PING_STALE_S and self.tier.available:
+                # off the step's path: a slow link's PING must not delay the recompute
                 self._last_ping = time.monotonic()
-                self.tier.ping()
+                threading.Thread(
+                    target=self.tier.ping, name="kvstrata-remote-ping", daemon=True
+                ).start()
             return set()
         keys = [self.key(g, salt, hashes[g][i]) for g, i in want]
         values = self.tier.get(keys, value_bytes)
@@ -185,19 +187,8 @@ class RemoteBlocks:
         tier = mgr.tiers[target]
         slots = tier.allocate(len(items))
         assert slots is not None, "room was checked"
-        data = {
-            key: torch.cat([f[key] for f, _, _ in items], dim=2) for key, _ in self.format.specs
-        }
         try:
-            if tier.codec.name == self.format.codec.name:
-                tier.write_encoded(slots, data)
-            else:
-                n, lay, codec = len(items), self.layout, self.format.codec
-                raw = {kind: torch.empty(lay.raw_shape(kind, n), dtype=lay.dtype) for kind in KINDS}
-                for kind in KINDS:
-                    enc = {f: data[f"{kind}.{f}"] for f in codec.fields(kind, lay)}
-                    codec.decode(kind, enc, raw[kind])
-                tier.write_blocks(slots, raw["k"], raw["v"])
+            self.format.write_tier(tier, slots, [fields for fields, _, _ in items])
         except BaseException:
             tier.free(slots)
             raise
@@ -243,46 +234,21 @@ class RemoteBlocks:
         for block, g in fresh:
             by_tier.setdefault(block.tier, []).append((block, g))
         for name, entries in by_tier.items():
-            tier, n, lay = mgr.tiers[name], len(entries), self.layout
-            slots = [b.slot for b, _ in entries]
-            if tier.codec.name == self.format.codec.name:
-                data = {k: t.cpu() for k, t in tier.read_encoded(slots).items()}
-                encoded = True
-            else:
-                data = {
-                    kind: torch.empty(lay.raw_shape(kind, n), dtype=lay.dtype) for kind in KINDS
-                }
-                tier.read_blocks(slots, data["k"], data["v"])
-                encoded = False
+            data = self.format.read_tier(mgr.tiers[name], [b.slot for b, _ in entries])
             metas = [
                 (self.namespace(g, salt), b.block_hash, tuple(b.token_ids or ()))
                 for b, g in entries
             ]
-            make = functools.partial(self._values, metas, data, encoded)
-            self.tier.submit(make, n * self.format.value_bytes, n)
+            make = functools.partial(self._values, metas, data)
+            self.tier.submit(make, len(entries) * self.format.value_bytes, len(entries))
 
-    def _values(self, metas: list, data: dict, encoded: bool) -> list[tuple[bytes, bytes]]:
+    def _values(self, metas: list, data: Encoded) -> list[tuple[bytes, bytes]]:
         """(key, value) of queued blocks (on the writer thread)."""
-        fmt, lay = self.format, self.layout
-        if not encoded:
-            n, raw, data = len(metas), data, {}
-            for kind in KINDS:
-                fields = {
-                    f: torch.empty(
-                        (lay.num_layers, lay.num_kv_heads, n * s.rows, s.cols), dtype=s.dtype
-                    )
-                    for f, s in fmt.codec.fields(kind, lay).items()
-                }
-                fmt.codec.encode(kind, raw[kind], fields)
-                data.update({f"{kind}.{f}": t for f, t in fields.items()})
-        rows = dict(fmt.specs)
-        out = []
-        for i, (ns, h, tokens) in enumerate(metas):
-            fields = {
-                key: data[key].narrow(2, i * spec.rows, spec.rows) for key, spec in rows.items()
-            }
-            out.append((fmt.key(ns, h), fmt.encode(ns, h, tokens, fields)))
-        return out
+        fmt = self.format
+        return [
+            (fmt.key(ns, h), fmt.encode(ns, h, tokens, fmt.split(data, i)))
+            for i, (ns, h, tokens) in enumerate(metas)
+        ]
 
     # -- lifecycle ----------------------------------------------------------------------
     def stats(self) -> dict:

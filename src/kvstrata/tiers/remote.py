@@ -254,7 +254,9 @@ class RemoteTier:
             elapsed = time.perf_counter() - t0
             self.stats.timeouts += 1
             self.stats.observe_latency(elapsed)
-            self.link.observe_read(elapsed, len(keys) * value_bytes)
+            # what it cost, as latency: crediting the bytes asked for to the time it
+            # took to give up would make a link that never delivered look fast
+            self.link.observe_read(elapsed, 0)
             self._fail()
             return None
         except (*self._errors, self._redis.ResponseError):

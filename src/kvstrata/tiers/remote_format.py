@@ -32,7 +32,7 @@ import xxhash
 from kvstrata.codecs.base import Codec
 from kvstrata.core.hashing import HASH_BYTES
 from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
-from kvstrata.tiers.base import Encoded
+from kvstrata.tiers.base import Encoded, Tier
 
 FORMAT_VERSION = 1  # bump when the header or the payload layout changes
 MAGIC = b"KVSR"
@@ -152,6 +152,45 @@ class RemoteFormat:
             )
             start += n
         return tuple(int(t) for t in tokens), fields
+
+    # -- moving blocks between a local tier and values ------------------------------------
+    def read_tier(self, tier: Tier, slots: list[int]) -> Encoded:
+        """A copy of `slots` of a local tier as remote-codec fields, each
+        [L, Hkv, n * rows, cols] (the tier's own bytes when its codec is the remote one,
+        else decoded to raw and encoded again)."""
+        if tier.codec.name == self.codec.name:
+            return {k: t.cpu() for k, t in tier.read_encoded(slots).items()}  # copies
+        lay, n, out = self.layout, len(slots), {}
+        raw = {kind: torch.empty(lay.raw_shape(kind, n), dtype=lay.dtype) for kind in KINDS}
+        tier.read_blocks(slots, raw["k"], raw["v"])
+        for kind in KINDS:
+            fields = {
+                f: torch.empty(
+                    (lay.num_layers, lay.num_kv_heads, n * s.rows, s.cols), dtype=s.dtype
+                )
+                for f, s in self.codec.fields(kind, lay).items()
+            }
+            self.codec.encode(kind, raw[kind], fields)
+            out.update({f"{kind}.{f}": t for f, t in fields.items()})
+        return out
+
+    def split(self, data: Encoded, i: int) -> Encoded:
+        """Block `i` of fields read for several blocks (`read_tier`)."""
+        return {key: data[key].narrow(2, i * spec.rows, spec.rows) for key, spec in self.specs}
+
+    def write_tier(self, tier: Tier, slots: list[int], blocks: list[Encoded]) -> None:
+        """Write decoded values (one `Encoded` per slot) into a local tier."""
+        data = {key: torch.cat([b[key] for b in blocks], dim=2) for key, _ in self.specs}
+        if tier.codec.name == self.codec.name:
+            tier.write_encoded(slots, data)
+            return
+        lay, codec = self.layout, self.codec
+        raw = {
+            kind: torch.empty(lay.raw_shape(kind, len(slots)), dtype=lay.dtype) for kind in KINDS
+        }
+        for kind in KINDS:
+            codec.decode(kind, {f: data[f"{kind}.{f}"] for f in codec.fields(kind, lay)}, raw[kind])
+        tier.write_blocks(slots, raw["k"], raw["v"])
 
 
 assert HASH_BYTES == 16, "the header holds 16-byte hashes and namespaces"

@@ -51,7 +51,7 @@ class LinkModel:
 
     def observe_read(self, elapsed: float, nbytes: int) -> None:
         """A read of `nbytes` took `elapsed` seconds (a read past its deadline counts
-        with the deadline: it cost at least that)."""
+        as latency, nbytes=0: it cost at least that, and delivered nothing)."""
         with self._lock:
             self.last_read = time.monotonic()
             if self.latency_s is None or nbytes < 64 << 10:

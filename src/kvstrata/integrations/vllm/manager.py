@@ -23,10 +23,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstrata.integrations.vllm.remote import RETRY
 from kvstrata.integrations.vllm.store import HIT, PENDING, OffloadStore
 
-_RESULTS = {HIT: LookupResult.HIT, PENDING: LookupResult.HIT_PENDING}
+_RESULTS = {HIT: LookupResult.HIT, PENDING: LookupResult.HIT_PENDING, RETRY: LookupResult.RETRY}
 _MEDIUM = {"host": Medium.CPU, "disk": Medium.STORAGE}
+_SOURCE = {"disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class HostSlotsSpec(LoadStoreSpec):
@@ -53,11 +55,12 @@ class KvstrataOffloadingManager(OffloadingManager):
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _RESULTS.get(self.store.lookup(self.store.plan.key(key)), LookupResult.MISS)
+        result = self.store.lookup(self.store.plan.key(key), bytes(key))
+        return _RESULTS.get(result, LookupResult.MISS)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         tier = self.store.source(self.store.plan.key(key))
-        return CacheHitSource.DISK if tier == "disk" else CacheHitSource.HOST
+        return _SOURCE.get(tier, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return HostSlotsSpec(self.store.prepare_load([self.store.plan.key(k) for k in keys]))

@@ -14,7 +14,6 @@ own KV block size. kvstrata stores one block per chunk, so the two agree.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,14 +113,6 @@ class VllmOptions:
                 extra.get("host_budget", 0),
                 "the vLLM backend moves every block through the host tier: set host_budget, "
                 "e.g. '1GiB' (the disk tier keeps what does not fit)",
-            )
-        if cache.remote_url is not None:
-            warnings.warn(
-                "kv_connector_extra_config: remote_url is checked, but the vLLM backend does "
-                "not read or write the remote tier yet (kvstrata serve and KVStore do): each "
-                "vLLM server keeps its own tiers",
-                RuntimeWarning,
-                stacklevel=2,
             )
         for name in OWN_KEYS:
             value = extra.get(name)

@@ -166,6 +166,8 @@ def make_plan(
     disk_codec = None
     if cache.disk_dir is not None:
         disk_codec = _codec(cache.disk_codec, "disk_codec", layout, side.page_layout)
+    if cache.remote_url is not None:  # checked here, used by the scheduler (remote.py)
+        remote_codec(cache, layout, side.page_layout)
     host_slots = lower_slots(cache.host_budget, host_codec.block_nbytes(layout), "host_budget")
     disk_slots = 0
     if disk_codec is not None:
@@ -197,6 +199,13 @@ def make_plan(
         region_path=region_path(side.engine_id, arena_digest),
     )
     return plan.named(identity or {})
+
+
+def remote_codec(cache: Any, layout: BlockLayout, page_layout: str) -> Codec:
+    """The remote tier's codec: remote_codec, else the disk codec (as KVStore's)."""
+    if cache.remote_codec is not None:
+        return _codec(cache.remote_codec, "remote_codec", layout, page_layout)
+    return _codec(cache.disk_codec, "disk_codec", layout, page_layout)
 
 
 def _digest(namespace: dict[str, Any], person: bytes) -> str:
@@ -240,13 +249,13 @@ def model_identity(options: VllmOptions, model_name: str, vllm_config: Any = Non
       quantization method and config, the model dtype, `hf_overrides`, and a digest of
       the resolved Hugging Face config (rope scaling / theta, overrides as applied,
       the config.json's quantization_config: anything there that changes K or V);
-    - with a disk tier (blocks outlive the process) and no `model_key`: the weights
-      (`weights_fingerprint`), so that new weights under the same name never meet the
-      old blocks. Without a disk tier nothing outlives the engine, and the weights are
-      not read.
+    - with a disk or a remote tier (blocks outlive the process, or other processes
+      read them) and no `model_key`: the weights (`weights_fingerprint`), so that new
+      weights under the same name never meet the old blocks. Without either nothing
+      outlives the engine, and the weights are not read.
 
     Raises:
-        ConfigError: with a disk tier, weights that cannot be identified (neither a
+        ConfigError: with a disk or remote tier, weights that cannot be identified (neither a
             local path nor in the Hugging Face cache): set model_key to name them.
     """
     identity: dict[str, Any] = {}
@@ -268,16 +277,18 @@ def model_identity(options: VllmOptions, model_name: str, vllm_config: Any = Non
         return identity
     if revision is not None:
         identity["revision"] = revision
-    if options.cache.disk_dir is not None:
-        cache_file = Path(options.cache.disk_dir) / DIGEST_CACHE
+    disk_dir = options.cache.disk_dir
+    if disk_dir is not None or options.cache.remote_url is not None:
+        cache_file = Path(disk_dir) / DIGEST_CACHE if disk_dir is not None else None
         weights = weights_fingerprint(model_name, revision, download_dir, cache_file)
         if not weights:
             raise ConfigError.field(
                 "model_key",
                 None,
                 f"kvstrata cannot identify the weights of {model_name!r} (not a local path, "
-                "not in the Hugging Face cache), and blocks on disk must never outlive a "
-                "change of weights: set model_key to a name that changes with the weights",
+                "not in the Hugging Face cache), and blocks on disk or on a remote server "
+                "must never outlive a change of weights: set model_key to a name that "
+                "changes with the weights",
             )
         identity["weights"] = weights
     return identity

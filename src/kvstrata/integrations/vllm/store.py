@@ -34,13 +34,15 @@ from kvstrata.integrations.vllm.disk_writer import DiskWriter, make_room
 from kvstrata.integrations.vllm.index import BlockIndex, Entry
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import BackendPlan
+from kvstrata.integrations.vllm.remote import ABSENT, RETRY, VllmRemote
 
 log = logging.getLogger(__name__)
-HIT, PENDING, MISS = "hit", "pending", "miss"
+HIT, PENDING, MISS = "hit", "pending", "miss"  # and RETRY: a remote read is under way
 COUNTERS = (
     "lookups", "hits_host", "hits_disk", "misses", "pending", "corrupt_refused", "stored",
     "disk_written", "disk_write_errors", "evicted_host", "evicted_disk", "store_refused",
-    "found_on_disk", "disk_read_timeouts", "disk_degraded",
+    "found_on_disk", "disk_read_timeouts", "disk_degraded", "hits_remote", "remote_retries",
+    "remote_no_room",
 )  # fmt: skip
 # The scheduler never waits on the disk longer than this (seconds); a timed-out read is
 # a miss (the block reaches the host when the read ends), the rest is logged.
@@ -82,21 +84,27 @@ class OffloadStore:
                 entry.disk_slot, entry.disk_ready = slot, True
                 self.index.refresh(entry)
             self.counters["found_on_disk"] = len(self.index)
+        self.remote = VllmRemote(self.plan, options) if options.cache.remote_url else None
 
     # -- lookups and loads ---------------------------------------------------------------
-    def lookup(self, key: bytes) -> str:
+    def lookup(self, key: bytes, vllm_key: bytes | None = None) -> str:
         """HIT (deliverable and pinned until loaded or the step ends), PENDING (being
-        stored) or MISS."""
+        stored), RETRY (asked of the remote tier: ask again next step) or MISS."""
         self._reap()
         self.counters["lookups"] += 1
         entry = self.index.get(key)
         if key in self._leased:
             return HIT
+        tier = "host"
+        if entry is None and self.remote is not None and vllm_key is not None:
+            found = self._from_remote(key, vllm_key)
+            if not isinstance(found, Entry):
+                return found or self._count(MISS)
+            entry, tier = found, "remote"
         if entry is None or entry.reading or entry.doomed:
             return self._count(MISS)
         if entry.host_slot is not None and not entry.host_ready:
             return self._count(PENDING)
-        tier = "host"
         if not entry.host_ready:
             if not entry.disk_ready or self.degraded or not self._promote(entry):
                 return self._count(MISS)
@@ -108,8 +116,35 @@ class OffloadStore:
         self._dirty = True
         return HIT
 
+    def _from_remote(self, key: bytes, vllm_key: bytes) -> Entry | str | None:
+        """A block of the remote tier installed in a host slot (its entry), RETRY while
+        it is being asked for, or None (a miss)."""
+        assert self.remote is not None
+        result, fields = self.remote.lookup(key, vllm_key)
+        if result == RETRY:
+            self.counters["remote_retries"] += 1
+            return RETRY
+        if result == ABSENT or fields is None:
+            return None
+        slots = self._host_slots(1, {key})
+        if slots is None:
+            self.counters["remote_no_room"] += 1
+            return None
+        try:
+            self.remote.write_into(self.host, slots[0], fields)
+        except Exception:  # noqa: BLE001 - a block that cannot be installed is recomputed
+            log.exception("kvstrata: a remote block could not be installed: recomputed")
+            self.host.free(slots)
+            return None
+        entry = self.index.add(key, vllm_key)
+        entry.host_slot, entry.host_ready = slots[0], True
+        self.index.refresh(entry)
+        if self.disk is not None and not self.degraded:
+            self._write_through([entry])
+        return entry
+
     def source(self, key: bytes) -> str:
-        """The tier this step's hit on `key` came from ("host" or "disk")."""
+        """The tier this step's hit on `key` came from ("host", "disk" or "remote")."""
         return self._leased.get(key, "host")
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
@@ -145,6 +180,8 @@ class OffloadStore:
                 entry.pins -= 1
                 self.index.refresh(entry)
         self._leased.clear()
+        if self.remote is not None and self.remote.end_step():
+            self._dirty = True
         if self._dirty:
             self.write_stats()
 
@@ -238,6 +275,8 @@ class OffloadStore:
         self._dirty = True
         if stored and self.disk is not None and not self.degraded:
             self._write_through(stored)
+        if stored and self.remote is not None:
+            self.remote.offer(self.host, [(e.host_slot, e.vllm_key) for e in stored if e.vllm_key])
         return [e.vllm_key for e in stored if e.vllm_key is not None]
 
     def _write_through(self, entries: list[Entry]) -> None:
@@ -385,6 +424,8 @@ class OffloadStore:
             deadline = time.monotonic() + CLOSE_TIMEOUT_S
             self.drain(CLOSE_TIMEOUT_S)
             self.disk.close(max(0.0, deadline - time.monotonic()))
+        if self.remote is not None and not self._closed:
+            self.remote.close()
         self._closed = True
         self.host.close()
         self.write_stats()
@@ -409,6 +450,8 @@ class OffloadStore:
             "slots": {"host": self.host.num_slots, "disk": self.plan.disk_slots},
             **self.counters,
         }
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
         return out
 
     def _disk_codec_name(self) -> str | None:

@@ -1,0 +1,216 @@
+"""The remote tier in the vLLM backend: vLLM servers sharing one Redis / Valkey.
+
+Keys: vLLM's offload key of a block (its prompt's chained block hash, plus the KV
+group; equal in every vLLM process started with the same PYTHONHASHSEED) hashed again
+under a namespace digest — `core.hashing.block_namespace` of the plan's model identity
+(model, weights, dtype, vLLM's config digests, layout, page reading; not the local
+host / disk codecs: servers with other local tiers share remote blocks) and
+`namespace_digest` with the remote format's version, codec and block shape. Another
+model, weights or layout is another key. Values are tiers/remote_format.py's (header,
+namespace, block hash, lengths, XXH3-64, checked on every read); vLLM's keys do not
+carry the token ids, so a value's token ids are zeros and the chained content hash
+is what ties it to a prompt.
+
+Reads are asynchronous, as vLLM's OffloadingManager allows: a lookup of a block no
+local tier holds answers RETRY (vLLM defers the request a step) and queues the key; at
+the end of the scheduler's step the queued keys are fetched in one batched round trip
+on a thread, with the deadline (`remote_timeout`); the next lookup of a key takes the
+checked value (the store installs it in a host slot: a hit) or its absence (a miss,
+remembered for ABSENT_S). A value failing a check is a miss, counted and deleted from
+the server; a server that is down, in backoff or past the deadline costs misses,
+never a failed request. There is no load-or-recompute rule here: the scheduler
+process does not see vLLM's prefill speed, so a remote hit is always taken (within
+the deadline).
+
+Writes: every block vLLM stores is copied out of its host slot on the scheduler
+thread and sent by the tier's writer thread (a full queue drops writes, counted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from typing import Any
+
+from kvstrata.core.hashing import block_namespace, namespace_digest
+from kvstrata.integrations.vllm.options import VllmOptions
+from kvstrata.integrations.vllm.plan import NAMESPACE_VERSION, BackendPlan, _digest, remote_codec
+from kvstrata.tiers.base import Encoded, Tier
+from kvstrata.tiers.remote import RemoteTier
+from kvstrata.tiers.remote_format import BadValue, RemoteFormat
+
+log = logging.getLogger(__name__)
+ABSENT_S = 2.0  # a key the server did not have is a miss for this long (no re-asking)
+LOCAL_ONLY = ("host_codec", "disk_codec", "disk_compress")  # not part of the remote namespace
+RETRY, FOUND, ABSENT = "retry", "found", "absent"
+STEP_WAIT_S = 0.005  # a step's end waits this long for a remote read in flight
+CLOSE_FLUSH_S = 30.0  # closing sends the queued writes for at most this long
+
+
+class VllmRemote:
+    """One vLLM engine's view of the remote tier (scheduler process).
+
+    Args:
+        plan: the engine's plan, named with the model identity.
+        options: the backend's settings (remote_url, remote_codec, remote_ttl,
+            remote_timeout).
+        tier: the RemoteTier to use (tests); default: one built from the options.
+    """
+
+    def __init__(self, plan: BackendPlan, options: VllmOptions, tier: RemoteTier | None = None):
+        cache = options.cache
+        assert cache.remote_url is not None
+        self.format = RemoteFormat(plan.layout, remote_codec(cache, plan.layout, plan.page_layout))
+        model = {k: v for k, v in plan.namespace.items() if k not in LOCAL_ONLY}
+        extra = block_namespace(
+            _digest(model, b"kvstrata.model"), {"backend": "vllm"}, NAMESPACE_VERSION, "0", ""
+        )
+        self.namespace = namespace_digest(extra, **self.format.shape_names)
+        self._zeros = (0,) * plan.layout.block_size
+        self.tier = tier or RemoteTier(
+            cache.remote_url, ttl=cache.remote_ttl, timeout=cache.remote_timeout
+        )
+        self.tier.start(self.format.value_bytes)
+        self._lock = threading.Lock()
+        self._queued: dict[bytes, bytes] = {}  # our key -> remote key, not yet asked
+        self._asked: set[bytes] = set()  # in a round trip now
+        self._found: dict[bytes, Encoded] = {}  # checked values, not yet installed
+        self._absent: dict[bytes, float] = {}  # our key -> until when it is a miss
+        self._fetcher: threading.Thread | None = None
+        self._seen: tuple[int, ...] = ()
+        self.counters = dict.fromkeys(("remote_hits", "remote_misses", "remote_corrupt"), 0)
+
+    def remote_key(self, vllm_key: bytes) -> bytes:
+        h = hashlib.blake2b(digest_size=16, person=b"kvstrata.vrem")
+        h.update(bytes.fromhex(self.namespace))
+        h.update(vllm_key)
+        return self.format.key(self.namespace, h.digest())
+
+    def _block_hash(self, remote_key: bytes) -> bytes:
+        return bytes.fromhex(remote_key.rpartition(b":")[2].decode())
+
+    # -- reads --------------------------------------------------------------------------
+    def lookup(self, key: bytes, vllm_key: bytes) -> tuple[str, Encoded | None]:
+        """(FOUND, the block's fields) — taken: the caller installs them —, (RETRY,
+        None): asked or about to be, or (ABSENT, None)."""
+        with self._lock:
+            fields = self._found.pop(key, None)
+            if fields is not None:
+                self.counters["remote_hits"] += 1
+                return FOUND, fields
+            if key in self._asked or key in self._queued:
+                return RETRY, None
+            until = self._absent.get(key)
+            if until is not None:
+                if time.monotonic() < until:
+                    return ABSENT, None
+                del self._absent[key]
+            if not self.tier.available:
+                return ABSENT, None
+            self._queued[key] = self.remote_key(vllm_key)
+            return RETRY, None
+
+    def end_step(self) -> bool:
+        """Fetch what this step's lookups queued, in one round trip on a thread; True
+        when something changed since the last step (the stats file is rewritten)."""
+        stats = self.tier.stats
+        seen = (stats.writes, stats.writes_dropped, stats.hits, stats.misses, stats.corrupt)
+        changed, self._seen = seen != self._seen, seen
+        fetcher = self._fetcher
+        if fetcher is not None and fetcher.is_alive():
+            # vLLM steps again at once while a deferred request waits: give the read
+            # the CPU (and the GIL) for a moment instead of spinning
+            fetcher.join(STEP_WAIT_S)
+        with self._lock:
+            if not self._queued or (self._fetcher is not None and self._fetcher.is_alive()):
+                return changed
+            batch, self._queued = self._queued, {}
+            self._asked.update(batch)
+            now = time.monotonic()
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+        self._fetcher = threading.Thread(
+            target=self._fetch, args=(batch,), name="kvstrata-vllm-remote-read", daemon=True
+        )
+        self._fetcher.start()
+        return True
+
+    def _fetch(self, batch: dict[bytes, bytes]) -> None:
+        keys = list(batch.values())
+        found: dict[bytes, Encoded] = {}
+        bad: list[bytes] = []
+        try:
+            values = self.tier.get(keys, self.format.value_bytes) or [None] * len(keys)
+            for ours, remote, value in zip(batch, keys, values, strict=True):
+                if value is None:
+                    continue
+                try:
+                    tokens, fields = self.format.decode(
+                        value, self.namespace, self._block_hash(remote)
+                    )
+                    if tokens != self._zeros:
+                        raise BadValue("token ids where the vLLM backend writes none")
+                except BadValue as exc:
+                    log.warning("kvstrata: a remote block was refused (%s): recomputed", exc)
+                    bad.append(remote)
+                    continue
+                found[ours] = fields
+        except Exception:  # noqa: BLE001 - a failed read is a miss, never a failed step
+            log.exception("kvstrata: a remote read failed: the blocks are recomputed")
+        self.tier.delete(bad)
+        until = time.monotonic() + ABSENT_S
+        with self._lock:
+            self._asked.difference_update(batch)
+            self._found.update(found)
+            for ours in batch:
+                if ours not in found:
+                    self._absent[ours] = until
+            self.counters["remote_misses"] += len(batch) - len(found) - len(bad)
+            self.counters["remote_corrupt"] += len(bad)
+            self.tier.stats.corrupt += len(bad)
+            self.tier.stats.hits += len(found)
+            self.tier.stats.misses += len(batch) - len(found) - len(bad)
+
+    def write_into(self, host: Tier, slot: int, fields: Encoded) -> None:
+        """Install a fetched block in a host slot."""
+        self.format.write_tier(host, [slot], [fields])
+
+    # -- writes -------------------------------------------------------------------------
+    def offer(self, host: Tier, entries: list[tuple[int, bytes]]) -> None:
+        """Queue blocks just stored on the host tier, as (host slot, vLLM key), for the
+        server (copied now, encoded and sent by the writer thread)."""
+        if not entries:
+            return
+        if not self.tier.available:
+            self.tier.stats.writes_dropped += len(entries)
+            return
+        data = self.format.read_tier(host, [slot for slot, _ in entries])
+        keys = [self.remote_key(vllm_key) for _, vllm_key in entries]
+
+        def make() -> list[tuple[bytes, bytes]]:
+            fmt, ns = self.format, self.namespace
+            return [
+                (key, fmt.encode(ns, self._block_hash(key), self._zeros, fmt.split(data, i)))
+                for i, key in enumerate(keys)
+            ]
+
+        self.tier.submit(make, len(entries) * self.format.value_bytes, len(entries))
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out = self.tier.as_dict()
+        out.pop("latency_counts", None)
+        out.pop("latency_buckets_s", None)
+        out["namespace"] = self.namespace
+        out["codec"] = self.format.codec.name
+        return out
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return self.tier.flush(timeout)
+
+    def close(self) -> None:
+        fetcher = self._fetcher
+        if fetcher is not None:
+            fetcher.join(timeout=max(1.0, 2 * self.tier.timeout))
+        self.tier.close(CLOSE_FLUSH_S)
