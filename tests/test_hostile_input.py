@@ -324,13 +324,15 @@ def test_smollm2_control_strings_in_content_are_plain_text():
 
 
 # -- the work one request asks for ---------------------------------------------------------
-def test_work_past_the_ceiling_is_refused_up_front_with_the_numbers(url, engine):
+def test_work_past_the_ceiling_is_refused_up_front_with_the_numbers(url, engine, monkeypatch):
     prompt = Path(json.__file__).read_text()[:800]
     n_prompt = len(prompt.encode())
     body = {"prompt": prompt, "n": 128, "max_tokens": 2000}
-    started = time.monotonic()
+    submitted = []
+    monkeypatch.setattr(engine, "submit", lambda *a, **k: submitted.append(a))
     error = error_of(post(url, "completions", body), 400)
-    assert time.monotonic() - started < 5
+    assert submitted == []  # up front: no choice reached the engine
+    monkeypatch.undo()  # (the requests below the ceiling run)
     work = 128 * (n_prompt + 2000)
     assert error["code"] == "request_too_large" and error["param"] == "n", error
     assert f"{work:,} tokens" in error["message"] and f"{CEILING:,}" in error["message"]
@@ -412,7 +414,8 @@ def test_a_50_mib_body_costs_the_server_no_memory(process):
     print(f"\nidle {idle / MiB:.0f} MiB, peak +{(peak - idle) / MiB:.1f} MiB, after "
           f"+{(after - idle) / MiB:.1f} MiB; 413 in {timings[0]:.3f} s (Content-Length), "
           f"{timings[1]:.3f} s (chunked); 7 MiB prompt 400 in {timings[2]:.3f} s")  # fmt: skip
-    assert max(timings) < 1.0, timings
+    # refused before the body is read: memory, not wall time (the seconds are printed;
+    # a timed assertion would fail on a loaded machine)
     assert peak - idle <= 100 * MiB and after - idle <= 50 * MiB
 
     # eight at once: every one refused, the server answers meanwhile and after
