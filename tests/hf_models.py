@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import DynamicCache
 
 from kvstrata.model.zoo import build_byte_tokenizer, tiny_code_config
 
@@ -99,3 +100,30 @@ def make_tiny_model_dir(path: Path) -> Path:
     build_byte_tokenizer().save_pretrained(path)
     (path / "heldout_files.txt").write_text("json/encoder.py\nno/such/file.py\njson/decoder.py\n")
     return path
+
+
+def seeded_ids(seed: int, n: int) -> torch.Tensor:
+    """[1, n] token ids of the tiny models' vocabulary (3..96), from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (1, n), generator=g)
+
+
+def greedy_ids(model, ids: torch.Tensor, cache, n: int) -> torch.Tensor:
+    """`model.generate` of exactly n greedy tokens through `cache`."""
+    return model.generate(ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+
+def shared_prefix_case(
+    model, prefix: int, tail: int, seeds: tuple[int, ...], new: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prompts of one `prefix`-token prefix (seed 7) and a `tail` of each seed, and their
+    greedy references with a DynamicCache — checked to depend on the prefix's first
+    tokens (else a cache that served the wrong prefix could not show)."""
+    start = seeded_ids(7, prefix)
+    prompts = [torch.cat([start, seeded_ids(seed, tail)], dim=1) for seed in seeds]
+    refs = [greedy_ids(model, p, DynamicCache(config=model.config), new) for p in prompts]
+    flipped = prompts[1].clone()
+    flipped[0, :16] = (flipped[0, :16] + 1 - 3) % 94 + 3
+    alt = greedy_ids(model, flipped, DynamicCache(config=model.config), new)
+    assert not torch.equal(alt, refs[1]), "reference ignores the shared prefix: test is blind"
+    return prompts, refs

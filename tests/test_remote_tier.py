@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_models import tiny_model
+from hf_models import greedy_ids, shared_prefix_case, tiny_model
+from hf_models import seeded_ids as _ids
 from kvstrata import CacheConfig, ConfigError, KVStore
 from kvstrata.codecs.registry import get_codec
 from kvstrata.core.layout import BlockLayout
@@ -24,25 +25,14 @@ NEW = 20
 BLOCKS = PREFIX // 64
 
 
-def _ids(seed: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (1, n), generator=g)
-
-
 def _greedy(model, ids, cache, n=NEW):
-    return model.generate(ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return greedy_ids(model, ids, cache, n)
 
 
 @pytest.fixture(scope="module")
 def llama(one_thread):
     model = tiny_model("llama", max_position_embeddings=4096)
-    prefix = _ids(7, PREFIX)
-    prompts = [torch.cat([prefix, _ids(seed, 40)], dim=1) for seed in (8, 9, 10)]
-    refs = [_greedy(model, p, DynamicCache(config=model.config)) for p in prompts]
-    flipped = prompts[1].clone()
-    flipped[0, :16] = (flipped[0, :16] + 1 - 3) % 94 + 3
-    alt = _greedy(model, flipped, DynamicCache(config=model.config))
-    assert not torch.equal(alt, refs[1]), "reference ignores the shared prefix: test is blind"
+    prompts, refs = shared_prefix_case(model, PREFIX, 40, (8, 9, 10), NEW)
     enable(model)
     return model, prompts, refs
 

@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from transformers import DynamicCache
 
 from blockstore_harness import read_sequence
-from hf_models import tiny_model
+from hf_models import greedy_ids, shared_prefix_case, tiny_model
+from hf_models import seeded_ids as _ids
 from kvstrata import CacheConfig, ConfigError, KVStore, OutOfBlocksError
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.integrations.hf import TieredCache, enable
@@ -24,11 +25,6 @@ from reference_placement import check_order, compare_with_reference
 
 PREFIX = 2048
 NEW = 40
-
-
-def _ids(seed: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (1, n), generator=g)
 
 
 class ForwardTokens:
@@ -44,19 +40,13 @@ class ForwardTokens:
 
 
 def _greedy(model, ids, cache, n=NEW):
-    return model.generate(ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return greedy_ids(model, ids, cache, n)
 
 
 @pytest.fixture(scope="module")
 def llama():
     model = tiny_model("llama", max_position_embeddings=4096)
-    prefix = _ids(7, PREFIX)
-    prompts = [torch.cat([prefix, _ids(seed, 60)], dim=1) for seed in (8, 9)]
-    refs = [_greedy(model, p, DynamicCache(config=model.config)) for p in prompts]
-    flipped = prompts[1].clone()
-    flipped[0, :16] = (flipped[0, :16] + 1 - 3) % 94 + 3
-    alt = _greedy(model, flipped, DynamicCache(config=model.config))
-    assert not torch.equal(alt, refs[1]), "reference ignores the shared prefix: test is blind"
+    prompts, refs = shared_prefix_case(model, PREFIX, 60, (8, 9), NEW)
     enable(model)
     counter = ForwardTokens(model)
     return model, prompts, refs, counter
