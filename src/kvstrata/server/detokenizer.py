@@ -10,21 +10,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from kvstrata.engine.params import RequestOutput, TokenLogprobs
 from kvstrata.engine.sampling import Detokenizer
 
-# bytes -> the printable characters byte-level BPE tokenizers (GPT-2's) spell them with
-_BYTE_CHARS = [*range(33, 127), *range(161, 173), *range(174, 256)]
-_CHAR_TO_BYTE = {
-    chr(c): b
-    for b, c in zip(
-        [*_BYTE_CHARS, *(b for b in range(256) if b not in _BYTE_CHARS)],
-        [*_BYTE_CHARS, *range(256, 256 + 256 - len(_BYTE_CHARS))],
-        strict=True,
-    )
-}
-
-
+# the printable characters byte-level BPE tokenizers (GPT-2's) spell bytes with -> the byte
+_CHAR_TO_BYTE = {char: byte for byte, char in bytes_to_unicode().items()}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
