@@ -11,9 +11,10 @@ Each choice of a request (prompts x n) is its own engine request (`Choices`); th
 loop only submits and aborts, the engine thread does every forward, and prompts are
 tokenized and chat templates rendered in a worker thread. Every choice is checked before
 any is submitted. A client that goes away cancels its task, which aborts its requests.
-Errors are OpenAI error objects with a one-line message: a bad body 400 (one handler for
-the request models' ValidationError), a body past the limit 413, an unknown model 404, a
-request the engine can never run or past the work ceiling 400, the engine stopped 503.
+Errors are OpenAI error objects with a one-line message: a bad body 400 (the request
+models' ValidationError, as `protocol.parse_request` words it), a body past the limit 413,
+an unknown model 404, a request the engine can never run or past the work ceiling 400,
+the engine stopped 503.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from kvstrata.core.errors import ConfigError
 from kvstrata.server.errors import APIError, engine_error
 from kvstrata.server.limits import ServeLimits
 from kvstrata.server.middleware import CountRequests, LimitBody, RequireApiKey
-from kvstrata.server.protocol import CHAT, COMPLETIONS, MODELS, body_error
+from kvstrata.server.protocol import CHAT, COMPLETIONS
 from kvstrata.server.routes import OpenAIServer
 
 
@@ -67,18 +67,11 @@ def build_app(
 
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error as an OpenAI error object: Starlette's own (an unknown path, a wrong
-    method) with their status, anything not an APIError or a request body's a 500."""
+    method) with their status, anything not an APIError a 500."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(ValidationError)
-    async def invalid_body(_: Request, exc: ValidationError) -> JSONResponse:
-        if exc.title not in MODELS:  # not a request body: the server's own fault
-            return JSONResponse(engine_error(exc).body(), status_code=500)
-        error = body_error(exc)
-        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

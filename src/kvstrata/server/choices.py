@@ -203,10 +203,6 @@ def usage_of(states: list[ChoiceState], n: int) -> dict[str, Any]:
     )
 
 
-async def next_output(outputs: Choices) -> tuple[int, RequestOutput]:
-    return await outputs.__anext__()
-
-
 async def collect(outputs: Choices, states: list[ChoiceState]) -> RequestOutput | None:
     """Run every choice to its end, gathering its text and logprobs into `states`;
     the output of a choice the engine aborted (None when all finished)."""

@@ -35,7 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from kvstrata.core.errors import ConfigError
 from kvstrata.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED
-from kvstrata.server.errors import APIError
+from kvstrata.server.errors import APIError, invalid
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_N = 128  # choices per prompt at most (OpenAI's limit)
@@ -146,6 +146,30 @@ class Request(_Body):
     store: Ignored = None
     service_tier: Ignored = None
     parallel_tool_calls: Ignored = None
+
+    def check_together(self) -> None:
+        """The checks between fields; salt takes vLLM's name for it, cache_salt (a client
+        moving between the two servers keeps its tenants apart), n its default."""
+        if self.stream_options is not None and not self.stream:
+            value = self.stream_options.model_dump()
+            raise invalid("stream_options", value, "only allowed when stream is true")
+        if self.salt is None:
+            self.salt = self.cache_salt
+        elif self.cache_salt not in (None, self.salt):
+            raise invalid(
+                "cache_salt", self.cache_salt, "the same tenant as salt, or give one of them"
+            )
+        self.n = self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: with include_usage, each chunk's usage so far."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
     @field_validator("top_k")
     @classmethod
@@ -302,7 +326,6 @@ class ChatRequest(Request):
 
 
 REQUESTS = {COMPLETIONS: CompletionRequest, CHAT: ChatRequest}
-MODELS = {model.__name__: endpoint for endpoint, model in REQUESTS.items()}
 _INNER = {"messages": Message, "stream_options": StreamOptions}  # field -> its items' model
 
 
@@ -319,10 +342,13 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
-    """The body as the endpoint's request model (a pydantic ValidationError otherwise),
-    with no key given twice in any object (JSON leaves that open; the last one would
-    win silently)."""
-    request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
+    """The body as the endpoint's request model, with no key given twice in any object
+    (JSON leaves that open; the last one would win silently) and its fields checked
+    together (`Request.check_together`); an APIError (400) otherwise."""
+    try:
+        request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
+    except ValidationError as exc:
+        raise body_error(exc, endpoint) from None
     try:  # valid JSON by now (pydantic-core bounded its depth and numbers)
         json.loads(raw, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:
@@ -332,6 +358,7 @@ def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
             "give each key once",
             code="invalid_json",
         ) from None
+    request.check_together()
     return request
 
 
@@ -380,7 +407,7 @@ def _accepted(field: FieldInfo) -> str | None:
     return None
 
 
-def body_error(exc: ValidationError) -> APIError:
+def body_error(exc: ValidationError, endpoint: str) -> APIError:
     """The OpenAI error object (400) of a request body pydantic refused: its first error,
     one line naming the field (`param`), the value and what is accepted."""
     errors = exc.errors(include_url=False)
@@ -395,13 +422,13 @@ def body_error(exc: ValidationError) -> APIError:
     deeper = ctx.get("param") or ""  # a validator's: the value's own place
     param = _where(loc) + deeper if deeper.startswith("[") else deeper or _where(loc)
     value = ctx["value"] if "value" in ctx else err.get("input")
-    model = REQUESTS.get(MODELS.get(exc.title, ""), Request)
+    model = REQUESTS[endpoint]
     owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
     if kind == "extra_forbidden":
         known = sorted(owner.model_fields)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
         guess = f"did you mean {close[0]!r}? " if close else ""
-        why = f"unknown field; {guess}known: {', '.join(known)} (endpoint {MODELS[exc.title]})"
+        why = f"unknown field; {guess}known: {', '.join(known)} (endpoint {endpoint})"
         return APIError(
             400, str(ConfigError.field(param, value, why)), param=param, code="unknown_parameter"
         )

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvstrata.core.errors import ConfigError, KvstrataError
 from kvstrata.engine.params import RequestRejected, SamplingParams
 from kvstrata.server.chat import chat_messages, chat_prompt_ids, encode_text, template_options
-from kvstrata.server.choices import Choices, ChoiceState, Job, collect, next_output, usage_of
+from kvstrata.server.choices import Choices, ChoiceState, Job, collect, usage_of
 from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
 from kvstrata.server.errors import APIError, aborted_error, engine_error, invalid
 from kvstrata.server.limits import ServeLimits, longest_token_chars
@@ -33,13 +33,7 @@ from kvstrata.server.protocol import (
     too_long,
 )
 from kvstrata.server.protocol import Request as Body
-from kvstrata.server.responses import (
-    ResponseHead,
-    chat_choice,
-    chat_logprobs,
-    completion_choice,
-    completion_logprobs,
-)
+from kvstrata.server.responses import ResponseHead, chat_logprobs, completion_logprobs
 from kvstrata.server.streaming import (
     ClientGone,
     EventStream,
@@ -49,10 +43,8 @@ from kvstrata.server.streaming import (
 )
 from kvstrata.server.validation import (
     DEFAULT_COMPLETION_TOKENS,
-    CommonFields,
     Logprobs,
     check_choices,
-    check_fields,
     check_work,
     choice_params,
     logprobs_request,
@@ -138,28 +130,24 @@ class OpenAIServer:
         if self.stopping:
             raise APIError(503, "the server is shutting down", code="unavailable")
         body = parse_request(await request.body(), endpoint, self.limits)
-        fields = check_fields(body)
-        if fields.model is not None and fields.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:
             raise APIError(
                 404,
-                f"model={fields.model!r} does not exist: this server serves "
+                f"model={body.model!r} does not exist: this server serves "
                 f"{self.model_name!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
         chat = endpoint == CHAT
-        head = ResponseHead(
-            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model_name,
-        )
+        kind = "chatcmpl" if chat else "cmpl"
+        head = ResponseHead(f"{kind}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat)
         logprobs = logprobs_request(body)
         # tokenizing, rendering a chat template, checking: off the event loop
-        jobs = await asyncio.to_thread(self.jobs, body, head.id, fields.n, logprobs)
+        jobs = await asyncio.to_thread(self.jobs, body, head.id, logprobs)
         if self.stopping:  # stop_requests came meanwhile: submit nothing
             raise APIError(503, "the server is shutting down", code="unavailable")
         states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
-        return await self.answer(request, jobs, states, head, chat, fields)
+        return await self.answer(request, jobs, states, head, body)
 
     async def answer(
         self,
@@ -167,23 +155,22 @@ class OpenAIServer:
         jobs: list[Job],
         states: list[ChoiceState],
         head: ResponseHead,
-        chat: bool,
-        fields: CommonFields,
+        body: Body,
     ) -> Response:
         """Submit the choices and answer: an event stream once the first output comes,
         else the whole response once every choice has finished (a 499 nobody reads
         when the client went away first; the choices are aborted then)."""
-        choices = Choices(self.engine, jobs, fields.salt, lambda: self.stopping)
+        choices = Choices(self.engine, jobs, body.salt, lambda: self.stopping)
         ids = {job.request_id for job in jobs}
         self.active.update(ids)
         try:
             choices.start()
-            if fields.stream:
-                first = await until_disconnect(request, next_output(choices))
+            if body.stream:
+                first = await until_disconnect(request, choices.__anext__())
                 if first[1].finish_reason == "abort":
                     raise aborted_error(first[1], self.stopping)
                 events = sse_events(
-                    choices, first, head, chat, fields, states, self.texts, lambda: self.stopping
+                    choices, first, head, body, states, self.texts, lambda: self.stopping
                 )
                 return EventStream(events, choices, lambda: self.active.difference_update(ids))
             aborted = await until_disconnect(request, collect(choices, states))
@@ -200,7 +187,7 @@ class OpenAIServer:
             await self.finish(ids, choices)
             raise aborted_error(aborted, self.stopping)
         self.active.difference_update(ids)
-        return JSONResponse(self.response(head, chat, states, fields.n))
+        return JSONResponse(self.response(head, states, body.n))
 
     def choice_tokens(self, job: Job, logprobs: Logprobs) -> ChoiceTokens | None:
         """What places a choice's tokens in its text (None: no logprobs asked for)."""
@@ -210,10 +197,11 @@ class OpenAIServer:
         stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)}
         return ChoiceTokens(self.engine.tokenizer, self.texts, job.prompt_ids, stop_ids)
 
-    def jobs(self, body: Body, head_id: str, n: int, logprobs: Logprobs) -> list[Job]:
+    def jobs(self, body: Body, head_id: str, logprobs: Logprobs) -> list[Job]:
         """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i),
         each checked by the engine (a request it can never run is a 400 before any
         choice is submitted). Runs in a worker thread."""
+        n = body.n
         prompts, default_max = self.prompts(body, n, logprobs.echo)
         params = sampling_params(body, default_max, logprobs)
         check_work([len(ids) for ids, _ in prompts], n, params, logprobs, self.ceiling)
@@ -277,26 +265,21 @@ class OpenAIServer:
             prompts.append((ids, text))
         return prompts, DEFAULT_COMPLETION_TOKENS
 
-    def response(
-        self, head: ResponseHead, chat: bool, states: list[ChoiceState], n: int
-    ) -> dict[str, Any]:
+    def response(self, head: ResponseHead, states: list[ChoiceState], n: int) -> dict[str, Any]:
         """The whole (non-streamed) response of finished choices."""
         choices = []
         for state in states:
             assert state.final is not None
-            text, reason = "".join(state.text), state.final.finish_reason
             lps = None
             if state.pieces is not None:
                 state.pieces.clip(state.tokens, state.generated)  # at a stop string
+                tokens = state.tokens
                 lps = (
-                    chat_logprobs(state.tokens, self.texts)
-                    if chat
-                    else completion_logprobs(state.tokens)
+                    chat_logprobs(tokens, self.texts) if head.chat else completion_logprobs(tokens)
                 )
-            make = chat_choice if chat else completion_choice
-            choices.append(make(state.job.index, text, reason, lps))
-        use = usage_of(states, n)
-        return head.chat(choices, use) if chat else head.completion(choices, use)
+            text, reason = "".join(state.text), state.final.finish_reason
+            choices.append(head.choice(state.job.index, text, reason, lps))
+        return head.response(choices, usage_of(states, n))
 
     async def finish(self, request_ids: set[str], outputs: Any) -> None:
         """Forget a request's choices and close them (an abort unless finished)."""

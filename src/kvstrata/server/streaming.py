@@ -19,14 +19,15 @@ from kvstrata.engine.params import RequestOutput
 from kvstrata.server.choices import Choices, ChoiceState, take, usage_of
 from kvstrata.server.detokenizer import TokenInfo, TokenTexts
 from kvstrata.server.errors import aborted_error, engine_error
+from kvstrata.server.protocol import Request as Body
 from kvstrata.server.responses import (
     SSE_DONE,
     ResponseHead,
     chat_logprobs,
     completion_logprobs,
+    delta,
     sse,
 )
-from kvstrata.server.validation import CommonFields
 
 
 class ClientGone(Exception):
@@ -92,8 +93,7 @@ async def sse_events(
     outputs: Choices,
     first: tuple[int, RequestOutput],
     head: ResponseHead,
-    chat: bool,
-    fields: CommonFields,
+    body: Body,
     states: list[ChoiceState],
     texts: TokenTexts,
     stopping: Callable[[], bool],
@@ -103,14 +103,13 @@ async def sse_events(
     chunk once every choice has finished, then [DONE]; an error event if the engine
     gives up mid-way (`stopping`: whether the server is stopping, when it does).
     Leaving early closes `outputs` (abort)."""
-    usage: bool | dict[str, Any] = fields.include_usage
+    usage: bool | dict[str, Any] = body.include_usage
     try:
-        if chat:
-            for state in states:
-                delta = {"role": "assistant", "content": ""}
-                if fields.continuous_usage:
-                    usage = state.running_usage(None)
-                yield sse(head.chat_chunk(state.job.index, delta, None, usage))
+        for state in states if head.chat else ():
+            if body.continuous_usage:
+                usage = state.running_usage(None)
+            role = delta(state.job.index, {"role": "assistant", "content": ""})
+            yield sse(head.chunk([role], usage))
         index, out = first
         left = len(states)
         while True:
@@ -119,16 +118,15 @@ async def sse_events(
                 break
             state = states[index]
             text, tokens = await take(state, out)
-            if fields.continuous_usage:
+            if body.continuous_usage:
                 usage = state.running_usage(out)
-            chunks = _output_chunks(head, chat, index, state, out, text, tokens, usage, texts)
-            for chunk in chunks:
-                yield sse(chunk)
+            for choice in _output_choices(head, index, state, out, text, tokens, texts):
+                yield sse(head.chunk([choice], usage))
             if out.finished:
                 left -= 1
                 if not left:
                     if usage:
-                        yield sse(head.usage_chunk(chat, usage_of(states, fields.n)))
+                        yield sse(head.chunk([], usage_of(states, body.n)))
                     break
             index, out = await outputs.__anext__()
         yield SSE_DONE
@@ -138,31 +136,24 @@ async def sse_events(
         await aclose_shielded(outputs)
 
 
-def _output_chunks(
+def _output_choices(
     head: ResponseHead,
-    chat: bool,
     index: int,
     state: ChoiceState,
     out: RequestOutput,
     text: str,
     tokens: list[TokenInfo],
-    usage: bool | dict[str, Any],
     texts: TokenTexts,
 ) -> list[dict[str, Any]]:
-    """The chunks one output of choice `index` makes (`text`, `tokens`: what it adds):
-    chat, a content delta (when it has text or logprobs) then, when it finishes, a
-    finish chunk; completions, one chunk (when it has text or tokens, or finishes)."""
-    lps, chunks = None, []
-    if chat:
-        if state.pieces is not None and tokens:
-            lps = chat_logprobs(tokens, texts)
-        if text or lps:
-            chunks.append(head.chat_chunk(index, {"content": text}, None, usage, lps))
-        if out.finished:
-            chunks.append(head.chat_chunk(index, {}, out.finish_reason, usage))
-    else:
-        if state.pieces is not None:
-            lps = completion_logprobs(tokens)
-        if text or out.finished or tokens:
-            chunks.append(head.completion_chunk(index, text, out.finish_reason, usage, lps))
-    return chunks
+    """The streamed choices one output of choice `index` makes (`text`, `tokens`: what
+    it adds): chat, a content delta (when it has text or logprobs) then, when it
+    finishes, a finish delta; completions, one choice (with text or tokens, or final)."""
+    if not head.chat:
+        lps = completion_logprobs(tokens) if state.pieces is not None else None
+        keep = text or out.finished or tokens
+        return [head.choice(index, text, out.finish_reason, lps)] if keep else []
+    lps = chat_logprobs(tokens, texts) if state.pieces is not None and tokens else None
+    choices = [delta(index, {"content": text}, logprobs=lps)] if text or lps else []
+    if out.finished:
+        choices.append(delta(index, {}, out.finish_reason))
+    return choices
