@@ -94,20 +94,13 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     async def chat_completions(request: Request) -> Response:
         return await server.generate(request, CHAT)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return server.models()
+    app.get("/v1/models")(server.models)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if not model_id:  # "/v1/models/": the list
-            return server.models()
+            return await server.models()
         return server.model_card(model_id)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return server.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return await server.metrics()
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics)

@@ -33,7 +33,6 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from kvstrata.core.errors import ConfigError
 from kvstrata.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED
 from kvstrata.server.errors import APIError, invalid
 
@@ -429,15 +428,9 @@ def body_error(exc: ValidationError, endpoint: str) -> APIError:
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
         guess = f"did you mean {close[0]!r}? " if close else ""
         why = f"unknown field; {guess}known: {', '.join(known)} (endpoint {endpoint})"
-        return APIError(
-            400, str(ConfigError.field(param, value, why)), param=param, code="unknown_parameter"
-        )
+        return invalid(param, value, why, "unknown_parameter")
     field = owner.model_fields.get(loc[-1]) if isinstance(loc[-1], str) else None
-    accepted = ctx.get("accepted") or (field and _accepted(field)) or _lower(err["msg"])
-    value = None if kind == "missing" else value
+    message = err["msg"][:1].lower() + err["msg"][1:]  # pydantic's own words, at worst
+    accepted = ctx.get("accepted") or (field and _accepted(field)) or message
     code = "unsupported_value" if kind == "unsupported_value" else "invalid_value"
-    return APIError(400, str(ConfigError.field(param, value, accepted)), param=param, code=code)
-
-
-def _lower(text: str) -> str:
-    return text[:1].lower() + text[1:]
+    return invalid(param, None if kind == "missing" else value, accepted, code)

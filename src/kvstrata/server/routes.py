@@ -88,7 +88,7 @@ class OpenAIServer:
             self.engine.abort(request_id)
 
     # -- GET ------------------------------------------------------------------------------
-    def models(self) -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self, model_id: str | None = None) -> dict[str, Any]:
@@ -110,7 +110,7 @@ class OpenAIServer:
             "max_model_len": self.engine.max_model_len,
         }
 
-    def health(self) -> Response:
+    async def health(self) -> Response:
         if self.engine.is_running:  # not shut down, not stopped on an error
             return JSONResponse({"status": "ok"})
         return JSONResponse(APIError(503, "the engine has stopped").body(), status_code=503)
@@ -142,8 +142,10 @@ class OpenAIServer:
         kind = "chatcmpl" if chat else "cmpl"
         head = ResponseHead(f"{kind}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat)
         logprobs = logprobs_request(body)
-        # tokenizing, rendering a chat template, checking: off the event loop
-        jobs = await asyncio.to_thread(self.jobs, body, head.id, logprobs)
+        try:  # tokenizing, rendering a chat template, checking: off the event loop
+            jobs = await asyncio.to_thread(self.jobs, body, head.id, logprobs)
+        except KvstrataError as exc:  # the engine refused a prompt or its params
+            raise engine_error(exc) from None
         if self.stopping:  # stop_requests came meanwhile: submit nothing
             raise APIError(503, "the server is shutting down", code="unavailable")
         states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
@@ -202,7 +204,7 @@ class OpenAIServer:
         each checked by the engine (a request it can never run is a 400 before any
         choice is submitted). Runs in a worker thread."""
         n = body.n
-        prompts, default_max = self.prompts(body, n, logprobs.echo)
+        prompts, default_max = self.prompts(body, logprobs.echo)
         params = sampling_params(body, default_max, logprobs)
         check_work([len(ids) for ids, _ in prompts], n, params, logprobs, self.ceiling)
         # choices 1.. of a prompt wait for choice 0 to compute it, when it holds a full
@@ -217,15 +219,11 @@ class OpenAIServer:
                 job = Job(index, p, rid, ids, choice_params(params, i), text)
                 job.after = after if i else None
                 jobs.append(job)
-        check = getattr(self.engine, "check", None)
-        for job in jobs if check is not None else ():
-            try:
-                check(job.prompt_ids, job.params)
-            except KvstrataError as exc:
-                raise engine_error(exc) from None
+        for job in jobs:
+            self.engine.check(job.prompt_ids, job.params)
         return jobs
 
-    def prompts(self, body: Body, n: int, echo: bool) -> tuple[list[tuple[list[int], str]], int]:
+    def prompts(self, body: Body, echo: bool) -> tuple[list[tuple[list[int], str]], int]:
         """The request's prompts as (token ids, the text echo puts in front), and the
         max_tokens of a request that gives none: chat's messages rendered by the chat
         template (room_for), or each completion prompt tokenized (n x prompts checked
@@ -245,17 +243,14 @@ class OpenAIServer:
         assert isinstance(body, CompletionRequest)
         prompts: list[tuple[list[int], str]] = []
         given = body.prompt
-        check_choices(n, len(given))  # before tokenizing them all
+        check_choices(body.n, len(given))  # before tokenizing them all
         # a chat model's control tokens: only from token ids, unless callers are trusted
         split = not trust and bool(getattr(tokenizer, "chat_template", None))
         for prompt in given:
-            try:
-                if split and isinstance(prompt, str):
-                    ids = encode_text(tokenizer, prompt, True)
-                else:
-                    ids = self.engine.encode(prompt)
-            except KvstrataError as exc:
-                raise engine_error(exc) from None
+            if split and isinstance(prompt, str):
+                ids = encode_text(tokenizer, prompt, True)
+            else:
+                ids = self.engine.encode(prompt)
             if isinstance(prompt, str):
                 text = prompt
             elif echo and tokenizer is not None:
@@ -294,8 +289,8 @@ class OpenAIServer:
         limit = self.engine.max_model_len
         room = max(1, (limit or len(prompt_ids) + 4096) - len(prompt_ids))
         room = min(room, CHAT_DEFAULT_MAX_TOKENS)
-        check = getattr(self.engine, "check", None)
-        if check is None or _fits(check, prompt_ids, room):
+        check = self.engine.check
+        if _fits(check, prompt_ids, room):
             return room
         lo, hi = 0, room  # lo fits (or is 0), hi does not
         while hi - lo > 1:

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvstrata.core.errors import ConfigError
 from kvstrata.engine.params import MAX_SEED, SamplingParams
-from kvstrata.server.errors import APIError, engine_error, invalid
+from kvstrata.server.errors import APIError, invalid
 from kvstrata.server.protocol import ChatRequest, Request
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -116,10 +115,7 @@ def sampling_params(body: Request, default_max_tokens: int, logprobs: Logprobs) 
     kwargs["logprobs"] = logprobs.top
     if logprobs.echo and logprobs.top is not None:
         kwargs["prompt_logprobs"] = logprobs.top
-    try:
-        return SamplingParams(**kwargs)
-    except ConfigError as exc:  # min_tokens past max_tokens (the rest the models check)
-        raise engine_error(exc) from None
+    return SamplingParams(**kwargs)  # a ConfigError: min_tokens past max_tokens
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:
