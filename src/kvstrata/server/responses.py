@@ -1,6 +1,5 @@
-"""The OpenAI response shapes, built from what the engine returned: `usage`, logprobs in
-OpenAI's two shapes (legacy completions, chat), the choices, the whole responses and
-the stream chunks of one request (`ResponseHead`), and server-sent events.
+"""The OpenAI response shapes: `usage`, logprobs (legacy completions, chat), choices,
+responses and stream chunks (`ResponseHead`), server-sent events.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ from kvstrata.server.detokenizer import TokenInfo, TokenTexts
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI `usage` (cached = prompt tokens the prefix cache held, so they were not
-    computed). With several choices per prompt, a prompt counts once and the
-    completion tokens of every choice add up (as OpenAI counts)."""
+    """OpenAI `usage` (cached: prompt tokens the prefix cache held, not computed)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -31,10 +28,9 @@ def _lp(value: float) -> float:
 
 
 def completion_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
-    """The legacy completions `logprobs` object of some tokens. top_logprobs maps the
-    text of the most likely tokens to their logprob, most likely first (a text two
-    tokens share keeps the likelier), and always holds the chosen token (OpenAI: up to
-    logprobs + 1 entries)."""
+    """The legacy completions `logprobs` object: top_logprobs maps the most likely tokens'
+    texts to their logprob, most likely first (a text two tokens share keeps the
+    likelier), and always holds the chosen token (OpenAI: up to logprobs + 1 entries)."""
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     out: dict[str, list[Any]] = {key: [] for key in keys}
     for info in tokens:

@@ -1,7 +1,7 @@
-"""The endpoints' logic over one engine (`OpenAIServer`; `app.build_app` wires it to
-routes): the model list and card, health, metrics, and generation — a completion or
-chat request checked, its choices (prompts x n) built and checked by the engine in a
-worker thread, submitted, and answered whole or as an event stream.
+"""The endpoints' logic over one engine (`OpenAIServer`). A completion or chat request is
+parsed, its choices (prompts x n, each its own engine request) built and checked by the
+engine in a worker thread (the event loop only submits and aborts), submitted, and
+answered whole or as an event stream; a client that goes away aborts its requests.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ CHAT_DEFAULT_MAX_TOKENS = 2048  # chat without max_tokens: see OpenAIServer.room
 
 
 class OpenAIServer:
-    """The endpoints' logic over one engine (`build_app` wires them to routes)."""
+    """The endpoints over one engine (`app.build_app` routes to them)."""
 
     def __init__(self, engine: Any, model_name: str, limits: ServeLimits | None = None) -> None:
         limits = limits or ServeLimits()
@@ -66,16 +66,13 @@ class OpenAIServer:
         self.active: set[str] = set()  # ids of the requests being answered
         self.stopping = False
         tokenizer = engine.tokenizer
-        self.vocab_size = int(getattr(engine, "vocab_size", 0) or len(tokenizer))
         self.texts = TokenTexts(tokenizer)
-        self.eos_ids = set(getattr(engine, "eos_ids", ()) or ())
-        store_config = getattr(getattr(engine, "store", None), "config", None)
-        self.block_size = int(getattr(store_config, "block_size", 0) or 0)
+        self.block_size = engine.store.config.block_size
         # a prompt string longer than the model's positions x its longest token cannot
         # fit: refused before it is tokenized (tokenizing costs ~200 bytes a character)
         longest, positions = longest_token_chars(tokenizer), engine.max_model_len
         bound = positions * longest if positions and longest else None
-        self.limits = Limits(self.vocab_size, bound)
+        self.limits = Limits(engine.vocab_size or len(tokenizer), bound)
         self.ceiling = limits.request_tokens(engine)
         self.trust_special_tokens = limits.trust_special_tokens
 
@@ -196,7 +193,7 @@ class OpenAIServer:
         if logprobs.top is None:
             return None
         p = job.params
-        stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)}
+        stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.engine.eos_ids)}
         return ChoiceTokens(self.engine.tokenizer, self.texts, job.prompt_ids, stop_ids)
 
     def jobs(self, body: Body, head_id: str, logprobs: Logprobs) -> list[Job]:

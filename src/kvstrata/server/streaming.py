@@ -1,7 +1,6 @@
-"""The HTTP side of a response the engine takes time over: waiting for it while
-watching for the client's disconnect (`until_disconnect`), closing what a response
-leaves open even when cancelled, and the server-sent event stream (`EventStream`) whose
-body is OpenAI's chunks of every choice (`sse_events`).
+"""The HTTP side of a response the engine takes time over: the client's disconnect
+(`until_disconnect`), closing what a response leaves open even when cancelled, and the
+server-sent event stream (`EventStream`) of OpenAI's chunks (`sse_events`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvstrata.engine.params import RequestOutput
-from kvstrata.server.choices import Choices, ChoiceState, take, usage_of
+from kvstrata.server.choices import Choices, ChoiceState, usage_of
 from kvstrata.server.detokenizer import TokenInfo, TokenTexts
 from kvstrata.server.errors import aborted_error, engine_error
 from kvstrata.server.protocol import Request as Body
@@ -117,7 +116,7 @@ async def sse_events(
                 yield sse(aborted_error(out, stopping()).body())
                 break
             state = states[index]
-            text, tokens = await take(state, out)
+            text, tokens = await state.take(out)
             if body.continuous_usage:
                 usage = state.running_usage(out)
             for choice in _output_choices(head, index, state, out, text, tokens, texts):
