@@ -1,7 +1,6 @@
-"""The choices of one request (prompts x n), each its own engine request: `Job` (one
-choice to submit), `Choices` (their fan-out to the engine and their outputs merged back
-on the event loop), `ChoiceState` (one choice's response as its outputs come), and the
-`usage` they add up to.
+"""The choices of one request (prompts x n), each its own engine request: `Job`, their
+fan-out and outputs merged back on the event loop (`Choices`), one choice's response as
+its outputs come (`ChoiceState`), and the `usage` they add up to.
 """
 
 from __future__ import annotations
@@ -34,13 +33,11 @@ class Job:
 
 
 class Choices:
-    """The engine requests of one HTTP request, one per choice: their outputs merged, in
-    arrival order, as `(choice index, RequestOutput)` until every choice has finished.
-    `start()` submits the choices that start at once (a refused one aborts the rest and
-    raises); a choice with `after` is submitted on that choice's first output (sent as
-    soon as its first token is chosen, `first_output`): its prompt is in the prefix cache
-    by then, so the prompt's other choices reuse its blocks. Once `stopping()` they end
-    as aborted instead. `aclose()` aborts the ones not finished."""
+    """The engine requests of one HTTP request, their outputs merged in arrival order as
+    `(choice index, RequestOutput)` until all have finished. A choice with `after` is
+    submitted on that choice's first output (`first_output`), so it reuses the prompt's
+    blocks from the prefix cache; once `stopping()` it ends as aborted instead.
+    `abort()` aborts the ones not finished."""
 
     def __init__(
         self,
@@ -115,9 +112,6 @@ class Choices:
         for request_id in self.open:  # (one never submitted: the engine ignores it)
             self.engine.abort(request_id)
         self.open.clear()
-
-    async def aclose(self) -> None:
-        self.abort()
 
 
 class ChoiceState:

@@ -1,7 +1,5 @@
-"""Tokens placed in a choice's text, for logprobs: each token decoded alone (`TokenTexts`,
-with its UTF-8 bytes for chat), and each token of a choice — the echoed prompt's, then
-the generated ones — with the text it adds and where that starts (`ChoiceTokens`,
-incremental: the engine's `Detokenizer`, so the pieces join to the choice's text).
+"""Tokens placed in a choice's text, for logprobs: decoded alone, with their bytes
+(`TokenTexts`), and with the text each adds and where (`ChoiceTokens`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -37,7 +36,6 @@ from kvstrata.server.responses import ResponseHead, chat_logprobs, completion_lo
 from kvstrata.server.streaming import (
     ClientGone,
     EventStream,
-    aclose_shielded,
     sse_events,
     until_disconnect,
 )
@@ -77,9 +75,8 @@ class OpenAIServer:
         self.trust_special_tokens = limits.trust_special_tokens
 
     def stop_requests(self) -> None:
-        """Abort every request being answered and refuse new ones (503): their streams
-        end with an error event, whole completions with a 503. For a server shutting
-        down once its grace period is over."""
+        """Abort every request being answered and refuse new ones (503), once a shutting
+        down server's grace period is over."""
         self.stopping = True
         for request_id in list(self.active):
             self.engine.abort(request_id)
@@ -157,8 +154,7 @@ class OpenAIServer:
         body: Body,
     ) -> Response:
         """Submit the choices and answer: an event stream once the first output comes,
-        else the whole response once every choice has finished (a 499 nobody reads
-        when the client went away first; the choices are aborted then)."""
+        else the whole response (a 499 nobody reads when the client went away first)."""
         choices = Choices(self.engine, jobs, body.salt, lambda: self.stopping)
         ids = {job.request_id for job in jobs}
         self.active.update(ids)
@@ -174,16 +170,16 @@ class OpenAIServer:
                 return EventStream(events, choices, lambda: self.active.difference_update(ids))
             aborted = await until_disconnect(request, collect(choices, states))
         except ClientGone:
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed")
         except (APIError, asyncio.CancelledError):
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             raise
         except Exception as exc:
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             raise engine_error(exc) from None
         if aborted is not None:  # the engine ended one choice: the others end too
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             raise aborted_error(aborted, self.stopping)
         self.active.difference_update(ids)
         return JSONResponse(self.response(head, states, body.n))
@@ -197,9 +193,8 @@ class OpenAIServer:
         return ChoiceTokens(self.engine.tokenizer, self.texts, job.prompt_ids, stop_ids)
 
     def jobs(self, body: Body, head_id: str, logprobs: Logprobs) -> list[Job]:
-        """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i),
-        each checked by the engine (a request it can never run is a 400 before any
-        choice is submitted). Runs in a worker thread."""
+        """The request's choices, in vLLM's order (index = prompt * n + i), each checked
+        by the engine before any is submitted. In a worker thread."""
         n = body.n
         prompts, default_max = self.prompts(body, logprobs.echo)
         params = sampling_params(body, default_max, logprobs)
@@ -213,18 +208,16 @@ class OpenAIServer:
             for i in range(n):
                 index = p * n + i
                 rid = head_id if len(prompts) * n == 1 else f"{head_id}-{index}"
-                job = Job(index, p, rid, ids, choice_params(params, i), text)
-                job.after = after if i else None
-                jobs.append(job)
+                jobs.append(
+                    Job(index, p, rid, ids, choice_params(params, i), text, after if i else None)
+                )
         for job in jobs:
             self.engine.check(job.prompt_ids, job.params)
         return jobs
 
     def prompts(self, body: Body, echo: bool) -> tuple[list[tuple[list[int], str]], int]:
         """The request's prompts as (token ids, the text echo puts in front), and the
-        max_tokens of a request that gives none: chat's messages rendered by the chat
-        template (room_for), or each completion prompt tokenized (n x prompts checked
-        before). Runs in a worker thread."""
+        max_tokens of a request that gives none (chat: room_for). In a worker thread."""
         tokenizer = self.engine.tokenizer
         trust = self.trust_special_tokens
         if isinstance(body, ChatRequest):
@@ -262,10 +255,8 @@ class OpenAIServer:
         choices = []
         for state in states:
             assert state.final is not None
-            lps = None
+            lps, tokens = None, state.tokens  # (cut at a stop string by take)
             if state.pieces is not None:
-                state.pieces.clip(state.tokens, state.generated)  # at a stop string
-                tokens = state.tokens
                 lps = (
                     chat_logprobs(tokens, self.texts) if head.chat else completion_logprobs(tokens)
                 )
@@ -273,32 +264,29 @@ class OpenAIServer:
             choices.append(head.choice(state.job.index, text, reason, lps))
         return head.response(choices, usage_of(states, n))
 
-    async def finish(self, request_ids: set[str], outputs: Any) -> None:
-        """Forget a request's choices and close them (an abort unless finished)."""
+    def finish(self, request_ids: set[str], choices: Choices) -> None:
+        """Forget a request's choices and abort the ones not finished."""
         self.active.difference_update(request_ids)
-        await aclose_shielded(outputs)
+        choices.abort()
 
     def room_for(self, prompt_ids: list[int]) -> int:
         """Chat's default max_tokens: the rest of the model's positions (as OpenAI and
         vLLM), at most CHAT_DEFAULT_MAX_TOKENS (each running request reserves its
         prompt + max_tokens, so "the whole context" would run chats one at a time),
         lowered to what all tiers together can hold for this prompt."""
-        limit = self.engine.max_model_len
-        room = max(1, (limit or len(prompt_ids) + 4096) - len(prompt_ids))
-        room = min(room, CHAT_DEFAULT_MAX_TOKENS)
-        check = self.engine.check
-        if _fits(check, prompt_ids, room):
+        limit = self.engine.max_model_len or len(prompt_ids) + 4096
+        room = min(max(1, limit - len(prompt_ids)), CHAT_DEFAULT_MAX_TOKENS)
+        if self._fits(prompt_ids, room):
             return room
         lo, hi = 0, room  # lo fits (or is 0), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if _fits(check, prompt_ids, mid) else (lo, mid)
+            lo, hi = (mid, hi) if self._fits(prompt_ids, mid) else (lo, mid)
         return max(lo, 1)  # 1 that does not fit: submit names the budget to raise
 
-
-def _fits(check: Callable[..., None], prompt_ids: list[int], max_tokens: int) -> bool:
-    try:
-        check(prompt_ids, SamplingParams(max_tokens=max_tokens))
-    except (RequestRejected, ConfigError):
-        return False
-    return True
+    def _fits(self, prompt_ids: list[int], max_tokens: int) -> bool:
+        try:
+            self.engine.check(prompt_ids, SamplingParams(max_tokens=max_tokens))
+        except (RequestRejected, ConfigError):
+            return False
+        return True

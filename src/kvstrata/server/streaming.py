@@ -1,6 +1,6 @@
 """The HTTP side of a response the engine takes time over: the client's disconnect
-(`until_disconnect`), closing what a response leaves open even when cancelled, and the
-server-sent event stream (`EventStream`) of OpenAI's chunks (`sse_events`).
+(`until_disconnect`) and the server-sent event stream (`EventStream`) of OpenAI's chunks
+(`sse_events`).
 """
 
 from __future__ import annotations
@@ -59,12 +59,6 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     raise ClientGone
 
 
-async def aclose_shielded(agen: Any) -> None:
-    """Close an async generator even inside a cancelled scope (its finally aborts)."""
-    with anyio.CancelScope(shield=True):
-        await agen.aclose()
-
-
 class EventStream(StreamingResponse):
     """Server-sent events whose generator, and the engine stream under it, are always
     closed when the response ends: normally, on a disconnect (Starlette cancels the
@@ -73,7 +67,7 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncIterator[bytes], outputs: Any, on_close: Callable[[], None]
+        self, content: AsyncIterator[bytes], outputs: Choices, on_close: Callable[[], None]
     ) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.outputs = outputs
@@ -83,8 +77,9 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await aclose_shielded(self.body_iterator)
-            await aclose_shielded(self.outputs)  # aborts the request unless it finished
+            with anyio.CancelScope(shield=True):  # even when cancelled
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.outputs.abort()  # the choices not finished
             self.on_close()
 
 
@@ -100,8 +95,7 @@ async def sse_events(
     """The SSE body: OpenAI chunks (each with its choice's index; with
     continuous_usage_stats, each with its choice's usage so far), an optional usage
     chunk once every choice has finished, then [DONE]; an error event if the engine
-    gives up mid-way (`stopping`: whether the server is stopping, when it does).
-    Leaving early closes `outputs` (abort)."""
+    gives up mid-way (`stopping`: whether the server is stopping, when it does)."""
     usage: bool | dict[str, Any] = body.include_usage
     try:
         for state in states if head.chat else ():
@@ -131,8 +125,6 @@ async def sse_events(
         yield SSE_DONE
     except Exception as exc:  # the stream ended without a final output
         yield sse(engine_error(exc).body())
-    finally:
-        await aclose_shielded(outputs)
 
 
 def _output_choices(
