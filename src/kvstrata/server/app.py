@@ -7,13 +7,9 @@
     GET  /health                200 while the engine runs, 503 once it has stopped
     GET  /metrics               Prometheus text: the engine's metrics + HTTP requests
 
-Each choice of a request (prompts x n) is its own engine request (`Choices`); the event
-loop only submits and aborts, the engine thread does every forward, and prompts are
-tokenized and chat templates rendered in a worker thread. Every choice is checked before
-any is submitted. A client that goes away cancels its task, which aborts its requests.
-Errors are OpenAI error objects with a one-line message: a bad body 400 (one handler for
-the request models' ValidationError), a body past the limit 413, an unknown model 404, a
-request the engine can never run or past the work ceiling 400, the engine stopped 503.
+The endpoints' logic is `routes.OpenAIServer`. Errors are OpenAI error objects with a
+one-line message: a bad body or a request the engine can never run 400, a body past the
+limit 413, an unknown model 404, the engine stopped 503.
 """
 
 from __future__ import annotations
@@ -22,14 +18,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from kvstrata.core.errors import ConfigError
 from kvstrata.server.errors import APIError, engine_error
 from kvstrata.server.limits import ServeLimits
 from kvstrata.server.middleware import CountRequests, LimitBody, RequireApiKey
-from kvstrata.server.protocol import CHAT, COMPLETIONS, MODELS, body_error
+from kvstrata.server.protocol import CHAT, COMPLETIONS
 from kvstrata.server.routes import OpenAIServer
 
 
@@ -39,8 +34,7 @@ def build_app(
     api_key: str | None = None,
     limits: ServeLimits | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (module docstring; the arguments:
-    `kvstrata.server.build_app`)."""
+    """The app over `engine` (the arguments: `kvstrata.server.build_app`)."""
     name = engine.model_name if served_model_name is None else served_model_name
     if not isinstance(name, str) or not name.strip():
         raise ConfigError.field("served_model_name", name, "a non-empty model name")
@@ -66,19 +60,12 @@ def build_app(
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI error object: Starlette's own (an unknown path, a wrong
-    method) with their status, anything not an APIError or a request body's a 500."""
+    """Starlette's errors (an unknown path, a wrong method) and any but an APIError (a
+    500) as OpenAI error objects too."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(ValidationError)
-    async def invalid_body(_: Request, exc: ValidationError) -> JSONResponse:
-        if exc.title not in MODELS:  # not a request body: the server's own fault
-            return JSONResponse(engine_error(exc).body(), status_code=500)
-        error = body_error(exc)
-        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -91,8 +78,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
-    """The routes of the module docstring, each to its OpenAIServer endpoint."""
-
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
         return await server.generate(request, COMPLETIONS)
@@ -101,20 +86,13 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     async def chat_completions(request: Request) -> Response:
         return await server.generate(request, CHAT)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return server.models()
+    app.get("/v1/models")(server.models)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if not model_id:  # "/v1/models/": the list
-            return server.models()
+            return await server.models()
         return server.model_card(model_id)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return server.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return await server.metrics()
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics)

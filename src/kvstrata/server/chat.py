@@ -1,24 +1,18 @@
-"""Chat messages -> prompt token ids: the tokenizer's chat template, or a plain one.
-
-A tokenizer with a `chat_template` renders the messages with it (`add_generation_prompt`,
-default true; `chat_template_kwargs`, vLLM's field: template variables only), and the
-text is tokenized without adding special tokens (the template writes its own). A
-tokenizer without one (the embedded byte-level model) gets the plain template below,
-documented in the README, tokenized like a completion prompt:
+"""Chat messages -> prompt token ids: the tokenizer's chat template (`add_generation_prompt`,
+default true; `chat_template_kwargs`, vLLM's field: template variables only), its text
+tokenized without adding special tokens; or, for a tokenizer without one (the embedded
+byte-level model), the plain template of the README, tokenized like a completion prompt:
 
     system: You are terse.
     user: Write a haiku.
     assistant:
 
-one `<role>: <content>` line per message (a "developer" message is a "system" one),
-then `assistant:` with no trailing space or newline, so the model writes the reply
-(left out with `add_generation_prompt: false`; the plain template has no variables, so
-it ignores `chat_template_kwargs`).
+one `<role>: <content>` line per message ("developer" is "system"), then `assistant:` with
+nothing after it (left out with `add_generation_prompt: false`; it has no variables).
 
-Only the template writes special tokens: the text of one (`<|im_start|>`, `<eos>`) in a
-message's content is tokenized as plain text, so a user cannot write a turn of another
-role — unless the server trusts its callers (`trust_special_tokens`,
-`kvstrata serve --trust-special-tokens`).
+Only the template writes special tokens: one's text (`<|im_start|>`, `<eos>`) in a
+message's content is plain text, so a user cannot write another role's turn, unless the
+server trusts its callers (`kvstrata serve --trust-special-tokens`).
 """
 
 from __future__ import annotations
@@ -27,39 +21,22 @@ import inspect
 import re
 from typing import Any
 
-from kvstrata.server.errors import APIError, invalid
+from transformers import PreTrainedTokenizerBase
 
-# What controls the rendering rather than feeding the template (besides every named
-# parameter of the tokenizer's apply_chat_template, and any return_* one).
-_RENDER_CONTROLS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "chat_template",
-        "tokenize",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tools",
-        "documents",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-        "sanitize_control_tokens",
-    }
-)
+from kvstrata.server.errors import APIError, invalid
 
 
 def _render_controls(tokenizer: Any) -> frozenset[str]:
-    """_RENDER_CONTROLS and the named parameters of its `apply_chat_template`."""
-    names = set(_RENDER_CONTROLS)
-    method = getattr(type(tokenizer), "apply_chat_template", None)
-    if method is not None:
+    """What controls the rendering rather than feeding the template: "messages", and the
+    named parameters of transformers' apply_chat_template and of the tokenizer's own."""
+    names = {"messages"}
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for owner in (PreTrainedTokenizerBase, type(tokenizer)):
+        method = getattr(owner, "apply_chat_template", None)
         try:
-            params = inspect.signature(method).parameters.values()
-        except (TypeError, ValueError):  # no signature to read (a builtin): the list above
+            params = inspect.signature(method).parameters.values() if method else []
+        except (TypeError, ValueError):  # no signature to read (a builtin)
             params = []
-        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
         names.update(p.name for p in params if p.kind not in variadic and p.name != "self")
     return frozenset(names)
 
@@ -113,11 +90,11 @@ def chat_prompt_ids(
     `trust_special_tokens`, a special token's text in a content is that token (a caller
     may write turns); else it is plain text and only the template writes them."""
     specials = () if trust_special_tokens else special_strings(tokenizer)
-    hidden: dict[str, str] = {}  # a stand-in character -> the special token's text
+    hidden: dict[int, str] = {}  # a stand-in character -> the special token's text
     if any(s in m["content"] for m in messages for s in specials):
         messages, hidden = _hide(messages, specials)
     if not getattr(tokenizer, "chat_template", None):
-        text = _show(plain_chat_prompt(messages, add_generation_prompt), hidden)
+        text = plain_chat_prompt(messages, add_generation_prompt).translate(hidden)
         return encode_text(tokenizer, text, bool(specials))
     try:
         text = tokenizer.apply_chat_template(
@@ -143,7 +120,7 @@ def chat_prompt_ids(
         if i % 2:
             ids.append(tokenizer.convert_tokens_to_ids(piece))
         elif piece:
-            ids += encode_text(tokenizer, _show(piece, hidden), True, add_special_tokens=False)
+            ids += encode_text(tokenizer, piece.translate(hidden), True, add_special_tokens=False)
     return ids
 
 
@@ -169,9 +146,9 @@ def encode_text(
 
 def _hide(
     messages: list[dict[str, str]], specials: tuple[str, ...]
-) -> tuple[list[dict[str, str]], dict[str, str]]:
+) -> tuple[list[dict[str, str]], dict[int, str]]:
     """The messages with each special token's text in their contents replaced by a
-    private-use character none of them holds, and those characters."""
+    private-use character none of them holds, and the table (str.translate) back."""
     contents = "".join(m["content"] for m in messages)
     base = 0xF0000  # plane 15, private use
     while any(chr(c) in contents for c in range(base, base + len(specials))):
@@ -183,11 +160,4 @@ def _hide(
         {**m, "content": pattern.sub(lambda hit: stand_in[hit.group()], m["content"])}
         for m in messages
     ]
-    return out, hidden
-
-
-def _show(text: str, hidden: dict[str, str]) -> str:
-    """`text` with the stand-ins of _hide back to the special tokens' texts."""
-    for char, special in hidden.items():
-        text = text.replace(char, special)
-    return text
+    return out, str.maketrans(hidden)

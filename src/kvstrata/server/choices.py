@@ -1,7 +1,6 @@
-"""The choices of one request (prompts x n), each its own engine request: `Job` (one
-choice to submit), `Choices` (their fan-out to the engine and their outputs merged back
-on the event loop), `ChoiceState` (one choice's response as its outputs come), and the
-`usage` they add up to.
+"""The choices of one request (prompts x n), each its own engine request: `Job`, their
+fan-out and outputs merged back on the event loop (`Choices`), one choice's response as
+its outputs come (`ChoiceState`), and the `usage` they add up to.
 """
 
 from __future__ import annotations
@@ -34,13 +33,11 @@ class Job:
 
 
 class Choices:
-    """The engine requests of one HTTP request, one per choice: their outputs merged, in
-    arrival order, as `(choice index, RequestOutput)` until every choice has finished.
-    `start()` submits the choices that start at once (a refused one aborts the rest and
-    raises); a choice with `after` is submitted on that choice's first output (sent as
-    soon as its first token is chosen, `first_output`): its prompt is in the prefix cache
-    by then, so the prompt's other choices reuse its blocks. Once `stopping()` they end
-    as aborted instead. `aclose()` aborts the ones not finished."""
+    """The engine requests of one HTTP request, their outputs merged in arrival order as
+    `(choice index, RequestOutput)` until all have finished. A choice with `after` is
+    submitted on that choice's first output (`first_output`), so it reuses the prompt's
+    blocks from the prefix cache; once `stopping()` it ends as aborted instead.
+    `abort()` aborts the ones not finished."""
 
     def __init__(
         self,
@@ -116,9 +113,6 @@ class Choices:
             self.engine.abort(request_id)
         self.open.clear()
 
-    async def aclose(self) -> None:
-        self.abort()
-
 
 class ChoiceState:
     """One choice's response as its outputs come: the echoed prompt in front of the
@@ -127,7 +121,6 @@ class ChoiceState:
 
     def __init__(self, job: Job, logprobs: Logprobs, tokens: ChoiceTokens | None = None) -> None:
         self.job = job
-        self.top = logprobs.top
         self.echo = logprobs.echo
         self.pieces = tokens  # set when logprobs are asked for
         self.started = False
@@ -137,14 +130,15 @@ class ChoiceState:
         self.held: list[TokenInfo] = []  # generated tokens past the text sent
         self.final: RequestOutput | None = None
 
-    @property
-    def scores_prompt(self) -> bool:
-        """Whether the next output brings the echoed prompt's logprobs (a long job)."""
-        return not self.started and self.echo and self.pieces is not None
-
-    def take(self, out: RequestOutput) -> tuple[str, list[TokenInfo]]:
+    async def take(self, out: RequestOutput) -> tuple[str, list[TokenInfo]]:
         """The text of `out` and its tokens with their logprobs (empty unless asked
-        for), the echoed prompt (and its tokens) in front of the first."""
+        for), the echoed prompt (and its tokens) in front of the first: in a worker
+        thread when it places a whole echoed prompt's tokens (a few decodes each)."""
+        if not self.started and self.echo and self.pieces is not None:
+            return await asyncio.to_thread(self._take, out)
+        return self._take(out)
+
+    def _take(self, out: RequestOutput) -> tuple[str, list[TokenInfo]]:
         text, tokens = out.text, []
         self.generated += len(out.text)
         if not self.started:
@@ -161,13 +155,10 @@ class ChoiceState:
             if out.finished:
                 self.pieces.clip(self.held, self.generated)
                 sent = len(self.held)
-            else:
-                end, sent = self.pieces.base + self.generated, 0
-                while sent < len(self.held):
-                    info = self.held[sent]
-                    if info.offset + len(info.text) > end:
-                        break
-                    sent += 1
+            else:  # up to the first token past the text sent
+                end = self.pieces.base + self.generated
+                past = (i for i, t in enumerate(self.held) if t.offset + len(t.text) > end)
+                sent = next(past, len(self.held))
             tokens += self.held[:sent]
             del self.held[:sent]
         if out.finished:
@@ -180,14 +171,6 @@ class ChoiceState:
         if out is None:
             return usage(len(self.job.prompt_ids), 0, 0)
         return usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-
-
-async def take(state: ChoiceState, out: RequestOutput) -> tuple[str, list[TokenInfo]]:
-    """state.take(out); in a worker thread when it places a whole echoed prompt's
-    tokens (a few decodes each), so the event loop goes on meanwhile."""
-    if state.scores_prompt:
-        return await asyncio.to_thread(state.take, out)
-    return state.take(out)
 
 
 def usage_of(states: list[ChoiceState], n: int) -> dict[str, Any]:
@@ -203,10 +186,6 @@ def usage_of(states: list[ChoiceState], n: int) -> dict[str, Any]:
     )
 
 
-async def next_output(outputs: Choices) -> tuple[int, RequestOutput]:
-    return await outputs.__anext__()
-
-
 async def collect(outputs: Choices, states: list[ChoiceState]) -> RequestOutput | None:
     """Run every choice to its end, gathering its text and logprobs into `states`;
     the output of a choice the engine aborted (None when all finished)."""
@@ -214,7 +193,7 @@ async def collect(outputs: Choices, states: list[ChoiceState]) -> RequestOutput 
         if out.finish_reason == "abort":
             return out
         state = states[index]
-        text, tokens = await take(state, out)
+        text, tokens = await state.take(out)
         state.text.append(text)
         state.tokens.extend(tokens)
     if any(s.final is None for s in states):

@@ -1,7 +1,5 @@
-"""Tokens placed in a choice's text, for logprobs: each token decoded alone (`TokenTexts`,
-with its UTF-8 bytes for chat), and each token of a choice — the echoed prompt's, then
-the generated ones — with the text it adds and where that starts (`ChoiceTokens`,
-incremental: the engine's `Detokenizer`, so the pieces join to the choice's text).
+"""Tokens placed in a choice's text, for logprobs: decoded alone, with their bytes
+(`TokenTexts`), and with the text each adds and where (`ChoiceTokens`).
 """
 
 from __future__ import annotations
@@ -10,90 +8,61 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from kvstrata.engine.params import RequestOutput, TokenLogprobs
 from kvstrata.engine.sampling import Detokenizer
 
-# bytes -> the printable characters byte-level BPE tokenizers (GPT-2's) spell them with
-_BYTE_CHARS = [*range(33, 127), *range(161, 173), *range(174, 256)]
-_CHAR_TO_BYTE = {
-    chr(c): b
-    for b, c in zip(
-        [*_BYTE_CHARS, *(b for b in range(256) if b not in _BYTE_CHARS)],
-        [*_BYTE_CHARS, *range(256, 256 + 256 - len(_BYTE_CHARS))],
-        strict=True,
-    )
-}
-
-
+# the printable characters byte-level BPE tokenizers (GPT-2's) spell bytes with -> the byte
+_CHAR_TO_BYTE = {char: byte for byte, char in bytes_to_unicode().items()}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
 class TokenTexts:
-    """Tokens decoded alone (cached per id): `token_id:<id>` without a tokenizer
-    (vLLM's form), and each token's UTF-8 `bytes` for chat logprobs."""
+    """Tokens decoded alone (cached per id; `token_id:<id>` without a tokenizer, vLLM's
+    form), and their UTF-8 `bytes` for chat logprobs."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._text: dict[int, str] = {}
-        self._raw: dict[int, list[int] | None] = {}
 
     def text(self, token_id: int) -> str:
         """The token decoded alone (special tokens included)."""
-        text = self._text.get(token_id)
-        if text is None:
+        if token_id not in self._text:
             if self.tokenizer is None:
-                text = f"token_id:{token_id}"
+                self._text[token_id] = f"token_id:{token_id}"
             else:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._text[token_id] = text
-        return text
-
-    def raw(self, token_id: int) -> list[int] | None:
-        """The bytes of a token that is part of a character (it decodes alone to
-        U+FFFD): a byte-level BPE token's bytes, or a SentencePiece byte token's; None
-        for any other token."""
-        if token_id not in self._raw:
-            raw = None
-            if self.tokenizer is not None and "\ufffd" in self.text(token_id):
-                piece = self.tokenizer.convert_ids_to_tokens(token_id)
-                if isinstance(piece, str) and piece:
-                    byte = _BYTE_FALLBACK.fullmatch(piece)
-                    if byte is not None:
-                        raw = [int(byte.group(1), 16)]
-                    elif all(c in _CHAR_TO_BYTE for c in piece):
-                        raw = [_CHAR_TO_BYTE[c] for c in piece]
-            self._raw[token_id] = raw
-        return self._raw[token_id]
+                self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._text[token_id]
 
     def bytes(self, token_id: int, piece: str | None = None, own: bool = False) -> list[int]:
-        """The token's UTF-8 bytes: its raw bytes when it is part of a character, else
-        its text in context when that is its own (`own`: no earlier token's waiting
-        bytes in `piece`; SentencePiece keeps the word's leading space there), else its
-        text decoded alone."""
-        raw = self.raw(token_id)
-        if raw is not None:
-            return list(raw)
+        """The token's UTF-8 bytes: when it is part of a character (it decodes alone to
+        U+FFFD), the bytes its vocabulary entry spells (byte-level BPE, or a SentencePiece
+        byte token); else its text in context when that is its own (`own`: no earlier
+        token's waiting bytes in `piece`; SentencePiece keeps the word's leading space
+        there), else its text decoded alone."""
+        text = self.text(token_id)
+        if "\ufffd" in text:
+            spelled = self.tokenizer.convert_ids_to_tokens(token_id)
+            spelled = spelled if isinstance(spelled, str) else ""
+            byte = _BYTE_FALLBACK.fullmatch(spelled)
+            if byte is not None:
+                return [int(byte.group(1), 16)]
+            if spelled and all(c in _CHAR_TO_BYTE for c in spelled):
+                return [_CHAR_TO_BYTE[c] for c in spelled]
         if own and piece is not None and "\ufffd" not in piece:
             return list(piece.encode("utf-8"))
-        return list(self.text(token_id).encode("utf-8"))
+        return list(text.encode("utf-8"))
 
 
 @dataclass
 class TokenInfo:
-    """One token of a choice's logprobs.
-
-    token_id / logprob: the token and its logprobs (None: the first prompt token).
-    text: what the token adds to the choice's text — the incremental detokenizer's
-        piece (`Detokenizer`): empty for a token whose character a later token
-        completes, for a special token the text leaves out, and past a stop string.
-    offset: where `text` starts in the choice's text (echoed prompt + generated), so
-        text[offset:offset + len(text)] == text; a token with no text gets the offset
-        the text has reached there.
-    piece: its text before a stop string cut it (chat `bytes`).
-    own: `piece` is this token's alone (no earlier token's waiting bytes in it).
-    top: the most likely tokens there, (id, text as the next token, logprob), most
-        likely first.
-    """
+    """One token of a choice's logprobs (`logprob` None: the first prompt token).
+    `text`: what it adds to the choice's text (empty for a token whose character a later
+    token completes, a special token the text leaves out, past a stop string); `offset`:
+    where that starts (where the text has reached, when empty); `piece`: its text before
+    a stop string cut it (chat `bytes`), `own` when no earlier token's waiting bytes are
+    in it; `top`: the most likely tokens there as (id, text as the next token, logprob)."""
 
     token_id: int
     logprob: TokenLogprobs | None
@@ -105,15 +74,11 @@ class TokenInfo:
 
 
 class ChoiceTokens:
-    """The TokenInfo of every token of one choice, as its outputs come (prompt first
-    when echoed, then the generated tokens in order).
-
-    The generated tokens are decoded as the engine decodes the output text (a
-    `Detokenizer` with the prompt's last tokens as context; a stop token is never
-    text), so their pieces join to the generated text (until a stop string: `clip`).
-    The prompt's tokens are decoded alike and placed in the echoed text: a special
-    token's text is its own name where the echoed text holds it, else (a BOS the
-    tokenizer added) nothing, at the offset the text has reached."""
+    """The TokenInfo of every token of one choice, as its outputs come: the echoed prompt's
+    (a special token is its name where the echoed text holds it, else nothing: a BOS the
+    tokenizer added), then the generated ones, decoded as the engine decodes the output
+    text (a `Detokenizer` after the prompt's last tokens; a stop token is never text), so
+    their pieces join to the generated text (up to a stop string: `clip`)."""
 
     def __init__(
         self, tokenizer: Any, texts: TokenTexts, prompt_ids: list[int], stop_ids: set[int]

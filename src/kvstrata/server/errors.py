@@ -1,7 +1,5 @@
-"""The server's refusals: `APIError`, an HTTP status with OpenAI's error object
-`{"error": {"message", "type", "param", "code"}}` whose message is one line naming the
-field, the value and what is accepted, and the mapping of the engine's own errors (a
-refused submit, an aborted request) onto it.
+"""The server's refusals: `APIError`, an HTTP status with OpenAI's error object, and the
+engine's own errors (a refused submit, an aborted request) as one.
 """
 
 from __future__ import annotations
@@ -16,7 +14,8 @@ _FIELD_OF_MESSAGE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)=")
 
 
 class APIError(Exception):
-    """A request the server answers with an OpenAI error object and `status`."""
+    """A request answered with `status` and OpenAI's error object (`body`), whose message
+    is one line naming the field, the value and what is accepted."""
 
     def __init__(
         self,
@@ -36,7 +35,6 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI error object."""
         return {"error": {key: getattr(self, key) for key in ("message", "type", "param", "code")}}
 
 

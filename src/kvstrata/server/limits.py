@@ -1,7 +1,4 @@
-"""What one request may ask of the server (`ServeLimits`): the bytes of its body, the
-tokens of work (every choice's prompt + max_tokens), and whether a special token's
-text in a message is that token. The defaults come from the server's own budgets.
-"""
+"""What one request may ask of the server (`ServeLimits`), by default from its budgets."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ from kvstrata.core.errors import ConfigError
 # prompt as token ids ("123456, " each) or a 650k-character string, ten times what a
 # 8k-position model takes in one prompt.
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-DEFAULT_MAX_NUM_SEQS = 8  # an engine without a config (a stand-in in tests)
 
 
 @dataclass(frozen=True)
@@ -42,19 +38,14 @@ class ServeLimits:
         """The work ceiling over `engine` (max_request_tokens, or its default)."""
         if self.max_request_tokens is not None:
             return self.max_request_tokens
-        config = getattr(engine, "config", None)
-        seqs = int(getattr(config, "max_num_seqs", 0) or DEFAULT_MAX_NUM_SEQS)
-        positions = getattr(engine, "max_model_len", None) or 0
-        if not positions:  # no position limit: what all tiers hold
-            sched = getattr(engine, "sched", None)
-            positions = getattr(sched, "capacity_blocks", 0) * getattr(sched, "block_size", 0)
-        return max(1, seqs * int(positions or 2**20))
+        # a model without a position limit: what all tiers hold
+        positions = engine.max_model_len or engine.sched.capacity_blocks * engine.sched.block_size
+        return max(1, engine.config.max_num_seqs * positions)
 
 
 def longest_token_chars(tokenizer: Any) -> int:
-    """Characters of the tokenizer's longest token as its vocabulary spells it (at least
-    what that token decodes to: a byte-level or SentencePiece spelling takes one
-    character per byte or more); 0 without a tokenizer or a vocabulary."""
+    """Characters of the longest token as the vocabulary spells it (at least what it
+    decodes to: one character per byte or more); 0 without a vocabulary."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
     if get_vocab is None:
         return 0

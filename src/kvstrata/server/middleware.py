@@ -1,7 +1,5 @@
-"""The app's ASGI middleware (plain ASGI wrappers: BaseHTTPMiddleware would buffer the
-event streams' cancellation): the body size limit (`LimitBody`), the API key every
-request but /health and /metrics needs (`RequireApiKey`), and the count of HTTP
-requests answered, by path and status (`CountRequests`).
+"""The app's ASGI middleware (plain ASGI: BaseHTTPMiddleware would buffer the event
+streams' cancellation): `LimitBody`, `RequireApiKey`, `CountRequests`.
 """
 
 from __future__ import annotations
@@ -24,12 +22,6 @@ async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send, *
     await JSONResponse(error.body(), status_code=error.status, **kw)(scope, receive, send)
 
 
-def _route_path(scope: Scope) -> str:
-    """The request's path within this app (without a mount's or proxy's root_path)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
-
-
 class RequireApiKey:
     """ASGI middleware: every request but OPEN needs `Authorization: Bearer <api_key>`
     (compared in constant time); others get OpenAI's 401 error object."""
@@ -42,7 +34,10 @@ class RequireApiKey:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _route_path(scope) not in self.OPEN:
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):  # the path within this app (a mount's, a proxy's)
+            path = path[len(root) :]
+        if scope["type"] == "http" and path not in self.OPEN:
             given = [v for k, v in scope.get("headers") or () if k == b"authorization"]
             scheme, _, token = (given[0] if len(given) == 1 else b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):

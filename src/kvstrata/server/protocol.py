@@ -1,14 +1,11 @@
-"""The OpenAI request bodies as pydantic models (OpenAI's field names and vLLM's
-extensions), parsed by pydantic-core's JSON parser (its nesting-depth and number-size
-limits and strict Unicode: a lone surrogate is invalid JSON there), and their
-`ValidationError` turned into one OpenAI error object (`body_error`, a 400 naming the
-field, the value and what is accepted — said from the field's type and constraints —
-with `param` set to the field).
+"""The OpenAI request bodies as pydantic models (OpenAI's fields, vLLM's extensions),
+parsed by pydantic-core's JSON parser (bounded nesting and numbers, strict Unicode), a
+`ValidationError` worded as one OpenAI error (`body_error`: a 400 naming the field, the
+value and what is accepted, from the field's type and constraints).
 
-Every model refuses an unknown field, naming the closest known one. A field kvstrata
-does not implement is accepted only at its neutral value (`neutral`); the checks that
-need the served model (token ids against the vocabulary, a prompt's length in
-characters) read the validation context (`Limits`).
+An unknown field is refused, naming the closest known one; one kvstrata does not
+implement is accepted only at its neutral value (`neutral`); checks against the served
+model (token ids, a prompt's length) read the validation context (`Limits`).
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from kvstrata.core.errors import ConfigError
 from kvstrata.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED
-from kvstrata.server.errors import APIError
+from kvstrata.server.errors import APIError, invalid
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_N = 128  # choices per prompt at most (OpenAI's limit)
@@ -66,8 +62,8 @@ def _limits(info: ValidationInfo) -> Limits:
     return info.context if isinstance(info.context, Limits) else Limits()
 
 
-def neutral(ok: Callable[[Any], bool], accepted: str) -> Any:
-    """A field kvstrata lacks: accepted at its neutral value only (`ok`)."""
+def neutral(accepted: str, ok: Callable[[Any], bool] = lambda value: value is None) -> Any:
+    """A field kvstrata lacks: accepted at its neutral value only (`ok`, default null)."""
 
     def check(value: Any) -> Any:
         if not ok(value):
@@ -81,12 +77,8 @@ def _empty(value: Any) -> bool:
     return value is None or value in ("", [], {})
 
 
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
 Ignored = Any  # a field that changes nothing here, whatever its value
-NoTools = neutral(_empty, "not supported (tool calls and audio are not implemented)")
+NoTools = neutral("not supported (tool calls and audio are not implemented)", _empty)
 Penalty = Annotated[float | None, Field(ge=-2, le=2)]
 Salt = Annotated[str | None, Field(min_length=1, max_length=MAX_SALT_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -138,14 +130,37 @@ class Request(_Body):
     min_tokens: int | None = Field(None, ge=0)
     logit_bias: dict[str, Any] | None = None
     skip_special_tokens: neutral(  # type: ignore[valid-type]
-        lambda v: v is None or v is True,
-        "true (special tokens are always left out of the text)",
+        "true (special tokens are always left out of the text)", lambda v: v is None or v is True
     ) = None
     spaces_between_special_tokens: Ignored = None  # special tokens are never in the text
     metadata: Ignored = None
     store: Ignored = None
     service_tier: Ignored = None
     parallel_tool_calls: Ignored = None
+
+    def check_together(self) -> None:
+        """The checks between fields; salt takes vLLM's name for it, cache_salt (a client
+        moving between the two servers keeps its tenants apart), n its default."""
+        if self.stream_options is not None and not self.stream:
+            value = self.stream_options.model_dump()
+            raise invalid("stream_options", value, "only allowed when stream is true")
+        if self.salt is None:
+            self.salt = self.cache_salt
+        elif self.cache_salt not in (None, self.salt):
+            raise invalid(
+                "cache_salt", self.cache_salt, "the same tenant as salt, or give one of them"
+            )
+        self.n = self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: with include_usage, each chunk's usage so far."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
     @field_validator("top_k")
     @classmethod
@@ -239,9 +254,9 @@ class CompletionRequest(Request):
         "per token (or null); chat takes logprobs: true with top_logprobs",
     )
     best_of: neutral(  # type: ignore[valid-type]
-        lambda v: v is None or (type(v) is int and v == 1), "1 (best_of is not supported: use n)"
+        "1 (best_of is not supported: use n)", lambda v: v is None or (type(v) is int and v == 1)
     ) = None
-    suffix: neutral(_empty, "null (suffix / insertion is not supported)") = None  # type: ignore[valid-type]
+    suffix: neutral("null (suffix / insertion is not supported)", _empty) = None  # type: ignore[valid-type]
 
 
 def _content(value: Any) -> str:
@@ -285,53 +300,51 @@ class ChatRequest(Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    prediction: neutral(_is_none, "null (predicted outputs are not supported)") = None  # type: ignore[valid-type]
+    prediction: neutral("null (predicted outputs are not supported)") = None  # type: ignore[valid-type]
     modalities: neutral(  # type: ignore[valid-type]
-        lambda v: v is None or v == ["text"], "['text'] or null (only text is generated)"
+        "['text'] or null (only text is generated)", lambda v: v is None or v == ["text"]
     ) = None
-    audio: neutral(_is_none, "null (only text is generated)") = None  # type: ignore[valid-type]
-    tools: neutral(_empty, "null (tool calling is not supported)") = None  # type: ignore[valid-type]
+    audio: neutral("null (only text is generated)") = None  # type: ignore[valid-type]
+    tools: neutral("null (tool calling is not supported)", _empty) = None  # type: ignore[valid-type]
     tool_choice: neutral(  # type: ignore[valid-type]
-        lambda v: v in (None, "none", "auto"), "null or 'none' (tool calling is not supported)"
+        "null or 'none' (tool calling is not supported)", lambda v: v in (None, "none", "auto")
     ) = None
     response_format: neutral(  # type: ignore[valid-type]
-        lambda v: v is None or v == {"type": "text"},
         "null or {'type': 'text'} (structured output is not supported)",
+        lambda v: v is None or v == {"type": "text"},
     ) = None
-    reasoning_effort: neutral(_is_none, "null (not a reasoning model)") = None  # type: ignore[valid-type]
+    reasoning_effort: neutral("null (not a reasoning model)") = None  # type: ignore[valid-type]
 
 
 REQUESTS = {COMPLETIONS: CompletionRequest, CHAT: ChatRequest}
-MODELS = {model.__name__: endpoint for endpoint, model in REQUESTS.items()}
 _INNER = {"messages": Message, "stream_options": StreamOptions}  # field -> its items' model
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object hook: a key given twice in one object is a 400 (JSON leaves
+    that open; the last one would win silently)."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise APIError(
+            400,
+            f"the request body gives the key {key[:100]!r} twice in one object: give each key once",
+            code="invalid_json",
+        )
     return out
 
 
 def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
-    """The body as the endpoint's request model (a pydantic ValidationError otherwise),
-    with no key given twice in any object (JSON leaves that open; the last one would
-    win silently)."""
-    request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
-    try:  # valid JSON by now (pydantic-core bounded its depth and numbers)
-        json.loads(raw, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as exc:
-        raise APIError(
-            400,
-            f"the request body gives the key {str(exc.args[0])[:100]!r} twice in one object: "
-            "give each key once",
-            code="invalid_json",
-        ) from None
+    """The body as the endpoint's request model, with no key given twice in any object
+    and its fields checked together (`Request.check_together`); an APIError (400)
+    otherwise."""
+    try:
+        request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
+    except ValidationError as exc:
+        raise body_error(exc, endpoint) from None
+    json.loads(raw, object_pairs_hook=_no_duplicates)  # valid JSON by now, bounded
+    request.check_together()
     return request
 
 
@@ -380,7 +393,7 @@ def _accepted(field: FieldInfo) -> str | None:
     return None
 
 
-def body_error(exc: ValidationError) -> APIError:
+def body_error(exc: ValidationError, endpoint: str) -> APIError:
     """The OpenAI error object (400) of a request body pydantic refused: its first error,
     one line naming the field (`param`), the value and what is accepted."""
     errors = exc.errors(include_url=False)
@@ -395,22 +408,16 @@ def body_error(exc: ValidationError) -> APIError:
     deeper = ctx.get("param") or ""  # a validator's: the value's own place
     param = _where(loc) + deeper if deeper.startswith("[") else deeper or _where(loc)
     value = ctx["value"] if "value" in ctx else err.get("input")
-    model = REQUESTS.get(MODELS.get(exc.title, ""), Request)
+    model = REQUESTS[endpoint]
     owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
     if kind == "extra_forbidden":
         known = sorted(owner.model_fields)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
         guess = f"did you mean {close[0]!r}? " if close else ""
-        why = f"unknown field; {guess}known: {', '.join(known)} (endpoint {MODELS[exc.title]})"
-        return APIError(
-            400, str(ConfigError.field(param, value, why)), param=param, code="unknown_parameter"
-        )
+        why = f"unknown field; {guess}known: {', '.join(known)} (endpoint {endpoint})"
+        return invalid(param, value, why, "unknown_parameter")
     field = owner.model_fields.get(loc[-1]) if isinstance(loc[-1], str) else None
-    accepted = ctx.get("accepted") or (field and _accepted(field)) or _lower(err["msg"])
-    value = None if kind == "missing" else value
+    message = err["msg"][:1].lower() + err["msg"][1:]  # pydantic's own words, at worst
+    accepted = ctx.get("accepted") or (field and _accepted(field)) or message
     code = "unsupported_value" if kind == "unsupported_value" else "invalid_value"
-    return APIError(400, str(ConfigError.field(param, value, accepted)), param=param, code=code)
-
-
-def _lower(text: str) -> str:
-    return text[:1].lower() + text[1:]
+    return invalid(param, None if kind == "missing" else value, accepted, code)

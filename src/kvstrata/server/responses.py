@@ -1,6 +1,5 @@
-"""The OpenAI response shapes, built from what the engine returned: `usage`, logprobs in
-OpenAI's two shapes (legacy completions, chat), the choices, the whole responses and
-the stream chunks of one request (`ResponseHead`), and server-sent events.
+"""The OpenAI response shapes: `usage`, logprobs (legacy completions, chat), choices,
+responses and stream chunks (`ResponseHead`), server-sent events.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ from kvstrata.server.detokenizer import TokenInfo, TokenTexts
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI `usage` (cached = prompt tokens the prefix cache held, so they were not
-    computed). With several choices per prompt, a prompt counts once and the
-    completion tokens of every choice add up (as OpenAI counts)."""
+    """OpenAI `usage` (cached: prompt tokens the prefix cache held, not computed)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -31,10 +28,9 @@ def _lp(value: float) -> float:
 
 
 def completion_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
-    """The legacy completions `logprobs` object of some tokens. top_logprobs maps the
-    text of the most likely tokens to their logprob, most likely first (a text two
-    tokens share keeps the likelier), and always holds the chosen token (OpenAI: up to
-    logprobs + 1 entries)."""
+    """The legacy completions `logprobs` object: top_logprobs maps the most likely tokens'
+    texts to their logprob, most likely first (a text two tokens share keeps the
+    likelier), and always holds the chosen token (OpenAI: up to logprobs + 1 entries)."""
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     out: dict[str, list[Any]] = {key: [] for key in keys}
     for info in tokens:
@@ -78,73 +74,43 @@ def chat_logprobs(tokens: list[TokenInfo], texts: TokenTexts) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ResponseHead:
-    """The fields every response and chunk of one request repeats."""
+    """The fields every response and chunk of one request repeats; `chat`: the chat
+    endpoint's shapes, else the completions ones."""
 
     id: str
     created: int
     model: str
+    chat: bool
 
-    def _base(self, obj: str) -> dict[str, Any]:
+    def _base(self, chunk: bool) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+        obj = obj if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion(self, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
-        return {**self._base("text_completion"), "choices": choices, "usage": use}
+    def response(self, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
+        return {**self._base(False), "choices": choices, "usage": use}
 
-    def chat(self, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
-        return {**self._base("chat.completion"), "choices": choices, "usage": use}
-
-    def _chunk(self, obj: str, choice: dict[str, Any], with_usage: Any) -> dict[str, Any]:
-        """`with_usage`: True puts `usage: null` on the chunk (OpenAI: null on every
-        chunk but the usage one), a usage object puts that (continuous usage)."""
-        chunk = {**self._base(obj), "choices": [choice]}
-        if with_usage is not False:
-            chunk["usage"] = None if with_usage is True else with_usage
+    def chunk(self, choices: list[dict[str, Any]], usage: bool | dict[str, Any]) -> dict[str, Any]:
+        """`usage`: True puts `usage: null` on the chunk (OpenAI: null on every chunk but
+        the usage one), a usage object puts that (continuous usage, the usage chunk)."""
+        chunk = {**self._base(True), "choices": choices}
+        if usage is not False:
+            chunk["usage"] = None if usage is True else usage
         return chunk
 
-    def completion_chunk(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        with_usage: bool | dict[str, Any],
-        logprobs: dict[str, Any] | None = None,
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
-        choice = completion_choice(index, text, finish_reason, logprobs)
-        return self._chunk("text_completion", choice, with_usage)
-
-    def chat_chunk(
-        self,
-        index: int,
-        delta: dict[str, Any],
-        finish_reason: str | None,
-        with_usage: bool | dict[str, Any],
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs}
-        return self._chunk(
-            "chat.completion.chunk", {**choice, "finish_reason": finish_reason}, with_usage
-        )
-
-    def usage_chunk(self, chat: bool, use: dict[str, Any]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": use}
+        """A completions choice (whole or streamed), or a whole chat choice."""
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+def delta(
+    index: int, change: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
 ) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    """A streamed chat choice."""
+    return {"index": index, "delta": change, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def sse(data: Mapping[str, Any] | str) -> bytes:

@@ -1,7 +1,7 @@
-"""The endpoints' logic over one engine (`OpenAIServer`; `app.build_app` wires it to
-routes): the model list and card, health, metrics, and generation — a completion or
-chat request checked, its choices (prompts x n) built and checked by the engine in a
-worker thread, submitted, and answered whole or as an event stream.
+"""The endpoints' logic over one engine (`OpenAIServer`). A completion or chat request is
+parsed, its choices (prompts x n, each its own engine request) built and checked by the
+engine in a worker thread (the event loop only submits and aborts), submitted, and
+answered whole or as an event stream; a client that goes away aborts its requests.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -20,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvstrata.core.errors import ConfigError, KvstrataError
 from kvstrata.engine.params import RequestRejected, SamplingParams
 from kvstrata.server.chat import chat_messages, chat_prompt_ids, encode_text, template_options
-from kvstrata.server.choices import Choices, ChoiceState, Job, collect, next_output, usage_of
+from kvstrata.server.choices import Choices, ChoiceState, Job, collect, usage_of
 from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
 from kvstrata.server.errors import APIError, aborted_error, engine_error, invalid
 from kvstrata.server.limits import ServeLimits, longest_token_chars
@@ -33,26 +32,17 @@ from kvstrata.server.protocol import (
     too_long,
 )
 from kvstrata.server.protocol import Request as Body
-from kvstrata.server.responses import (
-    ResponseHead,
-    chat_choice,
-    chat_logprobs,
-    completion_choice,
-    completion_logprobs,
-)
+from kvstrata.server.responses import ResponseHead, chat_logprobs, completion_logprobs
 from kvstrata.server.streaming import (
     ClientGone,
     EventStream,
-    aclose_shielded,
     sse_events,
     until_disconnect,
 )
 from kvstrata.server.validation import (
     DEFAULT_COMPLETION_TOKENS,
-    CommonFields,
     Logprobs,
     check_choices,
-    check_fields,
     check_work,
     choice_params,
     logprobs_request,
@@ -63,7 +53,7 @@ CHAT_DEFAULT_MAX_TOKENS = 2048  # chat without max_tokens: see OpenAIServer.room
 
 
 class OpenAIServer:
-    """The endpoints' logic over one engine (`build_app` wires them to routes)."""
+    """The endpoints over one engine (`app.build_app` routes to them)."""
 
     def __init__(self, engine: Any, model_name: str, limits: ServeLimits | None = None) -> None:
         limits = limits or ServeLimits()
@@ -74,29 +64,25 @@ class OpenAIServer:
         self.active: set[str] = set()  # ids of the requests being answered
         self.stopping = False
         tokenizer = engine.tokenizer
-        self.vocab_size = int(getattr(engine, "vocab_size", 0) or len(tokenizer))
         self.texts = TokenTexts(tokenizer)
-        self.eos_ids = set(getattr(engine, "eos_ids", ()) or ())
-        store_config = getattr(getattr(engine, "store", None), "config", None)
-        self.block_size = int(getattr(store_config, "block_size", 0) or 0)
+        self.block_size = engine.store.config.block_size
         # a prompt string longer than the model's positions x its longest token cannot
         # fit: refused before it is tokenized (tokenizing costs ~200 bytes a character)
         longest, positions = longest_token_chars(tokenizer), engine.max_model_len
         bound = positions * longest if positions and longest else None
-        self.limits = Limits(self.vocab_size, bound)
+        self.limits = Limits(engine.vocab_size or len(tokenizer), bound)
         self.ceiling = limits.request_tokens(engine)
         self.trust_special_tokens = limits.trust_special_tokens
 
     def stop_requests(self) -> None:
-        """Abort every request being answered and refuse new ones (503): their streams
-        end with an error event, whole completions with a 503. For a server shutting
-        down once its grace period is over."""
+        """Abort every request being answered and refuse new ones (503), once a shutting
+        down server's grace period is over."""
         self.stopping = True
         for request_id in list(self.active):
             self.engine.abort(request_id)
 
     # -- GET ------------------------------------------------------------------------------
-    def models(self) -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self, model_id: str | None = None) -> dict[str, Any]:
@@ -118,7 +104,7 @@ class OpenAIServer:
             "max_model_len": self.engine.max_model_len,
         }
 
-    def health(self) -> Response:
+    async def health(self) -> Response:
         if self.engine.is_running:  # not shut down, not stopped on an error
             return JSONResponse({"status": "ok"})
         return JSONResponse(APIError(503, "the engine has stopped").body(), status_code=503)
@@ -138,28 +124,26 @@ class OpenAIServer:
         if self.stopping:
             raise APIError(503, "the server is shutting down", code="unavailable")
         body = parse_request(await request.body(), endpoint, self.limits)
-        fields = check_fields(body)
-        if fields.model is not None and fields.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:
             raise APIError(
                 404,
-                f"model={fields.model!r} does not exist: this server serves "
+                f"model={body.model!r} does not exist: this server serves "
                 f"{self.model_name!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
         chat = endpoint == CHAT
-        head = ResponseHead(
-            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model_name,
-        )
+        kind = "chatcmpl" if chat else "cmpl"
+        head = ResponseHead(f"{kind}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat)
         logprobs = logprobs_request(body)
-        # tokenizing, rendering a chat template, checking: off the event loop
-        jobs = await asyncio.to_thread(self.jobs, body, head.id, fields.n, logprobs)
+        try:  # tokenizing, rendering a chat template, checking: off the event loop
+            jobs = await asyncio.to_thread(self.jobs, body, head.id, logprobs)
+        except KvstrataError as exc:  # the engine refused a prompt or its params
+            raise engine_error(exc) from None
         if self.stopping:  # stop_requests came meanwhile: submit nothing
             raise APIError(503, "the server is shutting down", code="unavailable")
         states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
-        return await self.answer(request, jobs, states, head, chat, fields)
+        return await self.answer(request, jobs, states, head, body)
 
     async def answer(
         self,
@@ -167,54 +151,52 @@ class OpenAIServer:
         jobs: list[Job],
         states: list[ChoiceState],
         head: ResponseHead,
-        chat: bool,
-        fields: CommonFields,
+        body: Body,
     ) -> Response:
         """Submit the choices and answer: an event stream once the first output comes,
-        else the whole response once every choice has finished (a 499 nobody reads
-        when the client went away first; the choices are aborted then)."""
-        choices = Choices(self.engine, jobs, fields.salt, lambda: self.stopping)
+        else the whole response (a 499 nobody reads when the client went away first)."""
+        choices = Choices(self.engine, jobs, body.salt, lambda: self.stopping)
         ids = {job.request_id for job in jobs}
         self.active.update(ids)
         try:
             choices.start()
-            if fields.stream:
-                first = await until_disconnect(request, next_output(choices))
+            if body.stream:
+                first = await until_disconnect(request, choices.__anext__())
                 if first[1].finish_reason == "abort":
                     raise aborted_error(first[1], self.stopping)
                 events = sse_events(
-                    choices, first, head, chat, fields, states, self.texts, lambda: self.stopping
+                    choices, first, head, body, states, self.texts, lambda: self.stopping
                 )
                 return EventStream(events, choices, lambda: self.active.difference_update(ids))
             aborted = await until_disconnect(request, collect(choices, states))
         except ClientGone:
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed")
         except (APIError, asyncio.CancelledError):
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             raise
         except Exception as exc:
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             raise engine_error(exc) from None
         if aborted is not None:  # the engine ended one choice: the others end too
-            await self.finish(ids, choices)
+            self.finish(ids, choices)
             raise aborted_error(aborted, self.stopping)
         self.active.difference_update(ids)
-        return JSONResponse(self.response(head, chat, states, fields.n))
+        return JSONResponse(self.response(head, states, body.n))
 
     def choice_tokens(self, job: Job, logprobs: Logprobs) -> ChoiceTokens | None:
         """What places a choice's tokens in its text (None: no logprobs asked for)."""
         if logprobs.top is None:
             return None
         p = job.params
-        stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)}
+        stop_ids = {*p.stop_token_ids, *(() if p.ignore_eos else self.engine.eos_ids)}
         return ChoiceTokens(self.engine.tokenizer, self.texts, job.prompt_ids, stop_ids)
 
-    def jobs(self, body: Body, head_id: str, n: int, logprobs: Logprobs) -> list[Job]:
-        """The request's choices: prompts x n, in vLLM's order (index = prompt * n + i),
-        each checked by the engine (a request it can never run is a 400 before any
-        choice is submitted). Runs in a worker thread."""
-        prompts, default_max = self.prompts(body, n, logprobs.echo)
+    def jobs(self, body: Body, head_id: str, logprobs: Logprobs) -> list[Job]:
+        """The request's choices, in vLLM's order (index = prompt * n + i), each checked
+        by the engine before any is submitted. In a worker thread."""
+        n = body.n
+        prompts, default_max = self.prompts(body, logprobs.echo)
         params = sampling_params(body, default_max, logprobs)
         check_work([len(ids) for ids, _ in prompts], n, params, logprobs, self.ceiling)
         # choices 1.. of a prompt wait for choice 0 to compute it, when it holds a full
@@ -226,22 +208,16 @@ class OpenAIServer:
             for i in range(n):
                 index = p * n + i
                 rid = head_id if len(prompts) * n == 1 else f"{head_id}-{index}"
-                job = Job(index, p, rid, ids, choice_params(params, i), text)
-                job.after = after if i else None
-                jobs.append(job)
-        check = getattr(self.engine, "check", None)
-        for job in jobs if check is not None else ():
-            try:
-                check(job.prompt_ids, job.params)
-            except KvstrataError as exc:
-                raise engine_error(exc) from None
+                jobs.append(
+                    Job(index, p, rid, ids, choice_params(params, i), text, after if i else None)
+                )
+        for job in jobs:
+            self.engine.check(job.prompt_ids, job.params)
         return jobs
 
-    def prompts(self, body: Body, n: int, echo: bool) -> tuple[list[tuple[list[int], str]], int]:
+    def prompts(self, body: Body, echo: bool) -> tuple[list[tuple[list[int], str]], int]:
         """The request's prompts as (token ids, the text echo puts in front), and the
-        max_tokens of a request that gives none: chat's messages rendered by the chat
-        template (room_for), or each completion prompt tokenized (n x prompts checked
-        before). Runs in a worker thread."""
+        max_tokens of a request that gives none (chat: room_for). In a worker thread."""
         tokenizer = self.engine.tokenizer
         trust = self.trust_special_tokens
         if isinstance(body, ChatRequest):
@@ -257,17 +233,14 @@ class OpenAIServer:
         assert isinstance(body, CompletionRequest)
         prompts: list[tuple[list[int], str]] = []
         given = body.prompt
-        check_choices(n, len(given))  # before tokenizing them all
+        check_choices(body.n, len(given))  # before tokenizing them all
         # a chat model's control tokens: only from token ids, unless callers are trusted
         split = not trust and bool(getattr(tokenizer, "chat_template", None))
         for prompt in given:
-            try:
-                if split and isinstance(prompt, str):
-                    ids = encode_text(tokenizer, prompt, True)
-                else:
-                    ids = self.engine.encode(prompt)
-            except KvstrataError as exc:
-                raise engine_error(exc) from None
+            if split and isinstance(prompt, str):
+                ids = encode_text(tokenizer, prompt, True)
+            else:
+                ids = self.engine.encode(prompt)
             if isinstance(prompt, str):
                 text = prompt
             elif echo and tokenizer is not None:
@@ -277,53 +250,43 @@ class OpenAIServer:
             prompts.append((ids, text))
         return prompts, DEFAULT_COMPLETION_TOKENS
 
-    def response(
-        self, head: ResponseHead, chat: bool, states: list[ChoiceState], n: int
-    ) -> dict[str, Any]:
+    def response(self, head: ResponseHead, states: list[ChoiceState], n: int) -> dict[str, Any]:
         """The whole (non-streamed) response of finished choices."""
         choices = []
         for state in states:
             assert state.final is not None
-            text, reason = "".join(state.text), state.final.finish_reason
-            lps = None
+            lps, tokens = None, state.tokens  # (cut at a stop string by take)
             if state.pieces is not None:
-                state.pieces.clip(state.tokens, state.generated)  # at a stop string
                 lps = (
-                    chat_logprobs(state.tokens, self.texts)
-                    if chat
-                    else completion_logprobs(state.tokens)
+                    chat_logprobs(tokens, self.texts) if head.chat else completion_logprobs(tokens)
                 )
-            make = chat_choice if chat else completion_choice
-            choices.append(make(state.job.index, text, reason, lps))
-        use = usage_of(states, n)
-        return head.chat(choices, use) if chat else head.completion(choices, use)
+            text, reason = "".join(state.text), state.final.finish_reason
+            choices.append(head.choice(state.job.index, text, reason, lps))
+        return head.response(choices, usage_of(states, n))
 
-    async def finish(self, request_ids: set[str], outputs: Any) -> None:
-        """Forget a request's choices and close them (an abort unless finished)."""
+    def finish(self, request_ids: set[str], choices: Choices) -> None:
+        """Forget a request's choices and abort the ones not finished."""
         self.active.difference_update(request_ids)
-        await aclose_shielded(outputs)
+        choices.abort()
 
     def room_for(self, prompt_ids: list[int]) -> int:
         """Chat's default max_tokens: the rest of the model's positions (as OpenAI and
         vLLM), at most CHAT_DEFAULT_MAX_TOKENS (each running request reserves its
         prompt + max_tokens, so "the whole context" would run chats one at a time),
         lowered to what all tiers together can hold for this prompt."""
-        limit = self.engine.max_model_len
-        room = max(1, (limit or len(prompt_ids) + 4096) - len(prompt_ids))
-        room = min(room, CHAT_DEFAULT_MAX_TOKENS)
-        check = getattr(self.engine, "check", None)
-        if check is None or _fits(check, prompt_ids, room):
+        limit = self.engine.max_model_len or len(prompt_ids) + 4096
+        room = min(max(1, limit - len(prompt_ids)), CHAT_DEFAULT_MAX_TOKENS)
+        if self._fits(prompt_ids, room):
             return room
         lo, hi = 0, room  # lo fits (or is 0), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if _fits(check, prompt_ids, mid) else (lo, mid)
+            lo, hi = (mid, hi) if self._fits(prompt_ids, mid) else (lo, mid)
         return max(lo, 1)  # 1 that does not fit: submit names the budget to raise
 
-
-def _fits(check: Callable[..., None], prompt_ids: list[int], max_tokens: int) -> bool:
-    try:
-        check(prompt_ids, SamplingParams(max_tokens=max_tokens))
-    except (RequestRejected, ConfigError):
-        return False
-    return True
+    def _fits(self, prompt_ids: list[int], max_tokens: int) -> bool:
+        try:
+            self.engine.check(prompt_ids, SamplingParams(max_tokens=max_tokens))
+        except (RequestRejected, ConfigError):
+            return False
+        return True

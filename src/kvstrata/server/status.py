@@ -1,13 +1,10 @@
-"""A live one-line status of a serving engine on stderr (rich), refreshed every second:
+"""A live one-line status of a serving engine on stderr, refreshed every second:
 
     kvstrata-code-tiny: running 3 · waiting 1 · preempted 0 · 812 tok/s ·
     device 12/16 · host 3/64 blocks · prefix hits 1,024 tok
 
-On a terminal the line is redrawn in place (rich Live); elsewhere (a log file, when
-asked for with `--status`) it is printed as a new line each time. It reads only
-`Engine.stats()` (a snapshot the engine takes after each step) and the engine's
-generated-token counter, from its own thread: the engine and the HTTP event loop never
-wait for it.
+redrawn in place on a terminal (rich Live), else printed as a new line (`--status`). Its
+own thread reads `Engine.stats()` and the generated-token counter: nothing waits for it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The HTTP side of a response the engine takes time over: waiting for it while
-watching for the client's disconnect (`until_disconnect`), closing what a response
-leaves open even when cancelled, and the server-sent event stream (`EventStream`) whose
-body is OpenAI's chunks of every choice (`sse_events`).
+"""The HTTP side of a response the engine takes time over: the client's disconnect
+(`until_disconnect`) and the server-sent event stream (`EventStream`) of OpenAI's chunks
+(`sse_events`).
 """
 
 from __future__ import annotations
@@ -16,17 +15,18 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvstrata.engine.params import RequestOutput
-from kvstrata.server.choices import Choices, ChoiceState, take, usage_of
+from kvstrata.server.choices import Choices, ChoiceState, usage_of
 from kvstrata.server.detokenizer import TokenInfo, TokenTexts
 from kvstrata.server.errors import aborted_error, engine_error
+from kvstrata.server.protocol import Request as Body
 from kvstrata.server.responses import (
     SSE_DONE,
     ResponseHead,
     chat_logprobs,
     completion_logprobs,
+    delta,
     sse,
 )
-from kvstrata.server.validation import CommonFields
 
 
 class ClientGone(Exception):
@@ -59,12 +59,6 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     raise ClientGone
 
 
-async def aclose_shielded(agen: Any) -> None:
-    """Close an async generator even inside a cancelled scope (its finally aborts)."""
-    with anyio.CancelScope(shield=True):
-        await agen.aclose()
-
-
 class EventStream(StreamingResponse):
     """Server-sent events whose generator, and the engine stream under it, are always
     closed when the response ends: normally, on a disconnect (Starlette cancels the
@@ -73,7 +67,7 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncIterator[bytes], outputs: Any, on_close: Callable[[], None]
+        self, content: AsyncIterator[bytes], outputs: Choices, on_close: Callable[[], None]
     ) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.outputs = outputs
@@ -83,8 +77,9 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await aclose_shielded(self.body_iterator)
-            await aclose_shielded(self.outputs)  # aborts the request unless it finished
+            with anyio.CancelScope(shield=True):  # even when cancelled
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.outputs.abort()  # the choices not finished
             self.on_close()
 
 
@@ -92,8 +87,7 @@ async def sse_events(
     outputs: Choices,
     first: tuple[int, RequestOutput],
     head: ResponseHead,
-    chat: bool,
-    fields: CommonFields,
+    body: Body,
     states: list[ChoiceState],
     texts: TokenTexts,
     stopping: Callable[[], bool],
@@ -101,16 +95,14 @@ async def sse_events(
     """The SSE body: OpenAI chunks (each with its choice's index; with
     continuous_usage_stats, each with its choice's usage so far), an optional usage
     chunk once every choice has finished, then [DONE]; an error event if the engine
-    gives up mid-way (`stopping`: whether the server is stopping, when it does).
-    Leaving early closes `outputs` (abort)."""
-    usage: bool | dict[str, Any] = fields.include_usage
+    gives up mid-way (`stopping`: whether the server is stopping, when it does)."""
+    usage: bool | dict[str, Any] = body.include_usage
     try:
-        if chat:
-            for state in states:
-                delta = {"role": "assistant", "content": ""}
-                if fields.continuous_usage:
-                    usage = state.running_usage(None)
-                yield sse(head.chat_chunk(state.job.index, delta, None, usage))
+        for state in states if head.chat else ():
+            if body.continuous_usage:
+                usage = state.running_usage(None)
+            role = delta(state.job.index, {"role": "assistant", "content": ""})
+            yield sse(head.chunk([role], usage))
         index, out = first
         left = len(states)
         while True:
@@ -118,51 +110,41 @@ async def sse_events(
                 yield sse(aborted_error(out, stopping()).body())
                 break
             state = states[index]
-            text, tokens = await take(state, out)
-            if fields.continuous_usage:
+            text, tokens = await state.take(out)
+            if body.continuous_usage:
                 usage = state.running_usage(out)
-            chunks = _output_chunks(head, chat, index, state, out, text, tokens, usage, texts)
-            for chunk in chunks:
-                yield sse(chunk)
+            for choice in _output_choices(head, index, state, out, text, tokens, texts):
+                yield sse(head.chunk([choice], usage))
             if out.finished:
                 left -= 1
                 if not left:
                     if usage:
-                        yield sse(head.usage_chunk(chat, usage_of(states, fields.n)))
+                        yield sse(head.chunk([], usage_of(states, body.n)))
                     break
             index, out = await outputs.__anext__()
         yield SSE_DONE
     except Exception as exc:  # the stream ended without a final output
         yield sse(engine_error(exc).body())
-    finally:
-        await aclose_shielded(outputs)
 
 
-def _output_chunks(
+def _output_choices(
     head: ResponseHead,
-    chat: bool,
     index: int,
     state: ChoiceState,
     out: RequestOutput,
     text: str,
     tokens: list[TokenInfo],
-    usage: bool | dict[str, Any],
     texts: TokenTexts,
 ) -> list[dict[str, Any]]:
-    """The chunks one output of choice `index` makes (`text`, `tokens`: what it adds):
-    chat, a content delta (when it has text or logprobs) then, when it finishes, a
-    finish chunk; completions, one chunk (when it has text or tokens, or finishes)."""
-    lps, chunks = None, []
-    if chat:
-        if state.pieces is not None and tokens:
-            lps = chat_logprobs(tokens, texts)
-        if text or lps:
-            chunks.append(head.chat_chunk(index, {"content": text}, None, usage, lps))
-        if out.finished:
-            chunks.append(head.chat_chunk(index, {}, out.finish_reason, usage))
-    else:
-        if state.pieces is not None:
-            lps = completion_logprobs(tokens)
-        if text or out.finished or tokens:
-            chunks.append(head.completion_chunk(index, text, out.finish_reason, usage, lps))
-    return chunks
+    """The streamed choices one output of choice `index` makes (`text`, `tokens`: what
+    it adds): chat, a content delta (when it has text or logprobs) then, when it
+    finishes, a finish delta; completions, one choice (with text or tokens, or final)."""
+    if not head.chat:
+        lps = completion_logprobs(tokens) if state.pieces is not None else None
+        keep = text or out.finished or tokens
+        return [head.choice(index, text, out.finish_reason, lps)] if keep else []
+    lps = chat_logprobs(tokens, texts) if state.pieces is not None and tokens else None
+    choices = [delta(index, {"content": text}, logprobs=lps)] if text or lps else []
+    if out.finished:
+        choices.append(delta(index, {}, out.finish_reason))
+    return choices
