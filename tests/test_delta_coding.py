@@ -162,6 +162,28 @@ def test_corrupt_delta_headers_are_refused():
         lossless.compress(raw, 2, delta=[DeltaRegion(0, 1, 8, 3, 2)])
 
 
+def test_measure_rows_on_given_kv():
+    from kvstrata.bench.delta import measure
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 2, 256, 64, generator=g) + torch.linspace(-40, 40, 64)
+    v = torch.randn(2, 2, 256, 64, generator=g)
+    rows = measure("given", 256, dtypes=("fp16",), codecs=("int8", "int4"), repeats=1, kv=(k, v))
+    got = {(r["dtype/codec"], r["kind"], r["mode"]) for r in rows}
+    assert ("fp16/none", "k", "ord") in got and ("fp32/int4", "v", "nibble") in got
+    assert ("fp32/int8", "k", "ord") not in got and ("fp16/none", "k", "nibble") not in got
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["bytes_per_token_zstd"] / r["bytes_per_token_delta"])
+        assert r["pays"] == (r["ratio"] > 1)
+        assert r["kept"] == (r["mode"] == "sub" and r["kind"] == "k")
+        assert r["encode_ms_per_block"] > 0 and r["decode_ms_per_block"] > 0
+    raw = {r["dtype/codec"]: r["bytes_per_token_raw"] for r in rows if r["kind"] == "k"}
+    assert raw["fp16/none"] == 2 * 2 * 64 * 2  # layers * heads * dim * 2 bytes
+    assert raw["fp32/int8"] == 2 * 2 * (64 + 4)  # the codes; fp16 scale and zero per token
+    with pytest.raises(ConfigError, match="^variants='zip' is invalid"):
+        measure("given", 256, variants=("zip",), kv=(k, v))
+
+
 # -- the disk tier ------------------------------------------------------------------------
 LAYOUT = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=16)
 
