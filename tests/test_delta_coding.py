@@ -171,6 +171,7 @@ def test_measure_rows_on_given_kv():
     rows = measure("given", 256, dtypes=("fp16",), codecs=("int8", "int4"), repeats=1, kv=(k, v))
     got = {(r["dtype/codec"], r["kind"], r["mode"]) for r in rows}
     assert ("fp16/none", "k", "ord") in got and ("fp32/int4", "v", "nibble") in got
+    assert ("fp16/none", "v", "planes") in got and ("fp32/int8", "k", "xor") in got
     assert ("fp32/int8", "k", "ord") not in got and ("fp16/none", "k", "nibble") not in got
     for r in rows:
         assert r["ratio"] == pytest.approx(r["bytes_per_token_zstd"] / r["bytes_per_token_delta"])

@@ -11,6 +11,8 @@ today's byte-plane zstd (`disk_compress`, KVZ1 frames) with delta coding first:
             field's element size (kvstrata.codecs.delta): what `disk_delta` applies,
             to keys only
     xor     XOR with the previous row's bit pattern
+    planes  `sub` byte by byte (no carries between the bytes of a word: the delta of
+            each byte plane along tokens) (raw floats)
     ord     `sub` after an order-preserving map of float bit patterns (raw floats)
     nibble  `sub` per 4-bit code (int4: two codes per byte) instead of per byte
 
@@ -40,8 +42,8 @@ from kvstrata.core.errors import ConfigError
 from kvstrata.core.layout import BlockLayout
 
 RAW_DTYPES = ("fp32", "bf16", "fp16")
-CODECS = ("int8", "int4", "fp8")  # quantized from the fp32 K/V
-VARIANTS = ("sub", "xor", "ord", "nibble")
+CODECS = ("int8", "int4", "int4-g32", "fp8")  # quantized from the fp32 K/V
+VARIANTS = ("sub", "xor", "planes", "ord", "nibble")
 KEPT = "sub"  # the variant the disk tier applies (disk_delta), to keys
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIGN = 16
@@ -158,8 +160,9 @@ def _codec_pair(
     """(encode, decode, extra header bytes) of one frame for `mode`."""
     if mode == "zstd":
         return (lambda b: lossless.compress(b, elem, level)), lossless.decompress, 0
-    if mode == KEPT:
-        enc = lambda b: lossless.compress(b, elem, level, delta=regions)  # noqa: E731
+    if mode in (KEPT, "planes"):  # real KVZ2 frames; planes: every word a byte
+        coded = regions if mode == KEPT else tuple(r._replace(word=1) for r in regions)
+        enc = lambda b: lossless.compress(b, elem, level, delta=coded)  # noqa: E731
         return enc, lossless.decompress, 0
 
     def dec(frame: bytes, out: np.ndarray) -> None:
@@ -171,7 +174,7 @@ def _codec_pair(
 
 
 def _applies(mode: str, label: str) -> bool:
-    if mode == "ord":
+    if mode in ("ord", "planes"):
         return label in _DTYPES
     if mode == "nibble":
         return label.startswith("int4")
