@@ -66,6 +66,17 @@ def test_any_bytes_round_trip_exactly(case):
     assert np.array_equal(out, raw)
 
 
+@pytest.mark.parametrize("word", sorted(WORDS))
+@pytest.mark.parametrize("offset", [0, 1])  # aligned words (torch's cumsum) or not (numpy's)
+def test_full_range_words_wrap_exactly(word, offset):
+    rng = np.random.default_rng(word)
+    raw = rng.integers(0, 256, size=offset + 4 * 50 * 6 * word, dtype=np.uint8)
+    regions = [DeltaRegion(offset, 4, 50, 6 * word, word)]
+    back = delta.encode(raw, regions)
+    delta.decode(back, regions)
+    assert np.array_equal(back, raw)
+
+
 def test_encode_is_the_integer_difference_of_neighbouring_rows():
     rows = np.array([[[1, 65535], [3, 0], [2, 5]]], dtype=np.uint16)  # [count, rows, cols]
     raw = rows.reshape(-1).view(np.uint8)
