@@ -73,7 +73,7 @@ class CacheConfig:
             + zstd, the `compress` extra): e.g. disk_codec="int4" + disk_compress.
         disk_delta: with disk_compress, first code each key block as differences
             between neighbouring tokens (lossless, bit-exact). On real K/V it shrinks
-            compressed int8 keys ~10 %, fp8 ~2 %, fp16/fp32 ~1 %, for ~2x the codec
+            compressed int8 keys ~9 %, fp8 ~2 %, fp16/fp32 ~1 %, for ~2x the codec
             CPU time; values are left as they are (it grows them). Frames record it:
             either setting reads both.
         disk_o_direct: disk I/O with O_DIRECT (bypasses the page cache).

@@ -11,11 +11,11 @@ rows, so the round trip is bit-exact for every bit pattern (NaN, inf, -0 include
 
 Measured on SmolLM2-135M's real K/V over 2k and 4k tokens of held-out text
 (kvstrata.bench.delta, block 64): against byte planes + zstd alone it shrinks keys
-(int8 codes by ~10 %, fp8 ~2 %, fp32/fp16 ~1 %, bf16 and int4 under 1 %: per-channel
+(int8 codes by ~9 %, fp8 ~2 %, fp32/fp16 ~1 %, bf16 and int4 under 1 %: per-channel
 offsets and slowly rotating RoPE pairs change little from one token to the next) and
-grows values (by 1-8 %), so the disk tier codes keys only. Measured and not kept:
-XOR with the previous row (ties on fp32 keys, loses elsewhere, e.g. int8 keys 7 %
-instead of 10 %), byte-by-byte differences (ties on fp32/fp16), differences after an
+grows values (by 1-9 %), so the disk tier codes keys only. Measured and not kept:
+XOR with the previous row (ties on fp32 keys, loses elsewhere, e.g. int8 keys -6 %
+instead of -9 %), byte-by-byte differences (ties on fp32/fp16), differences after an
 order-preserving map of float bits (worse), per-nibble differences of int4 codes
 (the same as per byte).
 """
