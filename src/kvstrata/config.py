@@ -71,6 +71,11 @@ class CacheConfig:
         *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...).
         disk_compress: also compress each disk block layer losslessly (byte planes
             + zstd, the `compress` extra): e.g. disk_codec="int4" + disk_compress.
+        disk_delta: with disk_compress, first code each key block as differences
+            between neighbouring tokens (lossless, bit-exact). On real K/V it shrinks
+            compressed int8 keys ~9 %, fp8 ~2 %, fp16/fp32 ~1 %, for ~2x the codec
+            CPU time; values are left as they are (it grows them). Frames record it:
+            either setting reads both.
         disk_o_direct: disk I/O with O_DIRECT (bypasses the page cache).
         residual_tokens: newest tokens kept in full precision (lossy codecs only).
         sink_tokens: first tokens of each sequence kept on the device (they must fit
@@ -114,6 +119,7 @@ class CacheConfig:
     remote_codec: str | None = None
     remote_ttl: int | None = None
     remote_timeout: float = 0.5
+    disk_delta: bool = False  # last: the positional order of the fields above stays
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -165,9 +171,15 @@ class CacheConfig:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("cold_attention", self.cold_attention, COLD_ATTENTION)
         put("device", _check_device(self.device))
-        for name in ("disk_compress", "disk_o_direct"):
+        for name in ("disk_compress", "disk_delta", "disk_o_direct"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError.field(name, getattr(self, name), "True or False")
+        if self.disk_delta and not self.disk_compress:
+            raise ConfigError.field(
+                "disk_delta",
+                True,
+                "it codes blocks for disk compression: set disk_compress=True too",
+            )
         if self.disk_compress and self.disk_o_direct:
             raise ConfigError.field(
                 "disk_o_direct", True, "O_DIRECT cannot be combined with disk_compress; drop one"

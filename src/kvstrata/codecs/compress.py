@@ -4,11 +4,19 @@ The bytes of each element are split into planes (all first bytes, then all secon
 bytes, ...), the "差分编码"/delta direction: the high byte of an fp16/bf16 K/V value
 (sign + exponent + top mantissa bits) varies slowly and compresses well, while the
 low mantissa byte is nearly random. Grouping them lets zstd exploit the former
-without being disturbed by the latter. Delta coding of the planes along tokens was
-measured on K/V of a random-init Llama and did not help (the exponent byte is not
-smoother along tokens than it is within a row), so it is not applied.
+without being disturbed by the latter.
 
-Frame: b"KVZ1" | elem_size (u8) | raw length (u64, little endian) | zstd frame.
+Optionally (`delta=`), regions of the buffer are first delta coded along tokens
+(kvstrata.codecs.delta: each token's row minus the previous one, as integers, exactly
+invertible). On real K/V (SmolLM2-135M, kvstrata.bench.delta) that pays for keys and
+not for values; the disk tier applies it to key fields when asked (disk_delta).
+
+Frames (little endian):
+    b"KVZ1" | elem_size (u8) | raw length (u64) | zstd frame            (no transform)
+    b"KVZ2" | elem_size (u8) | raw length (u64) | regions | zstd frame  (delta coded)
+where `regions` is a count (u8) and, per region, offset u32, count u16, rows u16,
+row_bytes u16, word u8 (kvstrata.codecs.delta). A frame without `delta` is KVZ1,
+byte for byte what earlier versions wrote; both are read.
 
 Needs the `zstandard` package: `pip install 'kvstrata[compress]'`.
 """
@@ -19,9 +27,12 @@ import struct
 
 import numpy as np
 
+from kvstrata.codecs import delta as _delta
+from kvstrata.codecs.delta import DeltaRegion
 from kvstrata.core.errors import CodecError
 
 _MAGIC = b"KVZ1"
+_MAGIC_DELTA = b"KVZ2"
 _HEADER = struct.Struct("<4sBQ")
 DEFAULT_LEVEL = 3
 
@@ -76,7 +87,10 @@ def unshuffle(planes: np.ndarray, elem_size: int, target: np.ndarray) -> None:
 
 
 def compress(
-    buf: bytes | bytearray | memoryview | np.ndarray, elem_size: int, level: int = DEFAULT_LEVEL
+    buf: bytes | bytearray | memoryview | np.ndarray,
+    elem_size: int,
+    level: int = DEFAULT_LEVEL,
+    delta: tuple[DeltaRegion, ...] | list[DeltaRegion] = (),
 ) -> bytes:
     """Compress `buf` losslessly, shuffling its bytes into `elem_size` planes first.
 
@@ -84,12 +98,15 @@ def compress(
         buf: the raw bytes (e.g. a block's fp16 K/V, or a numpy array of any dtype).
         elem_size: bytes per element (2 for fp16/bf16, 4 for fp32, 1 for int codecs).
         level: zstd level (3 = zstd's default; 1 is faster, higher is smaller).
+        delta: regions to delta code along tokens before the shuffle (see
+            kvstrata.codecs.delta); empty (default): a KVZ1 frame, as before.
 
     Returns:
         A self-describing frame for `decompress`.
 
     Raises:
-        CodecError: the length is not a multiple of elem_size, or elem_size is not 1..255.
+        CodecError: the length is not a multiple of elem_size, elem_size is not
+            1..255, or a delta region does not fit the buffer.
         ImportError: zstandard is not installed (names the `compress` extra).
     """
     raw = _as_bytes(buf)
@@ -97,9 +114,13 @@ def compress(
         raise CodecError(
             f"compress: {raw.size} bytes is not a whole number of {elem_size}-byte elements"
         )
+    head = _HEADER.pack(_MAGIC, elem_size, raw.size)
+    if delta:
+        _delta.check_regions(delta, raw.size)
+        raw = _delta.encode(raw, delta)
+        head = _HEADER.pack(_MAGIC_DELTA, elem_size, raw.size) + _delta.pack(delta)
     planes = shuffle(raw, elem_size)
-    body = _zstd().ZstdCompressor(level=level).compress(planes.data)
-    return _HEADER.pack(_MAGIC, elem_size, raw.size) + body
+    return head + _zstd().ZstdCompressor(level=level).compress(planes.data)
 
 
 def decompress(data: bytes | bytearray | memoryview, out: memoryview | np.ndarray) -> None:
@@ -116,8 +137,11 @@ def decompress(data: bytes | bytearray | memoryview, out: memoryview | np.ndarra
     if len(view) < _HEADER.size:
         raise CodecError("decompress: frame shorter than its header")
     magic, elem_size, length = _HEADER.unpack_from(view)
-    if magic != _MAGIC or elem_size == 0:
+    if magic not in (_MAGIC, _MAGIC_DELTA) or elem_size == 0:
         raise CodecError("decompress: not a kvstrata compressed frame (bad magic)")
+    regions, body = [], _HEADER.size
+    if magic == _MAGIC_DELTA:
+        regions, body = _delta.unpack(view, body, length)
     target = out.reshape(-1).view(np.uint8) if isinstance(out, np.ndarray) else None
     if target is None:
         target = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
@@ -125,12 +149,15 @@ def decompress(data: bytes | bytearray | memoryview, out: memoryview | np.ndarra
         raise CodecError(f"decompress: frame holds {length} bytes, out has {target.size}")
     zstd = _zstd()
     try:
-        planes = zstd.ZstdDecompressor().decompress(view[_HEADER.size :], max_output_size=length)
+        planes = zstd.ZstdDecompressor().decompress(view[body:], max_output_size=length)
     except zstd.ZstdError as exc:
         raise CodecError(f"decompress: corrupt frame ({exc})") from exc
     if len(planes) != length:
         raise CodecError(f"decompress: frame decoded to {len(planes)} bytes, expected {length}")
+    if length % elem_size:
+        raise CodecError(f"decompress: {length} bytes is not whole {elem_size}-byte elements")
     unshuffle(np.frombuffer(planes, dtype=np.uint8), elem_size, target)
+    _delta.decode(target, regions)
 
 
 def ratio(raw_nbytes: int, frame: bytes) -> float:

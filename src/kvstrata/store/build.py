@@ -71,6 +71,7 @@ def build_tiers(
                 codec,
                 compress=config.disk_compress,
                 o_direct=config.disk_o_direct,
+                delta=config.disk_delta,
             )
         )
     return tiers

@@ -27,6 +27,7 @@ arena means an empty tier (with a RuntimeWarning), never wrong data.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from pathlib import Path
@@ -87,6 +88,9 @@ class DiskTier(Tier):
             come from the device, and a big spill does not evict the page cache of
             everything else). Data goes through a 4 KiB-aligned staging buffer;
             one layer is read as the aligned 4 KiB pages around it. Not with compress.
+        delta: with compress, delta code the key fields along tokens first (lossless;
+            pays on keys, not values: kvstrata.bench.delta). Frames say whether they
+            are delta coded, so any tier reads both.
 
     Raises:
         ConfigError: a bad argument, or the directory holds a tier with another
@@ -112,12 +116,17 @@ class DiskTier(Tier):
         checksum: str = DEFAULT_CHECKSUM,
         io_threads: int | None = None,
         o_direct: bool = False,
+        delta: bool = False,
     ) -> None:
         directory = check_disk_dir(directory)  # the path rules of CacheConfig.disk_dir
         if io_threads is not None and (
             isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1
         ):
             raise ConfigError.field("io_threads", io_threads, "a positive integer")
+        if not isinstance(delta, bool):
+            raise ConfigError.field("delta", delta, "True or False")
+        if delta and not compress:
+            raise ConfigError.field("delta", True, "delta coding needs compress=True")
         codec = codec or NoneCodec()
         try:
             Path(directory).mkdir(parents=True, exist_ok=True)
@@ -137,6 +146,9 @@ class DiskTier(Tier):
         self.zero_copy = isinstance(codec, NoneCodec)
         compressor = _load_compressor() if compress else None
         self._format = fmt = SlotFormat(layout, codec)
+        if delta:  # keys only: on values it loses (see kvstrata.codecs.delta)
+            regions = fmt.delta_regions(("k",))
+            compressor = (functools.partial(compressor[0], delta=regions), compressor[1])
         self.field_specs, self.regions = fmt.field_specs, fmt.regions
         self.layer_bytes, self.slot_bytes = fmt.layer_bytes, fmt.slot_bytes
         self._checksum = Checksum(checksum)

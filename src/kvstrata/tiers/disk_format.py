@@ -10,8 +10,10 @@ or pwrite per run of consecutive slots, and one layer of one block is one pread)
 
 With `compress=True` each (block, layer) slice is compressed on its own and the
 layers are packed from the start of the slot (layer l at the sum of the stored
-lengths before it). The slot size stays the uncompressed size: compression saves
-bandwidth (bytes read and written), not disk space.
+lengths before it); with `delta=True` too, the key fields of the slice are delta
+coded along tokens first (kvstrata.codecs.delta; the frame header says so). The
+slot size stays the uncompressed size: compression saves bandwidth (bytes read and
+written), not disk space.
 
 Every (block, layer) region carries a checksum: XXH3-64 (default) or CRC-32 of its
 stored bytes, in file order (see `Checksum` and the "Durability contract" section of
@@ -42,6 +44,7 @@ import torch
 
 from kvstrata.codecs import compress as lossless
 from kvstrata.codecs.base import Codec
+from kvstrata.codecs.delta import DeltaRegion
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
 
@@ -98,6 +101,18 @@ class SlotFormat:
         self.slot_bytes = round_up(layout.num_layers * off, SLOT_ALIGN)
         biggest = max(self.spec_of.values(), key=lambda s: s.nbytes)
         self.elem_size = torch.empty((), dtype=biggest.dtype).element_size()
+
+    def delta_regions(self, kinds: tuple[str, ...]) -> tuple[DeltaRegion, ...]:
+        """The fields of `kinds` in one layer's bytes as delta-coding regions (one
+        group of `rows` token rows per kv head), for fields with more than one row."""
+        out = []
+        for key, (off, _) in self.regions.items():
+            spec = self.spec_of[key]
+            if key.split(".", 1)[0] in kinds and spec.rows > 1:
+                word = torch.empty((), dtype=spec.dtype).element_size()
+                row_bytes = spec.nbytes // spec.rows
+                out.append(DeltaRegion(off, self.num_kv_heads, spec.rows, row_bytes, word))
+        return tuple(out)
 
     def prefixed(self, kind: str) -> Iterator[tuple[str, FieldSpec]]:
         """(key f"{kind}.{field}", spec) of each field of `kind`, in file order."""
