@@ -35,6 +35,11 @@ from kvstrata.core.units import (
 from kvstrata.platform.hardware import device_memory, machine_ram
 
 POLICIES = ("window", "lru", "lfu")
+ATTENTION_SUMMARIES = ("minmax", "mean")
+ATTENTION_BUDGET_HELP = (
+    "None (exact attention), a token count such as 1024 or '1k', or a fraction of each "
+    "sequence's context in (0, 1) such as 0.125 or '12.5%'"
+)
 COLD_ATTENTION = ("auto", "local", "stage")
 # Tokens per block the cache accepts (generation through host and disk tiers with the
 # none/int8/fp8 codecs matches DynamicCache at 1, 3, 64 and 4096; int4 further needs a
@@ -95,6 +100,13 @@ class CacheConfig:
             the server evicts it).
         remote_timeout: seconds one remote read may take (its deadline); past it the
             blocks are recomputed.
+        attention_budget: query-aware block selection (Quest; lossy, opt-in): each
+            decode step attends at most this many of a sequence's keys — a token
+            count, or a fraction of its context — chosen per layer from the query and
+            a per-block key summary; the sink blocks and the newest keys are always
+            attended, and only the chosen blocks are read. None: exact attention.
+        attention_summary: the per-block key summary scored against the query:
+            "minmax" (per-channel min and max, Quest's upper bound) or "mean".
     """
 
     block_size: int = 64
@@ -119,7 +131,9 @@ class CacheConfig:
     remote_codec: str | None = None
     remote_ttl: int | None = None
     remote_timeout: float = 0.5
-    disk_delta: bool = False  # last: the positional order of the fields above stays
+    disk_delta: bool = False  # from here on: the positional order of the fields above stays
+    attention_budget: int | float | str | None = None
+    attention_summary: str = "minmax"
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -187,6 +201,8 @@ class CacheConfig:
         for name in ("disk_compress", "disk_o_direct"):
             if getattr(self, name) and self.disk_dir is None:
                 raise ConfigError.field(name, True, "set disk_dir (and disk_budget) to add a disk")
+        put("attention_budget", _check_budget(self.attention_budget))
+        _check_choice("attention_summary", self.attention_summary, ATTENTION_SUMMARIES)
         _check_codecs(self)
         _check_remote(self, put)
         _check_machine(self, given)
@@ -250,6 +266,23 @@ CacheConfig.__init__ = _init_checking_names  # type: ignore[method-assign]
 def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ConfigError.field(field, value, f"one of {', '.join(choices)}")
+
+
+def _check_budget(value: Any) -> int | float | None:
+    """attention_budget as tokens (int >= 1) or a fraction (float in (0, 1)), or None."""
+    if value is None:
+        return None
+    text = value.strip() if isinstance(value, str) else ""
+    try:
+        if isinstance(value, float) or text.endswith("%") or "." in text:
+            frac = parse_fraction(value, "attention_budget")
+            if frac < 1:
+                return frac
+        else:
+            return parse_tokens(value, "attention_budget")
+    except ConfigError:
+        pass
+    raise ConfigError.field("attention_budget", value, ATTENTION_BUDGET_HELP)
 
 
 def check_disk_dir(value: Any) -> str:

@@ -139,6 +139,19 @@ def native_attention_batch(
     return out.to(q.device, q.dtype), lse.to(q.device)
 
 
+class HeadParts:
+    """`PartDesc` arrays of one layer, one per KV head (rows of uint64 words, grouped
+    by head): `addresses` and `counts` for `native_attention_batch` with one head per
+    "sequence"."""
+
+    def __init__(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        self._rows = np.ascontiguousarray(rows)
+        self.counts = counts.astype(np.intc)
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.uint64)
+        size = np.uint64(ctypes.sizeof(PartDesc))
+        self.addresses = np.uint64(self._rows.ctypes.data) + first * size
+
+
 class LayerDescs:
     """The `PartDesc` arrays of every layer of a group, built once per step: the
     arenas are [layers, ...] tensors, so one layer's descriptors differ from the
@@ -149,6 +162,11 @@ class LayerDescs:
     array, no per-layer work."""
 
     # uint64 word of each pointer (K and V: data, scale, zero) within one PartDesc
+    _HEAD_STRIDES = [
+        (FieldDesc.data, FieldDesc.data_head_stride),
+        (FieldDesc.scale, FieldDesc.scale_head_stride),
+        (FieldDesc.zero, FieldDesc.zero_head_stride),
+    ]
     _WORDS = [
         (part.offset + ptr.offset) // 8
         for part in (PartDesc.k, PartDesc.v)
@@ -173,6 +191,28 @@ class LayerDescs:
     def at(self, layer: int) -> int:
         """Address of the `PartDesc` array of local layer `layer`."""
         return self._addr + layer * self._stride
+
+    def per_head(
+        self, layer: int, heads: list[int], parts: list[int], offsets: list[int],
+        tokens: list[int], num_heads: int,
+    ) -> HeadParts:  # fmt: skip
+        """Local layer `layer`'s descriptors for attending each KV head alone (query-aware
+        selection): entry i is `tokens[i]` keys of part `parts[i]` from its key
+        `offsets[i]` on, in head `heads[i]` only (entries sorted by head). A part's rows
+        are arena rows row0 + t in every format, so a sub-part is the part with row0
+        moved on; one head's is the part with its pointers moved to that head."""
+        per_part = ctypes.sizeof(PartDesc) // 8
+        rows = self._bufs[layer].reshape(self.num_parts, per_part)[parts]
+        off = np.asarray(offsets, dtype=np.uint64)
+        head = np.asarray(heads, dtype=np.uint64)
+        for kind in (PartDesc.k, PartDesc.v):
+            rows[:, (kind.offset + FieldDesc.row0.offset) // 8] += off
+            for ptr, stride in self._HEAD_STRIDES:
+                w = (kind.offset + ptr.offset) // 8
+                moved = rows[:, (kind.offset + stride.offset) // 8] * head
+                rows[:, w] = np.where(rows[:, w] != 0, rows[:, w] + moved, 0)
+        rows[:, PartDesc.tokens.offset // 8] = tokens
+        return HeadParts(rows, np.bincount(heads, minlength=num_heads))
 
     def set_tokens(self, part: int, tokens: int) -> None:
         """Set part `part`'s token count in every layer's array (a run that grew)."""

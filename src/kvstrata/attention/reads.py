@@ -8,7 +8,7 @@ run patches last step's plan instead of rebuilding it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.attention.native import LayerDescs, encoded_field, raw_field
@@ -23,12 +23,14 @@ class ReadPlan:
 
     pieces: (staged, run, lo, hi) of the runs read as torch parts (arena views, or
     staged chunks when `staged`), in order; native: descriptors of the runs the native
-    decode kernel reads in place; runs: the table's runs it was built from."""
+    decode kernel reads in place, `spans` their keys [lo, hi); runs: the table's runs it
+    was built from."""
 
     runs: list[Run]
     pieces: list[tuple[bool, Run, int, int]]
     native: LayerDescs | None
     has_staged: bool = False
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ReadPlanner:
@@ -119,16 +121,17 @@ class ReadPlanner:
         lo = max(start, tail.token_start)
         if lo >= min(p_end, o_tail.token_start + o_tail.num_tokens):
             return None  # the tail had no part last step
-        prev.native.set_tokens(
-            prev.native.num_parts - 1, min(end, tail.token_start + tail.num_tokens) - lo
-        )
-        return ReadPlan(runs, prev.pieces, prev.native, prev.has_staged)
+        hi = min(end, tail.token_start + tail.num_tokens)
+        prev.native.set_tokens(prev.native.num_parts - 1, hi - lo)
+        spans = [*prev.spans[:-1], (lo, hi)]
+        return ReadPlan(runs, prev.pieces, prev.native, prev.has_staged, spans)
 
     def _build_plan(
         self, group: int, start: int, end: int, native: bool, runs: list[Run]
     ) -> ReadPlan:
         layers = len(self.groups[group].layers)
         pieces: list[tuple[bool, Run, int, int]] = []
+        spans: list[tuple[int, int]] = []
         first: list[tuple] = []
         second: list[tuple] = []
         for run in runs:
@@ -137,6 +140,7 @@ class ReadPlanner:
             if lo >= hi:
                 continue
             if native and run.tier in self.native:
+                spans.append((lo, hi))
                 first.append(self._native_part(0, run, lo, hi))
                 if layers > 1:
                     second.append(self._native_part(1, run, lo, hi))
@@ -144,7 +148,7 @@ class ReadPlanner:
                 pieces.append((run.tier not in self.local, run, lo, hi))
         descs = LayerDescs(first, second if layers > 1 else None, layers) if first else None
         has_staged = any(staged for staged, *_ in pieces)
-        return ReadPlan(runs, pieces, descs, has_staged)
+        return ReadPlan(runs, pieces, descs, has_staged, spans)
 
     def _native_part(self, local: int, run: Run, lo: int, hi: int) -> tuple:
         """(tokens, K descriptor, V descriptor) of tokens [lo, hi) of a run, in place."""

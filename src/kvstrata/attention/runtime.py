@@ -35,6 +35,8 @@ from kvstrata.attention.native import (
 )
 from kvstrata.attention.partials import causal_new, partial_where_kv_lives
 from kvstrata.attention.reads import ReadPlan, ReadPlanner
+from kvstrata.attention.select import KeySelector
+from kvstrata.attention.selected import read_keys, selected_partials
 from kvstrata.attention.staging import Stager
 from kvstrata.blocks.manager import BlockManager, Run
 from kvstrata.config import CacheConfig
@@ -160,6 +162,11 @@ class AttentionRuntime:
             else None
         )
         self.reads = ReadPlanner(mgr, layout, groups, self.local, self.native)
+        self.selector = (
+            None
+            if cc.attention_budget is None
+            else KeySelector(cc.attention_budget, cc.attention_summary, cc.sink_tokens, device)
+        )
 
     @property
     def step_tokens(self) -> dict[int, int]:
@@ -171,6 +178,8 @@ class AttentionRuntime:
         placed them): read plans are built afresh, once, at each sequence's first layer."""
         self.reads.begin_step(num_new)
         self._lone = None
+        if self.selector is not None:
+            self.selector.forget(self.manager.tables.get)
 
     @property
     def staging_bytes(self) -> int:
@@ -259,6 +268,8 @@ class AttentionRuntime:
             return
         group, local = self.layer_map[layer + 1]
         for seq_id in sorted(seq_ids):
+            if self._selecting(seq_id, self.groups[group]):
+                continue  # it reads only the blocks the next layer's query chooses
             cold = self.reads.cold_history(seq_id, group)
             if cold:
                 self.stager.prefetch(self._first_chunk(local, *cold[0]))
@@ -274,13 +285,23 @@ class AttentionRuntime:
         end: int,
         scale: float,
         softcap: float | None,
+        select: bool = False,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Partials (out, lse) of packed queries qp over keys [start, end), which every
         query sees: one native call for the runs readable in place (CPU, few query
-        rows), one torch partial per other part (staged chunks, device arenas)."""
+        rows), one torch partial per other part (staged chunks, device arenas).
+        `select`: a decode that attends only the keys the selector chooses."""
         native = bool(self.native) and qp.shape[1] <= NATIVE_MAX_ROWS
         group, local = self.layer_map[layer]
         plan = self.reads.read_plan(group, seq_id, start, end, native)
+        if select and self.selector is not None:
+            heads = self.selector.select(
+                (seq_id, group), self.manager.tables[(seq_id, group)],
+                len(self.groups[group].layers), local, qp, start, end,
+                lambda lo, hi: read_keys(self, local, group, seq_id, lo, hi),
+            )  # fmt: skip
+            if heads is not None:
+                return selected_partials(self, local, plan, heads, qp, scale, softcap)
         parts = [
             partial_where_kv_lives(qp, k, v, scale, softcap)
             for k, v in self._parts(layer, plan, seq_id)
@@ -293,6 +314,12 @@ class AttentionRuntime:
                 )
             )
         return parts
+
+    def _selecting(self, seq_id: int, group: LayerGroup) -> bool:
+        """Whether this step's decode of `seq_id` selects blocks in `group`."""
+        if self.selector is None or group.window is not None or self.step_tokens.get(seq_id) != 1:
+            return False
+        return self.selector.bounds(0, self.manager.num_tokens((seq_id, 0))) is not None
 
     def _group_of(self, layer: int, sliding_window: int | None):
         """The layer group of model layer `layer`, checked against the model's window
@@ -340,7 +367,7 @@ class AttentionRuntime:
             done, descs, strides, nparts = [], [], [], []
             for i, sid in enumerate(seq_ids):
                 total = self.manager.num_tokens((sid, 0))
-                if self.step_tokens.get(sid) != 1:
+                if self.step_tokens.get(sid) != 1 or self._selecting(sid, self.groups[gi]):
                     continue
                 start = total - sliding_window if sliding_window and sliding_window < total else 0
                 plan = self.reads.read_plan(gi, sid, start, total, native=True)
@@ -409,11 +436,18 @@ class AttentionRuntime:
         window = sliding_window if sliding_window and sliding_window < total else None
         dense = row_mask.dense if row_mask else None
         acc = None
+        if self.selector is not None and num_q > 1 and group.window is None:
+            gi, local = self.layer_map[layer]
+            self.selector.observe(
+                (seq_id, gi), self.manager.tables[(seq_id, gi)], len(group.layers), local,
+                new_k, past,
+            )  # fmt: skip
         if num_q == 1 and dense is None:
             start = first_valid if window is None else max(first_valid, total - window)
             parts = self._history_partials(
-                layer, seq_id, pack_gqa(q, hkv), start, total, scale, softcap
-            )
+                layer, seq_id, pack_gqa(q, hkv), start, total, scale, softcap,
+                select=window is None and group.window is None,
+            )  # fmt: skip
             acc = merge_all(parts) if parts else None
         elif dense is None and window is None and first_valid <= past:
             qp = pack_gqa(q, hkv)

@@ -1,0 +1,207 @@
+"""Query-aware selection of the keys a decode step attends (Quest: Tang et al., "Quest:
+Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024) — lossy,
+opt-in (`CacheConfig.attention_budget`).
+
+Keys are summarised per page of PAGE_TOKENS tokens, per layer and KV head: the
+per-channel min and max (Quest's), or the mean. A decode step scores each page of a
+sequence from the query — with min/max sum_d max(q_d min_d, q_d max_d), an upper bound
+of any of the page's logits; with the mean q . mean, an estimate of their average —
+taking for a KV head the best score over its query heads, and each KV head attends its
+own best pages within the budget, plus the sink pages and the newest keys, which every
+head always attends. Only the chosen pages are read, from whichever tier holds them.
+
+Summaries live on the compute device: 2 x D floats per page, layer and KV head with
+min/max (1/8 of the keys' bytes at fp32 with 16-token pages), D with the mean. They are
+computed from a prefill chunk's new keys as it is attended, or, for keys that did not
+pass through one (a prefix hit, decode steps, a chunk that starts inside a page), read
+once from the tier holding them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PAGE_TOKENS = 16  # keys per summary (Quest's page)
+RECENT_SHARE = 0.25  # the newest keys always attended: this share of the budget
+
+
+@dataclass
+class _Summaries:
+    """Key summaries of one sequence's pages in one layer group."""
+
+    table: Any  # the block table described; a new table (a new sequence) starts over
+    lo: torch.Tensor  # [layers, Hkv, capacity, D] fp32: per-channel min (or the mean)
+    hi: torch.Tensor  # [layers, Hkv, capacity, D]: per-channel max (min/max only)
+    filled: list[int]  # per local layer: pages 0 .. filled - 1 are summarised
+
+
+@dataclass
+class SelectionStats:
+    """What selection did, summed over the decode attentions it served."""
+
+    layers: int = 0  # (sequence, layer) decode attentions that selected
+    keys_attended: int = 0  # (key, KV head) pairs they attended
+    keys_in_context: int = 0  # (key, KV head) pairs full attention would have attended
+    pages_summarised_from_tiers: int = 0  # (page, layer) summaries read from a tier
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        ctx = self.keys_in_context
+        out["attended_share"] = self.keys_attended / ctx if ctx else None
+        return out
+
+
+def _add(out: list[tuple[int, int]], lo: int, hi: int) -> None:
+    """Append keys [lo, hi) to sorted ranges, merging with the last when they touch."""
+    if out and out[-1][1] == lo:
+        out[-1] = (out[-1][0], hi)
+    else:
+        out.append((lo, hi))
+
+
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None) -> torch.Tensor:
+    """Scores [Hkv, R, pages] of packed queries q [Hkv, R, D] against page summaries
+    lo / hi [Hkv, D, pages]: with the per-channel min (lo) and max (hi),
+    sum_d max(q_d lo_d, q_d hi_d) — at least any logit q . k of the page; with the mean
+    alone (hi None), q . mean."""
+    if hi is None:
+        return q @ lo
+    return torch.baddbmm(q.clamp(max=0) @ lo, q.clamp(min=0), hi)
+
+
+def union(heads: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """The token ranges any head attends, sorted and merged."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for ranges in heads for r in ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(hi, out[-1][1]))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+@dataclass
+class KeySelector:
+    """Chooses, per decode step, sequence, layer and KV head, the keys to attend.
+
+    Args:
+        budget: keys attended per head and step: a count, or a fraction (< 1) of the
+            sequence's context.
+        summary: "minmax" or "mean".
+        sink_tokens: first keys always attended (rounded up to whole pages).
+        device: where summaries are kept and scored.
+    """
+
+    budget: int | float
+    summary: str
+    sink_tokens: int
+    device: torch.device
+    stats: SelectionStats = field(default_factory=SelectionStats)
+    _seqs: dict[Hashable, _Summaries] = field(default_factory=dict)
+
+    def bounds(self, start: int, total: int) -> tuple[int, int, int] | None:
+        """(sink_end, recent_start, pages to choose) when a decode over keys [start,
+        total) selects; None when the budget covers them all (exact attention)."""
+        page, context = PAGE_TOKENS, total - start
+        budget = self.budget if isinstance(self.budget, int) else int(self.budget * context)
+        if budget >= context:
+            return None
+        recent_start = max(start, (total - max(page, int(budget * RECENT_SHARE))) // page * page)
+        sink_end = min(recent_start, -(-(start + max(self.sink_tokens, 1)) // page) * page)
+        choose = max(0, budget - (sink_end - start) - (total - recent_start)) // page
+        if choose >= (recent_start - sink_end) // page:
+            return None
+        return sink_end, recent_start, choose
+
+    def forget(self, live: Callable[[Hashable], Any]) -> None:
+        """Drop the summaries of sequences whose table `live(key)` no longer returns."""
+        self._seqs = {k: s for k, s in self._seqs.items() if live(k) is s.table}
+
+    def _entry(self, key: Hashable, table: Any, layers: int, heads: int, dim: int, pages: int):
+        entry = self._seqs.get(key)
+        if entry is not None and entry.table is not table:
+            entry = None
+        if entry is None or entry.lo.shape[2] < pages:
+            old = entry.lo.shape[2] if entry is not None else 0
+            cap = max(pages, 256, 2 * old)
+            lo = torch.empty((layers, heads, cap, dim), dtype=torch.float32, device=self.device)
+            hi = torch.empty_like(lo) if self.summary == "minmax" else lo
+            if entry is not None:
+                lo[:, :, :old] = entry.lo
+                if hi is not lo:
+                    hi[:, :, :old] = entry.hi
+            entry = _Summaries(table, lo, hi, entry.filled if entry else [0] * layers)
+            self._seqs[key] = entry
+        return entry
+
+    def _put(self, entry: _Summaries, local: int, first: int, keys: torch.Tensor) -> None:
+        """Summarise whole pages first, first + 1, ... from keys [Hkv, n * PAGE, D]."""
+        heads, n, dim = keys.shape
+        pages = keys.reshape(heads, n // PAGE_TOKENS, PAGE_TOKENS, dim).float()
+        end = first + pages.shape[1]
+        if self.summary == "minmax":
+            entry.lo[local, :, first:end] = pages.amin(dim=2).to(self.device)
+            entry.hi[local, :, first:end] = pages.amax(dim=2).to(self.device)
+        else:
+            entry.lo[local, :, first:end] = pages.mean(dim=2).to(self.device)
+        entry.filled[local] = end
+
+    def observe(
+        self, key: Hashable, table: Any, layers: int, local: int, new_k: torch.Tensor, past: int
+    ) -> None:
+        """A prefill chunk's new keys new_k [Hkv, Q, D] at positions [past, past + Q):
+        summarise the whole pages they complete when every earlier page is done."""
+        page = PAGE_TOKENS
+        heads, num, dim = new_k.shape
+        end = (past + num) // page
+        entry = self._entry(key, table, layers, heads, dim, end)
+        first = entry.filled[local]
+        if first * page >= past and end > first:
+            self._put(entry, local, first, new_k[:, first * page - past : end * page - past])
+
+    def select(
+        self,
+        key: Hashable,
+        table: Any,
+        layers: int,
+        local: int,
+        qp: torch.Tensor,
+        start: int,
+        total: int,
+        read_keys: Callable[[int, int], torch.Tensor],
+    ) -> list[list[tuple[int, int]]] | None:
+        """Per KV head, the key ranges [(lo, hi), ...] (sorted, disjoint) that the
+        decode of packed queries qp [Hkv, R, D] attends over keys [start, total); None
+        for all of them. `read_keys(lo, hi)` returns stored keys [Hkv, hi - lo, D] of
+        pages that have no summary yet."""
+        bounds = self.bounds(start, total)
+        if bounds is None:
+            return None
+        sink_end, recent_start, choose = bounds
+        page = PAGE_TOKENS
+        c0, c1 = sink_end // page, recent_start // page
+        heads, _, dim = qp.shape
+        entry = self._entry(key, table, layers, heads, dim, c1)
+        filled = entry.filled[local]
+        if filled < c1:
+            self._put(entry, local, filled, read_keys(filled * page, c1 * page))
+            self.stats.pages_summarised_from_tiers += c1 - filled
+        lo = entry.lo[local, :, c0:c1].transpose(1, 2)  # [Hkv, D, pages]
+        hi = entry.hi[local, :, c0:c1].transpose(1, 2) if self.summary == "minmax" else None
+        scores = page_scores(qp.to(self.device, torch.float32), lo, hi)
+        chosen = torch.topk(scores.amax(dim=1), choose, dim=-1, sorted=False).indices
+        out = []
+        for pages in chosen.sort(dim=-1).values.tolist():
+            ranges = [(start, sink_end)] if sink_end > start else []
+            for p in pages:
+                _add(ranges, (c0 + p) * page, (c0 + p + 1) * page)
+            _add(ranges, recent_start, total)
+            out.append(ranges)
+        self.stats.layers += 1
+        self.stats.keys_attended += sum(hi - lo for ranges in out for lo, hi in ranges)
+        self.stats.keys_in_context += heads * (total - start)
+        return out

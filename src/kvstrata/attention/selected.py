@@ -1,0 +1,128 @@
+"""Attention over the keys query-aware selection chose (`attention.select`), each KV head
+over its own ranges, reading nothing else.
+
+The runs the native CPU kernel reads in place become one descriptor array per KV head
+(the step's read plan's parts, moved to the chosen rows and to that head), attended in
+one batched native call with one head per "sequence". Other pieces (staged disk or
+lossy blocks, device arenas) are read for the union of the heads' ranges, chunk after
+chunk with the next one loading behind, and each head's partial is masked to its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstrata.attention.native import native_attention_batch
+from kvstrata.attention.reads import ReadPlan
+from kvstrata.attention.select import union
+
+Ranges = list[tuple[int, int]]
+
+
+def _clip(pieces: list[tuple[bool, Any, int, int]], ranges: Ranges) -> list[tuple]:
+    """The pieces (staged, run, lo, hi) clipped to sorted `ranges`."""
+    return [
+        (staged, run, max(lo, a), min(hi, b))
+        for staged, run, lo, hi in pieces
+        for a, b in ranges
+        if max(lo, a) < min(hi, b)
+    ]
+
+
+def _views(rt: Any, local: int, pieces: list[tuple]) -> Iterator[tuple[int, Any, Any]]:
+    """(first token, k, v) views [Hkv, T, D] of pieces (staged, run, lo, hi) in local
+    layer `local`: arena views in place, staged ones through the stager's buffers (each
+    piece's first chunk starts loading while the previous piece is attended; a view is
+    valid until the generator resumes)."""
+    staged = [(run, lo, hi) for st, run, lo, hi in pieces if st]
+    nxt = 0
+    for is_staged, run, lo, hi in pieces:
+        if is_staged:
+            nxt += 1
+            after = None
+            if nxt < len(staged):
+                r, a, b = staged[nxt]
+                first, count, _ = rt.stager.chunks(r, a, b)[0]
+                after = (local, r.tier, first, count)
+            t = lo
+            for k, v in rt.stager.parts(local, run, lo, hi, after):
+                yield t, k, v
+                t += k.shape[1]
+            continue
+        k, v = rt.tiers[run.tier].layer_view(local, run.first_slot, run.num_slots)
+        off = run.token_start
+        yield lo, k[:, lo - off : hi - off], v[:, lo - off : hi - off]
+
+
+def read_keys(rt: Any, local: int, group: int, seq_id: int, lo: int, hi: int) -> torch.Tensor:
+    """Stored keys [lo, hi) of a sequence in a group's local layer, [Hkv, hi - lo, D] on
+    the compute device (pages selection has no summary of yet)."""
+    plan = rt.reads.read_plan(group, seq_id, lo, hi, native=False)
+    keys = [k.to(rt.device, copy=True) for _, k, _ in _views(rt, local, plan.pieces)]
+    return torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
+
+
+def _masked_partial(
+    qp: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed queries qp [Hkv, R, D] over keys k/v [Hkv, T, D] where allowed [Hkv, T]:
+    (out [Hkv, R, Dv], lse [Hkv, R]); a head with no allowed key has lse -inf, out 0."""
+    q = qp.to(k.device, torch.float32)
+    scores = torch.einsum("hrd,htd->hrt", q, k.float()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed[:, None, :].to(k.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
+    out = torch.einsum("hrt,htd->hrd", probs, v.float())
+    return out.to(qp.device, qp.dtype), lse.to(qp.device)
+
+
+def selected_partials(
+    rt: Any,
+    local: int,
+    plan: ReadPlan,
+    heads: list[Ranges],
+    qp: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Partials (out [Hkv, R, Dv], lse [Hkv, R]) of packed decode queries qp over the
+    keys each KV head chose (`heads[h]`: sorted ranges), read from the step's `plan`."""
+    hkv, rows, dim = qp.shape
+    parts = []
+    if plan.native is not None:
+        entries = [
+            (h, i, max(lo, a) - lo, min(hi, b) - max(lo, a))
+            for h, ranges in enumerate(heads)
+            for i, (lo, hi) in enumerate(plan.spans)
+            for a, b in ranges
+            if max(lo, a) < min(hi, b)
+        ]
+        if entries:
+            h_, i_, off, num = (list(x) for x in zip(*entries, strict=True))
+            descs = plan.native.per_head(local, h_, i_, off, num, hkv)
+            out, lse = native_attention_batch(
+                qp.reshape(hkv, 1, rows, dim), descs.addresses, descs.counts,
+                rt.layout.dim_v, scale, softcap,
+            )  # fmt: skip
+            parts.append((out[:, 0], lse[:, 0]))
+    if plan.pieces:
+        pieces = _clip(plan.pieces, union(heads))
+        for t0, k, v in _views(rt, local, pieces):
+            pos = np.arange(t0, t0 + k.shape[1])
+            allowed = np.zeros((hkv, k.shape[1]), dtype=bool)
+            for h, ranges in enumerate(heads):
+                for a, b in ranges:
+                    allowed[h] |= (pos >= a) & (pos < b)
+            parts.append(_masked_partial(qp, k, v, torch.from_numpy(allowed), scale, softcap))
+    return parts

@@ -1,0 +1,251 @@
+"""Query-aware key selection (`attention_budget`, Quest-style): each KV head attends
+exactly the ranges it chose — wherever the blocks live — and nothing else is read; a
+budget that covers the context is exact attention; the scores bound the logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from hf_models import greedy_ids, seeded_ids, tiny_model
+from kvstrata import CacheConfig, ConfigError, KVStore
+from kvstrata.attention import runtime as runtime_mod
+from kvstrata.attention import selected as selected_mod
+from kvstrata.attention.select import PAGE_TOKENS, KeySelector, page_scores, union
+from kvstrata.attention.writes import write_layer, write_plan
+from kvstrata.integrations.hf import TieredCache, enable
+from kvstrata.model.geometry import KVGeometry
+
+HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 8, 2
+HISTORY = 320
+
+
+def _geometry() -> KVGeometry:
+    return KVGeometry(
+        model_type="toy", num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_dim=DIM, v_head_dim=DIM, dtype="fp32",
+    )  # fmt: skip
+
+
+PLACEMENTS = {
+    "device": {},
+    "host": {"resident_fraction": 0.25, "host_budget": "1MiB"},
+    "host-int8": {
+        "resident_fraction": 0.25,
+        "host_budget": "1MiB",
+        "host_codec": "int8",
+        "residual_tokens": 0,
+    },  # fmt: skip
+    "host-staged": {"resident_fraction": 0.25, "host_budget": "1MiB", "cold_attention": "stage"},
+    "disk": {"resident_fraction": 0.25, "disk_budget": "4MiB"},
+}
+
+
+def _store(placement: str, tmp_path, **extra) -> KVStore:
+    fields = dict(PLACEMENTS[placement], **extra)
+    if "disk_budget" in fields:
+        fields["disk_dir"] = str(tmp_path)
+    cfg = CacheConfig(block_size=32, max_tokens=512, sink_tokens=4, **fields)
+    store = KVStore(_geometry(), cfg)
+    store.build(torch.float32)
+    return store
+
+
+def _step(store: KVStore, seq: int, kv: list[tuple[torch.Tensor, torch.Tensor]], lo: int, hi: int):
+    """Store tokens [lo, hi) of every layer's k/v [Hkv, T, D]."""
+    writes = store.extend([seq], hi - lo, [list(range(lo + 3, hi + 3))])
+    plans = [write_plan(store.runtime, w, 1) for w in writes]
+    for group in store.groups:
+        for local, layer in enumerate(group.layers):
+            k, v = kv[layer]
+            write_layer(plans[group.index], local, k[None, :, lo:hi], v[None, :, lo:hi])
+
+
+def _prefill(store: KVStore, seq: int, kv, attend: bool) -> None:
+    """The history's K/V stored as one chunk; attended like a model's prefill (which
+    summarises its pages as it goes) when `attend`."""
+    _step(store, seq, kv, 0, HISTORY)
+    if attend:
+        q = torch.randn(HEADS, HISTORY, DIM, generator=torch.Generator().manual_seed(9))
+        for layer in range(LAYERS):
+            k, v = kv[layer]
+            store.runtime.attend(
+                layer, seq, q, k[:, :HISTORY], v[:, :HISTORY], 0.3, None, None, None, None
+            )
+    store.step_done([seq])
+
+
+def _history(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(KV_HEADS, HISTORY + 1, DIM, generator=g) * 2,
+         torch.randn(KV_HEADS, HISTORY + 1, DIM, generator=g))
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+
+
+def _reference(q, k, v, ranges_per_head, scale):
+    """Each query head over its KV head's chosen keys, in fp64."""
+    out = torch.empty(HEADS, DIM, dtype=torch.float64)
+    for h in range(HEADS):
+        kv_head = h // (HEADS // KV_HEADS)
+        idx = torch.cat([torch.arange(a, b) for a, b in ranges_per_head[kv_head]])
+        logits = (k[kv_head, idx].double() @ q[h, 0].double()) * scale
+        out[h] = torch.softmax(logits, 0) @ v[kv_head, idx].double()
+    return out
+
+
+@pytest.mark.parametrize(("summary", "attend_prefill"), [("minmax", True), ("mean", False)])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
+    placement, summary, attend_prefill, tmp_path, monkeypatch
+):
+    store = _store(placement, tmp_path, attention_budget=96, attention_summary=summary)
+    seq, _ = store.add_sequence([])
+    kv = _history(1)
+    _prefill(store, seq, kv, attend_prefill)
+    _step(store, seq, kv, HISTORY, HISTORY + 1)  # one decode token
+
+    chosen, staged_reads = [], []
+    select = store.runtime.selector.select
+    monkeypatch.setattr(
+        store.runtime.selector, "select", lambda *a: chosen.append(select(*a)) or chosen[-1]
+    )
+    views = selected_mod._views
+
+    def spy_views(rt, local, pieces):
+        for t0, k, v in views(rt, local, pieces):
+            staged_reads.append((t0, t0 + k.shape[1]))
+            yield t0, k, v
+
+    monkeypatch.setattr(selected_mod, "_views", spy_views)
+    summarising = []  # pages no prefill chunk summarised are read once, apart
+    read_keys = runtime_mod.read_keys
+
+    def spy_read_keys(*args):
+        summarising.append(args[-2:])
+        n = len(staged_reads)
+        out = read_keys(*args)
+        del staged_reads[n:]
+        return out
+
+    monkeypatch.setattr(runtime_mod, "read_keys", spy_read_keys)
+    g = torch.Generator().manual_seed(2)
+    scale = 1 / math.sqrt(DIM)
+    lossy = PLACEMENTS[placement].get("host_codec") == "int8"
+    for layer in range(LAYERS):
+        q = torch.randn(HEADS, 1, DIM, generator=g)
+        k, v = kv[layer]
+        out = store.runtime.attend(
+            layer, seq, q, k[:, HISTORY:], v[:, HISTORY:], scale, None, None, None, None
+        )
+        heads = chosen[-1]
+        assert heads is not None and len(heads) == KV_HEADS
+        for ranges in heads:
+            assert sum(b - a for a, b in ranges) <= 96
+            assert ranges[0][0] == 0 and ranges[-1][1] == HISTORY + 1  # sinks, newest
+        ref = _reference(q, k, v, heads, scale)
+        tol = 0.15 if lossy else 1e-5
+        torch.testing.assert_close(out[:, 0].double(), ref, atol=tol, rtol=tol)
+        wanted = union(heads)
+        for lo, hi in staged_reads:  # every key read (staged or in place) was chosen
+            assert any(a <= lo and hi <= b for a, b in wanted), (lo, hi, wanted)
+        staged_reads.clear()
+    stats = store.runtime.selector.stats.as_dict()
+    assert stats["layers"] == LAYERS and stats["attended_share"] < 0.35
+    scored = HISTORY // PAGE_TOKENS - 2  # pages before the newest keys
+    if attend_prefill:
+        assert stats["pages_summarised_from_tiers"] == 0 and not summarising
+    else:
+        assert stats["pages_summarised_from_tiers"] == scored * LAYERS
+        assert summarising == [(0, scored * PAGE_TOKENS)] * LAYERS
+    store.close()
+
+
+def test_a_page_that_holds_the_querys_key_is_chosen_by_its_head(tmp_path):
+    """A key far more aligned with the query than any other lies in one page of one head:
+    that head chooses the page (its bound is the largest); the other head need not."""
+    store = _store("host", tmp_path, attention_budget=64)
+    seq, _ = store.add_sequence([])
+    kv = _history(3)
+    q = torch.zeros(HEADS, 1, DIM)
+    q[0, 0, 0] = 1.0  # query head 0 -> KV head 0
+    needle = 150
+    for layer in range(LAYERS):
+        kv[layer][0][0, needle, 0] = 40.0
+    _step(store, seq, kv, 0, HISTORY)
+    store.step_done([seq])
+    _step(store, seq, kv, HISTORY, HISTORY + 1)
+    heads = []
+    select = store.runtime.selector.select
+    store.runtime.selector.select = lambda *a: heads.append(select(*a)) or heads[-1]
+    k, v = kv[0]
+    store.runtime.attend(0, seq, q, k[:, HISTORY:], v[:, HISTORY:], 1.0, None, None, None, None)
+    assert any(a <= needle < b for a, b in heads[0][0])
+    store.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(0.01, 10.0))
+def test_minmax_scores_bound_every_logit_of_their_page(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 4 * PAGE_TOKENS, 8, generator=g) * scale
+    q = torch.randn(2, 3, 8, generator=g)
+    pages = keys.reshape(2, 4, PAGE_TOKENS, 8)
+    scores = page_scores(q, pages.amin(2).transpose(1, 2), pages.amax(2).transpose(1, 2))
+    logits = torch.einsum("hrd,hptd->hrpt", q, pages).amax(-1)
+    assert bool((scores >= logits - 1e-4 * (1 + logits.abs())).all())
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_a_budget_that_covers_the_context_is_token_identical_to_dynamic_cache(placement, tmp_path):
+    model = tiny_model("llama", initializer_range=0.3)
+    ids = seeded_ids(5, 300)
+    ref = greedy_ids(model, ids, DynamicCache(config=model.config), 12)
+    enable(model)
+    fields = dict(PLACEMENTS[placement])
+    if "disk_budget" in fields:
+        fields["disk_dir"] = str(tmp_path)
+    cache = TieredCache(model.config, block_size=16, max_tokens=512, attention_budget=512, **fields)
+    assert torch.equal(greedy_ids(model, ids, cache, 12), ref)
+    assert cache.store.runtime.selector.stats.layers == 0  # it never had to select
+    cache.close()
+
+
+def test_a_small_budget_selects_in_every_decode_and_reads_only_its_share():
+    model = tiny_model("llama", initializer_range=0.3)
+    enable(model)
+    cache = TieredCache(
+        model.config, block_size=16, max_tokens=1024, resident_fraction=0.25,
+        host_budget="8MiB", attention_budget=0.25,
+    )  # fmt: skip
+    out = greedy_ids(model, seeded_ids(6, 640), cache, 8)
+    assert out.shape[1] == 648
+    stats = cache.store.runtime.selector.stats.as_dict()
+    layers = model.config.num_hidden_layers
+    assert stats["layers"] == 7 * layers  # every decode step after the first forward
+    assert 0.15 < stats["attended_share"] <= 0.26
+    cache.close()
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.0, 1.5, "x", True, 2048.0])
+def test_a_bad_budget_is_one_line_naming_the_field(value):
+    with pytest.raises(ConfigError, match=r"^attention_budget=.* is invalid: None \(exact"):
+        CacheConfig(attention_budget=value)
+    with pytest.raises(ConfigError, match="attention_summary"):
+        CacheConfig(attention_summary="max")
+
+
+def test_budgets_read_as_tokens_or_fractions():
+    assert CacheConfig(attention_budget="1k").attention_budget == 1024
+    assert CacheConfig(attention_budget="12.5%").attention_budget == 0.125
+    assert CacheConfig(attention_budget=0.125).attention_budget == 0.125
+    small = KeySelector(0.125, "minmax", 4, torch.device("cpu"))
+    sink_end, recent_start, choose = small.bounds(0, 1024)
+    assert (sink_end, recent_start, choose) == (16, 992, (128 - 16 - 32) // PAGE_TOKENS)
+    assert KeySelector(512, "minmax", 4, torch.device("cpu")).bounds(0, 300) is None
