@@ -193,8 +193,8 @@ class LayerDescs:
         return self._addr + layer * self._stride
 
     def per_head(
-        self, layer: int, heads: list[int], parts: list[int], offsets: list[int],
-        tokens: list[int], num_heads: int,
+        self, layer: int, heads: np.ndarray, parts: np.ndarray, offsets: np.ndarray,
+        tokens: np.ndarray, num_heads: int,
     ) -> HeadParts:  # fmt: skip
         """Local layer `layer`'s descriptors for attending each KV head alone (query-aware
         selection): entry i is `tokens[i]` keys of part `parts[i]` from its key

@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 PAGE_TOKENS = 16  # keys per summary (Quest's page)
@@ -55,12 +56,20 @@ class SelectionStats:
         return out
 
 
-def _add(out: list[tuple[int, int]], lo: int, hi: int) -> None:
-    """Append keys [lo, hi) to sorted ranges, merging with the last when they touch."""
-    if out and out[-1][1] == lo:
-        out[-1] = (out[-1][0], hi)
-    else:
-        out.append((lo, hi))
+def _head_ranges(
+    pages: np.ndarray, c0: int, start: int, sink_end: int, recent_start: int, total: int
+) -> np.ndarray:
+    """One head's key ranges [n, 2] (sorted, disjoint, touching ones merged): the sinks
+    [start, sink_end), its chosen pages (sorted, relative to page c0), the newest keys."""
+    lo = np.concatenate([[start], (c0 + pages) * PAGE_TOKENS, [recent_start]])
+    hi = np.concatenate([[sink_end], (c0 + pages + 1) * PAGE_TOKENS, [total]])
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    first = np.ones(len(lo), dtype=bool)
+    first[1:] = lo[1:] != hi[:-1]
+    last = np.ones(len(lo), dtype=bool)
+    last[:-1] = first[1:]
+    return np.stack([lo[first], hi[last]], axis=1)
 
 
 def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None) -> torch.Tensor:
@@ -73,10 +82,10 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None) -> t
     return torch.baddbmm(q.clamp(max=0) @ lo, q.clamp(min=0), hi)
 
 
-def union(heads: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
-    """The token ranges any head attends, sorted and merged."""
+def union(heads: list[np.ndarray]) -> list[tuple[int, int]]:
+    """The key ranges any head attends, sorted and merged."""
     out: list[tuple[int, int]] = []
-    for lo, hi in sorted(r for ranges in heads for r in ranges):
+    for lo, hi in sorted(map(tuple, np.concatenate(heads).tolist())):
         if out and lo <= out[-1][1]:
             out[-1] = (out[-1][0], max(hi, out[-1][1]))
         else:
@@ -173,8 +182,8 @@ class KeySelector:
         start: int,
         total: int,
         read_keys: Callable[[int, int], torch.Tensor],
-    ) -> list[list[tuple[int, int]]] | None:
-        """Per KV head, the key ranges [(lo, hi), ...] (sorted, disjoint) that the
+    ) -> list[np.ndarray] | None:
+        """Per KV head, the key ranges [n, 2] (lo, hi; sorted, disjoint) that the
         decode of packed queries qp [Hkv, R, D] attends over keys [start, total); None
         for all of them. `read_keys(lo, hi)` returns stored keys [Hkv, hi - lo, D] of
         pages that have no summary yet."""
@@ -194,14 +203,9 @@ class KeySelector:
         hi = entry.hi[local, :, c0:c1].transpose(1, 2) if self.summary == "minmax" else None
         scores = page_scores(qp.to(self.device, torch.float32), lo, hi)
         chosen = torch.topk(scores.amax(dim=1), choose, dim=-1, sorted=False).indices
-        out = []
-        for pages in chosen.sort(dim=-1).values.tolist():
-            ranges = [(start, sink_end)] if sink_end > start else []
-            for p in pages:
-                _add(ranges, (c0 + p) * page, (c0 + p + 1) * page)
-            _add(ranges, recent_start, total)
-            out.append(ranges)
+        pages = chosen.sort(dim=-1).values.cpu().numpy()
+        out = [_head_ranges(p, c0, start, sink_end, recent_start, total) for p in pages]
         self.stats.layers += 1
-        self.stats.keys_attended += sum(hi - lo for ranges in out for lo, hi in ranges)
+        self.stats.keys_attended += int(sum((r[:, 1] - r[:, 0]).sum() for r in out))
         self.stats.keys_in_context += heads * (total - start)
         return out

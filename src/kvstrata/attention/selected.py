@@ -20,10 +20,8 @@ from kvstrata.attention.native import native_attention_batch
 from kvstrata.attention.reads import ReadPlan
 from kvstrata.attention.select import union
 
-Ranges = list[tuple[int, int]]
 
-
-def _clip(pieces: list[tuple[bool, Any, int, int]], ranges: Ranges) -> list[tuple]:
+def _clip(pieces: list[tuple[bool, Any, int, int]], ranges: list[tuple[int, int]]) -> list[tuple]:
     """The pieces (staged, run, lo, hi) clipped to sorted `ranges`."""
     return [
         (staged, run, max(lo, a), min(hi, b))
@@ -91,26 +89,28 @@ def selected_partials(
     rt: Any,
     local: int,
     plan: ReadPlan,
-    heads: list[Ranges],
+    heads: list[np.ndarray],
     qp: torch.Tensor,
     scale: float,
     softcap: float | None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Partials (out [Hkv, R, Dv], lse [Hkv, R]) of packed decode queries qp over the
-    keys each KV head chose (`heads[h]`: sorted ranges), read from the step's `plan`."""
+    keys each KV head chose (`heads[h]`: sorted ranges [n, 2]), read from the step's
+    `plan`."""
     hkv, rows, dim = qp.shape
     parts = []
     if plan.native is not None:
-        entries = [
-            (h, i, max(lo, a) - lo, min(hi, b) - max(lo, a))
-            for h, ranges in enumerate(heads)
-            for i, (lo, hi) in enumerate(plan.spans)
-            for a, b in ranges
-            if max(lo, a) < min(hi, b)
-        ]
-        if entries:
-            h_, i_, off, num = (list(x) for x in zip(*entries, strict=True))
-            descs = plan.native.per_head(local, h_, i_, off, num, hkv)
+        ranges = np.concatenate(heads)
+        head = np.repeat(np.arange(hkv), [len(r) for r in heads])
+        picks = []
+        for i, (s0, s1) in enumerate(plan.spans):
+            lo, hi = np.maximum(ranges[:, 0], s0), np.minimum(ranges[:, 1], s1)
+            ok = lo < hi
+            picks.append((head[ok], np.full(ok.sum(), i), lo[ok] - s0, hi[ok] - lo[ok]))
+        h_, i_, off, num = (np.concatenate(x) for x in zip(*picks, strict=True))
+        if len(h_):
+            order = np.argsort(h_, kind="stable")  # grouped by head
+            descs = plan.native.per_head(local, h_[order], i_[order], off[order], num[order], hkv)
             out, lse = native_attention_batch(
                 qp.reshape(hkv, 1, rows, dim), descs.addresses, descs.counts,
                 rt.layout.dim_v, scale, softcap,
