@@ -295,13 +295,13 @@ class AttentionRuntime:
         group, local = self.layer_map[layer]
         plan = self.reads.read_plan(group, seq_id, start, end, native)
         if select and self.selector is not None:
-            heads = self.selector.select(
+            chosen = self.selector.select(
                 (seq_id, group), self.manager.tables[(seq_id, group)],
                 len(self.groups[group].layers), local, qp, start, end,
                 lambda lo, hi: read_keys(self, local, group, seq_id, lo, hi),
             )  # fmt: skip
-            if heads is not None:
-                return selected_partials(self, local, plan, heads, qp, scale, softcap)
+            if chosen is not None:
+                return selected_partials(self, local, plan, chosen, qp, scale, softcap)
         parts = [
             partial_where_kv_lives(qp, k, v, scale, softcap)
             for k, v in self._parts(layer, plan, seq_id)

@@ -56,20 +56,24 @@ class SelectionStats:
         return out
 
 
-def _head_ranges(
+def _ranges(
     pages: np.ndarray, c0: int, start: int, sink_end: int, recent_start: int, total: int
 ) -> np.ndarray:
-    """One head's key ranges [n, 2] (sorted, disjoint, touching ones merged): the sinks
-    [start, sink_end), its chosen pages (sorted, relative to page c0), the newest keys."""
-    lo = np.concatenate([[start], (c0 + pages) * PAGE_TOKENS, [recent_start]])
-    hi = np.concatenate([[sink_end], (c0 + pages + 1) * PAGE_TOKENS, [total]])
-    keep = hi > lo
-    lo, hi = lo[keep], hi[keep]
-    first = np.ones(len(lo), dtype=bool)
-    first[1:] = lo[1:] != hi[:-1]
-    last = np.ones(len(lo), dtype=bool)
-    last[:-1] = first[1:]
-    return np.stack([lo[first], hi[last]], axis=1)
+    """Every head's key ranges as rows (head, lo, hi), grouped by head, each head's
+    sorted and disjoint with touching ones merged: the sinks [start, sink_end), its
+    chosen pages (`pages[h]`, sorted, relative to page c0), the newest keys."""
+    heads, n = pages.shape
+    lo = np.empty((heads, n + 2), dtype=np.int64)
+    hi = np.empty_like(lo)
+    lo[:, 0], hi[:, 0], lo[:, -1], hi[:, -1] = start, sink_end, recent_start, total
+    lo[:, 1:-1] = (c0 + pages) * PAGE_TOKENS
+    hi[:, 1:-1] = lo[:, 1:-1] + PAGE_TOKENS
+    first = np.ones(lo.shape, dtype=bool)
+    first[:, 1:] = lo[:, 1:] != hi[:, :-1]
+    last = np.ones(lo.shape, dtype=bool)
+    last[:, :-1] = first[:, 1:]
+    head = np.broadcast_to(np.arange(heads)[:, None], lo.shape)
+    return np.stack([head[first], lo[first], hi[last]], axis=1)
 
 
 def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None) -> torch.Tensor:
@@ -82,10 +86,10 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None) -> t
     return torch.baddbmm(q.clamp(max=0) @ lo, q.clamp(min=0), hi)
 
 
-def union(heads: list[np.ndarray]) -> list[tuple[int, int]]:
-    """The key ranges any head attends, sorted and merged."""
+def union(chosen: np.ndarray) -> list[tuple[int, int]]:
+    """The key ranges any head attends (rows (head, lo, hi)), sorted and merged."""
     out: list[tuple[int, int]] = []
-    for lo, hi in sorted(map(tuple, np.concatenate(heads).tolist())):
+    for lo, hi in sorted(map(tuple, chosen[:, 1:].tolist())):
         if out and lo <= out[-1][1]:
             out[-1] = (out[-1][0], max(hi, out[-1][1]))
         else:
@@ -182,11 +186,11 @@ class KeySelector:
         start: int,
         total: int,
         read_keys: Callable[[int, int], torch.Tensor],
-    ) -> list[np.ndarray] | None:
-        """Per KV head, the key ranges [n, 2] (lo, hi; sorted, disjoint) that the
-        decode of packed queries qp [Hkv, R, D] attends over keys [start, total); None
-        for all of them. `read_keys(lo, hi)` returns stored keys [Hkv, hi - lo, D] of
-        pages that have no summary yet."""
+    ) -> np.ndarray | None:
+        """The key ranges each KV head attends in the decode of packed queries qp
+        [Hkv, R, D] over keys [start, total), as rows (head, lo, hi) grouped by head
+        (each head's sorted and disjoint); None for all of them. `read_keys(lo, hi)`
+        returns stored keys [Hkv, hi - lo, D] of pages that have no summary yet."""
         bounds = self.bounds(start, total)
         if bounds is None:
             return None
@@ -204,8 +208,8 @@ class KeySelector:
         scores = page_scores(qp.to(self.device, torch.float32), lo, hi)
         chosen = torch.topk(scores.amax(dim=1), choose, dim=-1, sorted=False).indices
         pages = chosen.sort(dim=-1).values.cpu().numpy()
-        out = [_head_ranges(p, c0, start, sink_end, recent_start, total) for p in pages]
+        out = _ranges(pages, c0, start, sink_end, recent_start, total)
         self.stats.layers += 1
-        self.stats.keys_attended += int(sum((r[:, 1] - r[:, 0]).sum() for r in out))
+        self.stats.keys_attended += int((out[:, 2] - out[:, 1]).sum())
         self.stats.keys_in_context += heads * (total - start)
         return out

@@ -89,19 +89,18 @@ def selected_partials(
     rt: Any,
     local: int,
     plan: ReadPlan,
-    heads: list[np.ndarray],
+    chosen: np.ndarray,
     qp: torch.Tensor,
     scale: float,
     softcap: float | None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Partials (out [Hkv, R, Dv], lse [Hkv, R]) of packed decode queries qp over the
-    keys each KV head chose (`heads[h]`: sorted ranges [n, 2]), read from the step's
-    `plan`."""
+    keys each KV head chose (rows (head, lo, hi) of `KeySelector.select`), read from
+    the step's `plan`."""
     hkv, rows, dim = qp.shape
     parts = []
     if plan.native is not None:
-        ranges = np.concatenate(heads)
-        head = np.repeat(np.arange(hkv), [len(r) for r in heads])
+        head, ranges = chosen[:, 0], chosen[:, 1:]
         picks = []
         for i, (s0, s1) in enumerate(plan.spans):
             lo, hi = np.maximum(ranges[:, 0], s0), np.minimum(ranges[:, 1], s1)
@@ -117,12 +116,11 @@ def selected_partials(
             )  # fmt: skip
             parts.append((out[:, 0], lse[:, 0]))
     if plan.pieces:
-        pieces = _clip(plan.pieces, union(heads))
+        pieces = _clip(plan.pieces, union(chosen))
         for t0, k, v in _views(rt, local, pieces):
             pos = np.arange(t0, t0 + k.shape[1])
             allowed = np.zeros((hkv, k.shape[1]), dtype=bool)
-            for h, ranges in enumerate(heads):
-                for a, b in ranges:
-                    allowed[h] |= (pos >= a) & (pos < b)
+            for h, a, b in chosen.tolist():
+                allowed[h] |= (pos >= a) & (pos < b)
             parts.append(_masked_partial(qp, k, v, torch.from_numpy(allowed), scale, softcap))
     return parts
