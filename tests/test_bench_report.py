@@ -18,7 +18,7 @@ import pytest
 from kvstrata.cli import main
 from kvstrata.core.errors import ConfigError
 from kvstrata.report import command as bench_report
-from kvstrata.report import figures, markdown
+from kvstrata.report import compression, figures, markdown
 
 FIGURES = ("strategy", "resident", "context", "block_size", "codecs", "serving", "planner")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -64,7 +64,8 @@ def test_report_records_the_machine_and_the_command(smoke):
     assert [r["command"] for r in report["runs"]] == [report["command"]]
     assert report["failed"] == []
     assert list(report["sections"]) == [
-        "strategy", "resident", "context", "block_size", "codecs", "prefix", "serve", "planner",
+        "strategy", "resident", "context", "block_size", "codecs", "compression", "prefix",
+        "serve", "planner",
     ]  # fmt: skip
 
 
@@ -150,6 +151,79 @@ def test_sweeps_and_benches_report_measured_values(smoke):
     serve = s["serve"]["variants"]
     assert all(v["tokens_per_s"] > 0 for v in serve.values())
     assert all(v["exact_vs_baseline"] for k, v in serve.items() if k != "baseline")
+
+
+def test_compression_codes_the_real_kv_of_every_dtype_and_codec(smoke):
+    """The delta-coding sub-table: the embedded model's K/V at the smoke context, a row per
+    dtype/codec and kind; bytes follow the storage (raw fp32 = 4 layers x 2 heads x 64 x
+    4 B per kind and token, quantized fewer), `pays` and `kept` follow the bytes and kinds."""
+    _, report = smoke
+    data = report["sections"]["compression"]
+    assert list(data["modes"]) == ["delta"]
+    delta = data["modes"]["delta"]
+    assert delta["model"] == "tiny" and delta["contexts"] == [256] and delta["variant"] == "sub"
+    rows = {(r["dtype/codec"], r["kind"]): r for r in delta["rows"]}
+    labels = ["fp32/none", "bf16/none", "fp16/none", "fp32/int8", "fp32/int4", "fp32/int4-g32",
+              "fp32/fp8"]  # fmt: skip
+    assert list(rows) == [(label, kind) for label in labels for kind in ("k", "v")]
+    assert rows[("fp32/none", "k")]["bytes_per_token_raw"] == 4 * 2 * 64 * 4
+    assert rows[("fp16/none", "v")]["bytes_per_token_raw"] == 4 * 2 * 64 * 2
+    raw = [rows[(label, "k")]["bytes_per_token_raw"] for label in labels]
+    assert raw[3] < raw[1] and raw[4] < raw[3]  # int8 < 16-bit, int4 < int8
+    for r in delta["rows"]:
+        assert r["context"] == r["tokens"] == 256 and r["mode"] == "sub"
+        assert r["bytes_per_token_zstd"] <= r["bytes_per_token_raw"]
+        assert r["pays"] == (r["bytes_per_token_delta"] < r["bytes_per_token_zstd"])
+        assert r["kept"] == (r["kind"] == "k")  # disk_delta codes the keys only
+        assert r["encode_ms_per_block"] > 0 and r["zstd_decode_ms_per_block"] > 0
+    assert data["command"].endswith("--sections compression")
+
+
+def test_compression_renders_the_known_modes_it_holds(smoke):
+    out, report = smoke
+    md = (out / "report.md").read_text()
+    data = report["sections"]["compression"]
+    assert f"### {compression.MODES['delta'].title}" in md
+    for r in data["modes"]["delta"]["rows"]:
+        change = 100 * (r["bytes_per_token_delta"] / r["bytes_per_token_zstd"] - 1)
+        assert (
+            f"| {r['context']} | {r['dtype/codec']} | {r['kind'].upper()} | "
+            f"{r['bytes_per_token_raw']:,.0f} | {r['bytes_per_token_zstd']:,.0f} | "
+            f"{r['bytes_per_token_delta']:,.0f} | {change:+.1f} % |"
+        ) in md
+    # a mode this code does not know is skipped, an absent one left out
+    text = compression.render({**data, "modes": {"future": {"rows": []}}})
+    assert "###" not in text and "No compression mode measured" in text
+    assert data["command"] in text
+
+
+def test_a_new_compression_mode_is_measured_and_rendered_as_its_own_sub_table(
+    monkeypatch, tmp_path
+):
+    """What a new mode does: add itself to MODES; the section measures it, stores its data
+    under modes[name] and report.md renders it after the earlier modes."""
+    measured = []
+
+    def measure(session):
+        measured.append(session.scale.name)
+        session.tick("compression: toy")
+        return {"rows": [{"heads": 3, "bytes_saved": 0.5}]}
+
+    def render(d):
+        row = d["rows"][0]
+        return f"heads {row['heads']}, saved {row['bytes_saved']:.0%}\n"
+
+    toy = compression.Mode(title="Toy mode", measure=measure, render=render, ticks=lambda s: 1)
+    monkeypatch.setattr(compression, "MODES", {"toy": toy})
+    out = tmp_path / "r"
+    argv = ["bench", "report", "--smoke", "--out", str(out), "--sections", "compression"]
+    assert main(argv) == 0 and measured == ["smoke"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["sections"]["compression"]["modes"] == {
+        "toy": {"rows": [{"heads": 3, "bytes_saved": 0.5}]}
+    }
+    md = (out / "report.md").read_text()
+    assert "### Toy mode\n\nheads 3, saved 50%\n" in md
 
 
 def test_planner_bytes_match_the_caches_to_one_block(smoke):

@@ -89,11 +89,23 @@ def test_generate_greedy_with_host_tier_and_stats(tiny_dir, capsys):
     assert "tokens cached: 40" in out  # 17 prompt + 24 new - the last one never fed
 
 
-def test_generate_reuses_the_prompt_prefix_a_previous_run_left_on_disk(tiny_dir, capsys, tmp_path):
+@pytest.mark.parametrize(
+    ("flags", "frames"),
+    [
+        ([], set()),
+        (["--disk-compress"], {b"KVZ1"}),
+        (["--disk-compress", "--disk-delta"], {b"KVZ2"}),
+    ],
+)
+def test_generate_reuses_the_prompt_prefix_a_previous_run_left_on_disk(
+    tiny_dir, capsys, tmp_path, flags, frames
+):
+    """Also compressed, and delta coded (--disk-delta: KVZ2 frames, which say which bytes
+    are delta coded): the second run reads the same tokens back."""
     argv = [
         "generate", "--model", str(tiny_dir), "--prompt", PROMPT * 8, "--max-new-tokens", "8",
         "--block-size", "16", "--resident-fraction", "0.5", "--disk-dir", str(tmp_path),
-        "--temperature", "0", "--no-stream", "--stats",
+        "--temperature", "0", "--no-stream", "--stats", *flags,
     ]  # fmt: skip
     code, first, err = _run(capsys, *argv)
     assert code == 0, err
@@ -105,6 +117,8 @@ def test_generate_reuses_the_prompt_prefix_a_previous_run_left_on_disk(tiny_dir,
     hit, total, on_disk = map(int, reused.groups())
     assert hit == on_disk == (total - 1) // 16 * 16 > 0
     assert first.split("KV cache tiers")[0] == second.split("KV cache tiers")[0]
+    stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    assert {m for m in (b"KVZ1", b"KVZ2") if m in stored} == frames
 
 
 def test_generate_matches_between_placements_and_samples_with_seed(tiny_dir, capsys):
@@ -185,6 +199,11 @@ def test_demo_without_model(tmp_path, capsys, monkeypatch):
         (["generate", "--no-repeat-ngram", "-1"], "no_repeat_ngram='-1'"),
         # checked with the model's geometry: the embedded model (no extra needed)
         (["generate", "--model", "tiny", "--disk-compress"], "disk_compress=True"),
+        (["generate", "--model", "tiny", "--disk-delta"], "disk_delta=True"),
+        (  # delta codes the compressed frames: without --disk-compress it is refused
+            ["generate", "--model", "tiny", "--disk-dir", "/tmp", "--disk-delta"],
+            "set disk_compress=True too",
+        ),
         (
             ["generate", "--model", "tiny", "--disk-dir", "/proc/kvstrata-no"],
             "disk_dir='/proc/kvstrata-no'",

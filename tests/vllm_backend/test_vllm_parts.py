@@ -71,6 +71,15 @@ def plan_for(tmp_path: Path | None = None, **extra: Any) -> tuple[VllmOptions, B
         ({}, "host_budget=0 is invalid: the vLLM backend moves every block"),
         ({"host_budget": "1GiB", "host_codec": "int9"}, "host_codec='int9' is invalid"),
         ({"host_budget": "1GiB", "disk_dir": "/tmp/x"}, "disk_budget=0 is invalid"),
+        (
+            {
+                "host_budget": "1GiB",
+                "disk_dir": "/tmp/x",
+                "disk_budget": "1MiB",
+                "disk_delta": True,
+            },
+            "disk_delta=True is invalid: it codes blocks for disk compression",
+        ),
         ({"host_budget": "1GiB", "block_size": 6.5}, "block_size=6.5 is invalid"),
         ({"host_budget": "1GiB", "model_key": ""}, "model_key='' is invalid"),
         ({"host_budget": "1GiB", "canonical_layout": True}, "canonical_layout=True is invalid"),
@@ -326,8 +335,12 @@ def _put(store: OffloadStore, worker: Worker, keys: list[bytes], seed: int) -> t
     return data
 
 
-def test_store_hits_pins_and_writes_through(tmp_path: Path) -> None:
-    store, worker = _store(tmp_path, host_budget=f"{3 * 32768}")  # three host slots
+@pytest.mark.parametrize(
+    ("disk", "codec"),
+    [({}, "none"), ({"disk_compress": True, "disk_delta": True}, "none+delta+zstd")],
+)
+def test_store_hits_pins_and_writes_through(tmp_path: Path, disk: dict, codec: str) -> None:
+    store, worker = _store(tmp_path, host_budget=f"{3 * 32768}", **disk)  # three host slots
     try:
         data = _put(store, worker, [b"a", b"b"], seed=0)
         assert store.lookup(b"a") == HIT and store.lookup(b"zz") == MISS
@@ -342,6 +355,9 @@ def test_store_hits_pins_and_writes_through(tmp_path: Path) -> None:
         store.end_step()
         assert torch.equal(worker.read(store.prepare_load([b"b"])), data[:, :, N:])
         assert store.stats()["hits_disk"] == 1 and store.stats()["disk_written"] == 2
+        assert store.stats()["codecs"]["disk"] == codec
+        # disk_delta reaches the disk tier: its frames are the delta-coded kind (KVZ2)
+        assert (b"KVZ2" in store.disk.tier.path.read_bytes()) == bool(disk)
     finally:
         store.close()
 

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-codec", default="none")
     parser.add_argument("--disk-codec", default="none")
     parser.add_argument("--disk-compress", action="store_true", help="zstd on the disk tier")
+    parser.add_argument(
+        "--disk-delta", action="store_true", help="with --disk-compress: delta-code the keys"
+    )
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (512 tokens)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -91,6 +94,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         disk_dir=str(root),
         disk_codec=args.disk_codec,
         disk_compress=args.disk_compress,
+        disk_delta=args.disk_delta,
         stats_file=str(stats_file),
     )
     host_block = _host_block_bytes(model_dir, block_tokens, args.host_codec)

@@ -200,14 +200,15 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
     if args.disk_dir is not None:
         kw["disk_dir"] = args.disk_dir
         kw["disk_compress"] = args.disk_compress
+        kw["disk_delta"] = args.disk_delta
         kw["disk_o_direct"] = args.disk_o_direct
         kw["disk_budget"] = (
             parse_size(args.disk_budget, "disk_budget") if args.disk_budget else room("disk_codec")
         )
     elif args.disk_budget:
         raise ConfigError.field("disk_budget", args.disk_budget, "set --disk-dir to add a disk")
-    elif args.disk_compress or args.disk_o_direct:
-        name = "disk_compress" if args.disk_compress else "disk_o_direct"
+    elif args.disk_compress or args.disk_delta or args.disk_o_direct:
+        name = next(n for n in ("disk_compress", "disk_delta", "disk_o_direct") if getattr(args, n))
         raise ConfigError.field(name, True, "set --disk-dir to add a disk")
     kw.update(remote_fields(args))
     return kw
@@ -444,6 +445,10 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disk-compress", action="store_true", help="lossless zstd on disk blocks (extra)"
     )
+    g.add_argument(
+        "--disk-delta", action="store_true", help="with --disk-compress: delta-code keys "
+        "first (lossless; int8 keys ~9 %% smaller, others 0-2 %%, for 2-3x zstd's CPU time)"
+    )  # fmt: skip
     g.add_argument("--disk-o-direct", action="store_true", help="disk I/O with O_DIRECT")
     g.add_argument("--residual", default="128", help="newest tokens kept exact (lossy codecs)")
     g.add_argument("--sinks", default="4", help="first tokens kept on the device (default 4)")

@@ -7,9 +7,11 @@ promises measured in one run, then rendered from the measured data alone.
     quality.py    strategy table (decode, bytes, ΔPPL, greedy) and codec bits vs error
     sweeps.py     resident fraction vs speed, context vs device bytes and step time
     system.py     block size vs tier transfers, prefix reuse, engine concurrency
+    compression.py  modes that store or read fewer KV bytes (delta coding ...): each a
+                  sub-table measured on real K/V, measured and rendered there
     predicted.py  `kvstrata plan` next to the measured bytes and step times
     figures.py    the PNG figures (matplotlib, the `report` extra)
-    markdown.py   report.md
+    markdown.py   report.md (tables.py: its Markdown tables)
     output.py     writes report.json, the figures and report.md from the data alone
 
 The measuring code is the benchmarks' own (`kvstrata.bench.*`, `kvstrata.quality.evaluate`,

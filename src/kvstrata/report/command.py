@@ -17,6 +17,8 @@ Sections (`kvstrata.report`), each from the existing benchmarks' measuring code:
   context     1k-32k tokens -> device KV bytes and step time, DynamicCache vs tiered
   block_size  16-512-token blocks -> tier read latency and GB/s
   codecs      bits per element -> attention error, ΔPPL, encode / decode GB/s
+  compression modes that store or read fewer KV bytes, on real K/V: delta coding
+              (disk_delta) -> bytes per token vs byte-plane zstd, encode / decode ms
   prefix      time to first token cold / warm / after a restart
   serve       engine output tok/s at concurrency 1 / 4 / 8
   planner     kvstrata plan's bytes and step bound next to the measured ones
@@ -42,8 +44,8 @@ from kvstrata.core.errors import ConfigError
 NAME = "report"
 HELP = "evidence report: all scenarios in one run -> DIR/report.md, PNG figures, JSON"
 IN_ALL = False  # `kvstrata bench all` runs the scenarios themselves
-SECTIONS = ("strategy", "resident", "context", "block_size", "codecs", "prefix", "serve",
-            "planner")  # fmt: skip
+SECTIONS = ("strategy", "resident", "context", "block_size", "codecs", "compression", "prefix",
+            "serve", "planner")  # fmt: skip
 DEFAULT_OUT = "kvstrata-report"
 
 
@@ -57,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--out", default=DEFAULT_OUT, help="output directory (created)")
     parser.add_argument(
-        "--model", default="auto", help="model of the strategy table: auto (smollm2 when "
-        "installed, else the embedded one), smollm2, tiny or a model directory"
+        "--model", default="auto", help="model of the strategy and compression tables: auto "
+        "(smollm2 when installed, else the embedded one), smollm2, tiny or a model directory"
     )  # fmt: skip
     parser.add_argument(
         "--sections", default="all", help=f"comma-separated, of: {', '.join(SECTIONS)}"
@@ -94,8 +96,8 @@ def _scale(args: argparse.Namespace) -> Any:
 
 
 def choose_model(name: str) -> tuple[str, str]:
-    """The strategy table's model and why: "auto" is smollm2 when its package is
-    installed (converted on first use), else the embedded model.
+    """The strategy and compression tables' model and why: "auto" is smollm2 when its
+    package is installed (converted on first use), else the embedded model.
 
     Raises:
         ConfigError: a named model that is not there (a flag error, before measuring).
@@ -181,7 +183,10 @@ def _runs(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def _ticks(scale: Any, sections: list[str]) -> int:
-    per = {"strategy": 3, "block_size": 2, "codecs": len(scale.codecs) + 1}
+    from kvstrata.report import compression
+
+    per = {"strategy": 3, "block_size": 2, "codecs": len(scale.codecs) + 1,
+           "compression": compression.ticks(scale)}  # fmt: skip
     return sum(per.get(name, 1) for name in sections)
 
 
@@ -209,7 +214,7 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
 
 
 def _measurers() -> dict[str, Callable[[Any], dict[str, Any]]]:
-    from kvstrata.report import predicted, quality, sweeps, system
+    from kvstrata.report import compression, predicted, quality, sweeps, system
 
     return {
         "strategy": quality.strategy,
@@ -217,6 +222,7 @@ def _measurers() -> dict[str, Callable[[Any], dict[str, Any]]]:
         "context": sweeps.context,
         "block_size": system.block_size,
         "codecs": quality.codecs,
+        "compression": compression.section,
         "prefix": system.prefix,
         "serve": system.serve,
         "planner": predicted.section,
@@ -248,7 +254,12 @@ def measure(
     sections = _sections(args.sections)
     check_positive(args, "threads")  # also here: measure() is callable on its own
     quiet_transformers()
-    model, note = choose_model(args.model) if "strategy" in sections else (args.model, "")
+    # the strategy table's model, and the compression section's where the scale leaves
+    # it to the report
+    uses_model = "strategy" in sections or (
+        "compression" in sections and scale.compression_model is None
+    )
+    model, note = choose_model(args.model) if uses_model else (args.model, "")
     machine = describe(args.threads)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     # "sections": those this run measured (appended as each finishes); "errors": why

@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvstrata.core.units import format_bytes
+from kvstrata.report import compression
 from kvstrata.report.predicted import STEP_TOLERANCE
+from kvstrata.report.tables import table as _table
 
 SECTION_TITLES = {
     "strategy": "Offloading strategies (seed kv-cache-optimization §4, kv-offloading §5-6)",
@@ -14,6 +16,7 @@ SECTION_TITLES = {
     "context": "Context length vs device memory and step time",
     "block_size": "Block size vs tier transfers (seed kv-offloading §4.2.3)",
     "codecs": "Codec bits vs attention error, ΔPPL and speed",
+    "compression": "Compression modes on real K/V: bytes stored or read, and their cost",
     "serving": "Prefix reuse and engine concurrency",
     "planner": "kvstrata plan next to the measurement",
 }
@@ -33,12 +36,6 @@ def _pct(x: float | None, digits: int = 1) -> str:
 def _signed(x: float) -> str:
     """+0.006 %; float rounding of a lossless row (-1e-7) shows as +0.000 %, not -0.000 %."""
     return f"{round(x, 3) + 0.0:+.3f} %"
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _figure(name: str, file: str, caption: str, number: int, data: dict[str, Any]) -> str:
@@ -386,6 +383,7 @@ RENDERERS = {
     "context": context,
     "block_size": block_size,
     "codecs": codecs,
+    "compression": compression.render,
     "planner": planner,
 }
 

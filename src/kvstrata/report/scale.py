@@ -28,6 +28,10 @@ class Scale:
             device share (tokens).
         tier_size_mib / tier_samples: tier throughput size and single-block reads.
         codecs / codec_size_mib / codec_ppl_window: the codec section.
+        compression_model / compression_contexts / compression_repeats: the compression
+            section's delta-coding table: its model (None: the report's model, as the
+            strategy table chooses it), the contexts of real K/V it codes and its
+            interleaved timing rounds.
         prefix_tokens / prefix_suffix: prefix reuse prompt.
         serve_requests / serve_prompt_tokens / serve_max_tokens: engine workload.
     """
@@ -55,6 +59,9 @@ class Scale:
     codecs: tuple[str, ...]
     codec_size_mib: int
     codec_ppl_window: int
+    compression_model: str | None
+    compression_contexts: tuple[int, ...]
+    compression_repeats: int
     prefix_tokens: int
     prefix_suffix: int
     serve_requests: int
@@ -75,6 +82,7 @@ SCALES: dict[str, Scale] = {
         contexts=(128, 256, 512), context_resident=128,
         tier_size_mib=1, tier_samples=8,
         codecs=("none", "int8", "int4"), codec_size_mib=1, codec_ppl_window=320,
+        compression_model="tiny", compression_contexts=(256,), compression_repeats=1,
         prefix_tokens=128, prefix_suffix=8,
         serve_requests=2, serve_prompt_tokens=8, serve_max_tokens=2,
     ),
@@ -87,6 +95,7 @@ SCALES: dict[str, Scale] = {
         contexts=(1024, 2048, 4096, 8192, 16384, 32768), context_resident=1024,
         tier_size_mib=64, tier_samples=200,
         codecs=_CODECS, codec_size_mib=32, codec_ppl_window=1024,
+        compression_model=None, compression_contexts=(2048,), compression_repeats=3,
         prefix_tokens=2048, prefix_suffix=32,
         serve_requests=8, serve_prompt_tokens=128, serve_max_tokens=32,
     ),
@@ -99,6 +108,7 @@ SCALES: dict[str, Scale] = {
         contexts=(1024, 2048, 4096, 8192, 16384, 32768, 65536), context_resident=1024,
         tier_size_mib=128, tier_samples=200,
         codecs=_CODECS, codec_size_mib=64, codec_ppl_window=2048,
+        compression_model=None, compression_contexts=(2048, 4096), compression_repeats=3,
         prefix_tokens=4096, prefix_suffix=32,
         serve_requests=8, serve_prompt_tokens=256, serve_max_tokens=64,
     ),

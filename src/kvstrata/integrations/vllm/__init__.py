@@ -51,8 +51,9 @@ def kv_transfer_config(**fields: Any) -> dict[str, Any]:
 
     Args:
         **fields: the backend's settings: CacheConfig fields (host_budget, host_codec,
-            disk_dir, disk_budget, disk_codec, disk_compress, policy, block_size) and
-            model_key, stats_file; checked here (ConfigError) as vLLM will check them.
+            disk_dir, disk_budget, disk_codec, disk_compress, disk_delta, policy,
+            block_size) and model_key, stats_file; checked here (ConfigError) as vLLM
+            will check them.
 
     Returns:
         A dict for vLLM's KVTransferConfig.

@@ -55,7 +55,7 @@ class DiskWriter:
 
     Args:
         plan: gives the layout, slots, codec and namespaced directory.
-        options: disk_compress / disk_o_direct.
+        options: disk_compress / disk_delta / disk_o_direct.
     """
 
     def __init__(self, plan: BackendPlan, options: VllmOptions) -> None:
@@ -78,6 +78,7 @@ class DiskWriter:
                     codec=plan.disk_codec,
                     compress=cache.disk_compress,
                     o_direct=cache.disk_o_direct,
+                    delta=cache.disk_delta,
                 )
             )
         except BaseException:

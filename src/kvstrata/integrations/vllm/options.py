@@ -31,6 +31,7 @@ CACHE_FIELDS = (
     "disk_budget",
     "disk_codec",
     "disk_compress",
+    "disk_delta",
     "disk_o_direct",
     "policy",
     "remote_url",

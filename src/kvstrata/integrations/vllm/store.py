@@ -458,7 +458,10 @@ class OffloadStore:
         if self.plan.disk_codec is None:
             return None
         name = self.plan.disk_codec.name
-        return f"{name}+zstd" if self.options.cache.disk_compress else name
+        cache = self.options.cache
+        if not cache.disk_compress:
+            return name
+        return f"{name}+delta+zstd" if cache.disk_delta else f"{name}+zstd"
 
     def _disk_bytes_per_block(self) -> float | None:
         return None if self.disk is None else self.disk.bytes_per_block()

@@ -1,0 +1,175 @@
+"""The compression section: ways of storing or reading fewer KV bytes ("modes"), each
+measured on a model's real K/V and shown as its own sub-table.
+
+    delta  delta coding along tokens before byte planes + zstd (`disk_delta`):
+           bytes per token raw / byte-plane zstd / delta + zstd, whether it pays and
+           what it costs, per dtype/codec and kind (`kvstrata.bench.delta.measure`)
+
+The section's data is {"modes": {mode: its sub-table}, "load_warning", "command"}; a
+mode adds itself to MODES (title, measuring function, renderer, progress steps), and
+report.md renders the sub-tables of MODES that the data holds, in MODES' order. The
+module imports nothing heavy at the top: markdown.py imports it for the renderers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.report.scale import Scale
+from kvstrata.report.session import Session
+from kvstrata.report.tables import table
+
+NAME = "compression"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One sub-table of the section.
+
+    Fields:
+        title: its heading in report.md.
+        measure: the session -> the sub-table's data (JSON-able).
+        render: the sub-table's data -> its Markdown (from the data alone).
+        ticks: the scale -> progress steps `measure` reports (`session.tick`).
+    """
+
+    title: str
+    measure: Callable[[Session], dict[str, Any]]
+    render: Callable[[dict[str, Any]], str]
+    ticks: Callable[[Scale], int]
+
+
+def section(session: Session) -> dict[str, Any]:
+    """Measure every mode (`kvstrata bench report --sections compression`)."""
+    from kvstrata.bench._timing import load_warning
+
+    modes = {name: mode.measure(session) for name, mode in MODES.items()}
+    return {
+        "modes": modes,
+        "load_warning": load_warning(session.threads),
+        "command": session.section_command(NAME),
+    }
+
+
+def ticks(scale: Scale) -> int:
+    return sum(mode.ticks(scale) for mode in MODES.values())
+
+
+def render(d: dict[str, Any]) -> str:
+    """Every known mode's sub-table that `d` holds, in MODES' order (absent ones skipped)."""
+    parts = [
+        f"### {mode.title}\n\n{mode.render(d['modes'][name])}"
+        for name, mode in MODES.items()
+        if name in d["modes"]
+    ]
+    text = "\n".join(parts) or "No compression mode measured.\n"
+    return text + f"\nCommand: `{d['command']}`\n"
+
+
+# -- delta coding (disk_delta) --------------------------------------------------------------
+def _model(session: Session) -> tuple[str, str]:
+    """The mode's model and why: the scale's (smoke: the embedded one), else the report's."""
+    if session.scale.compression_model is not None:
+        return session.scale.compression_model, ""
+    return str(session.model), session.model_note
+
+
+def measure_delta(session: Session) -> dict[str, Any]:
+    """`kvstrata.bench.delta.measure` of the variant the disk tier applies (`sub`) at each
+    of the scale's contexts, on K/V captured once at the longest (a causal model's K/V of
+    a prefix are the same at every length)."""
+    import torch
+
+    from kvstrata.bench import delta
+    from kvstrata.codecs.compress import DEFAULT_LEVEL
+
+    scale = session.scale
+    torch.set_num_threads(session.threads)
+    model, note = _model(session)
+    contexts = scale.compression_contexts
+    kv = delta.capture_kv(model, max(contexts))
+    rows: list[dict[str, Any]] = []
+    for context in contexts:
+        rows += delta.measure(
+            model, context, block_size=scale.block_size, variants=(delta.KEPT,),
+            level=DEFAULT_LEVEL, repeats=scale.compression_repeats, kv=kv,
+        )  # fmt: skip
+        session.tick(f"compression: delta coding @ {context} tokens")
+    return {
+        "model": model,
+        "model_note": note,
+        "contexts": list(contexts),
+        "block_size": scale.block_size,
+        "level": DEFAULT_LEVEL,
+        "repeats": scale.compression_repeats,
+        "variant": delta.KEPT,
+        "rows": rows,
+    }
+
+
+def _change(r: dict[str, Any]) -> float:
+    """Delta + zstd bytes vs byte-plane zstd's: -0.098 is 9.8 % fewer bytes."""
+    return r["bytes_per_token_delta"] / r["bytes_per_token_zstd"] - 1
+
+
+def _span(rows: list[dict[str, Any]]) -> str:
+    lo, hi = (f"{100 * f(_change(r) for r in rows):+.1f} %" for f in (min, max))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def render_delta(d: dict[str, Any]) -> str:
+    rows = [
+        [r["context"], r["dtype/codec"], {"k": "K", "v": "V"}[r["kind"]],
+         f"{r['bytes_per_token_raw']:,.0f}", f"{r['bytes_per_token_zstd']:,.0f}",
+         f"{r['bytes_per_token_delta']:,.0f}", f"{100 * _change(r):+.1f} %",
+         "yes" if r["pays"] else "no", "yes" if r["kept"] else "no",
+         f"{r['zstd_encode_ms_per_block']:.2f} → {r['encode_ms_per_block']:.2f}",
+         f"{r['zstd_decode_ms_per_block']:.2f} → {r['decode_ms_per_block']:.2f}"]
+        for r in d["rows"]
+    ]  # fmt: skip
+    text = table(
+        ["context", "dtype/codec", "kind", "raw B/token", "byte-plane zstd B/token",
+         "delta + zstd B/token", "vs zstd", "pays", "disk_delta codes it",
+         "encode ms/block: zstd → delta", "decode ms/block: zstd → delta"],
+        rows,
+    )  # fmt: skip
+    note = f" ({d['model_note']})" if d["model_note"] else ""
+    rounds = f"{d['repeats']} interleaved round{'s' if d['repeats'] != 1 else ''}"
+    text += (
+        f"\n\nModel: {d['model']}{note}; the K/V (fp32, after RoPE) of one exact forward "
+        f"pass over {max(d['contexts'])} tokens of held-out text (a shorter context is its "
+        "prefix), cast to each dtype or quantized by each codec, each kind's fields laid "
+        f"out as the disk tier lays them out, one frame per block of {d['block_size']} "
+        "tokens, layer and kind (the raw bytes kept where a frame would not be smaller); "
+        f"zstd level {d['level']}. Delta coding stores each token's row minus the previous "
+        "one's (unsigned words of each field's element size) before the byte planes; every "
+        f"frame was decoded again and checked bit-exact. Times: medians of {rounds}, one "
+        "block = every layer of that kind, on this machine.\n"
+    )
+    keys = [r for r in d["rows"] if r["kept"]]
+    others = [r for r in d["rows"] if not r["kept"]]
+    if keys:
+        best = min(keys, key=_change)
+        text += (
+            f"\n`disk_delta` codes the keys only: their compressed bytes change by "
+            f"{_span(keys)}, the most saved by {best['dtype/codec']} at {best['context']} tokens "
+            f"({100 * _change(best):+.1f} %; encode {best['encode_ms_per_block']:.2f} vs "
+            f"{best['zstd_encode_ms_per_block']:.2f} ms, decode {best['decode_ms_per_block']:.2f}"
+            f" vs {best['zstd_decode_ms_per_block']:.2f} ms per block)."
+        )
+    if others:
+        paying = sum(r["pays"] for r in others)
+        text += f" Values would change by {_span(others)} (smaller in {paying} of {len(others)})."
+    return text + "\n"
+
+
+MODES: dict[str, Mode] = {
+    "delta": Mode(
+        title="Delta coding along tokens before byte planes + zstd (`disk_delta`)",
+        measure=measure_delta,
+        render=render_delta,
+        ticks=lambda scale: len(scale.compression_contexts),
+    ),
+}
