@@ -36,6 +36,7 @@ class GridPoint:
     resident: float
     residual: int
     lossless: bool
+    budget: int | float | None = None
 
 
 def _split(values: list[str] | None, default: str) -> list[str]:
@@ -49,8 +50,26 @@ def _nonempty(name: str, values: list[str], given: list[str] | None) -> list[str
     return values
 
 
+def parse_budgets(values: list[str] | None) -> list[int | float | None]:
+    """--attention-budget values: 'none' (exact attention), tokens or a fraction."""
+    from kvstrata.config import CacheConfig
+
+    items = _nonempty("attention_budget", _split(values, "none"), values)
+    return [
+        None if v.lower() == "none" else CacheConfig(attention_budget=v).attention_budget
+        for v in items
+    ]
+
+
+def budget_label(budget: int | float | None) -> str:
+    if budget is None:
+        return ""
+    share = f"1/{round(1 / budget)}" if budget < 1 and (1 / budget) % 1 < 1e-9 else f"{budget:g}"
+    return f", attend {share}" if budget < 1 else f", attend {_size(budget)} keys"
+
+
 def parse_grid(args: argparse.Namespace, default_codecs: str) -> list[GridPoint]:
-    """codec x resident x residual, validated before any model loads."""
+    """codec x resident x residual x attention budget, validated before any model loads."""
     from kvstrata.codecs.registry import get_codec
 
     codecs = _nonempty("codec", _split(args.codec, default_codecs), args.codec)
@@ -58,14 +77,17 @@ def parse_grid(args: argparse.Namespace, default_codecs: str) -> list[GridPoint]
     residuals = _nonempty("residual", _split(args.residual, "128"), args.residual)
     fractions = [parse_fraction(r, "resident") for r in residents]
     windows = [parse_tokens(r, "residual", allow_zero=True) for r in residuals]
+    budgets = parse_budgets(args.attention_budget)
     points = []
-    for codec in codecs:
+    for codec, budget in itertools.product(codecs, budgets):
         lossless = get_codec(codec, "codec").lossless
         for resident in fractions:
             for residual in windows if not lossless else windows[:1]:
                 where = "device" if resident >= 1 else f"{resident:.0%} device"
                 label = f"{codec} @ {where}" + (f", residual {residual}" if not lossless else "")
-                points.append(GridPoint(label, codec, resident, residual, lossless))
+                label += budget_label(budget)
+                exact = lossless and budget is None
+                points.append(GridPoint(label, codec, resident, residual, exact, budget))
     return points
 
 
@@ -100,7 +122,7 @@ def _placement_factory(model: Any, point: GridPoint, block_size: int, disk: str 
 
     def make(context: int) -> dict[str, Any]:
         sub = None if disk is None else f"{disk}/config-{next(_DISK_DIRS)}"
-        return placement(
+        fields = placement(
             model,
             context,
             codec=point.codec,
@@ -109,6 +131,7 @@ def _placement_factory(model: Any, point: GridPoint, block_size: int, disk: str 
             residual_tokens=point.residual,
             disk_dir=sub,
         )
+        return fields if point.budget is None else {**fields, "attention_budget": point.budget}
 
     return make
 
@@ -310,6 +333,7 @@ def _common(p: argparse.ArgumentParser, default_codecs: str) -> None:
         help="newest tokens kept exact with lossy codecs; comma-separate (default 128)",
     )
     p.add_argument("--block-size", default="64", help="tokens per block (default 64)")
+    add_budget_option(p)
     p.add_argument(
         "--disk", action="store_true", help="also put half of the cold blocks on a disk tier"
     )
@@ -317,6 +341,16 @@ def _common(p: argparse.ArgumentParser, default_codecs: str) -> None:
         "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"
     )
     p.add_argument("--json", action="store_true", help="machine-readable JSON output")
+
+
+def add_budget_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--attention-budget",
+        action="append",
+        help="query-aware key selection (lossy): keys each decode step attends, as tokens "
+        "(1k) or a share of the context (0.125); repeat or comma-separate; 'none' = exact "
+        "attention (default none)",
+    )
 
 
 def register_actions(actions: argparse._SubParsersAction) -> None:

@@ -16,6 +16,7 @@ command exits 1 when one is not.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -82,6 +83,7 @@ def build_configs(
     model: Any, args: argparse.Namespace, context: int, disk_dir: str | None
 ) -> tuple[dict[str, dict[str, Any]], dict[str, bool]]:
     """name -> CacheConfig fields, and name -> whether the codec is lossless."""
+    from kvstrata.cli._eval_long import budget_label, parse_budgets
     from kvstrata.codecs.registry import get_codec
 
     codecs, residents = parse_grid(args)
@@ -89,10 +91,10 @@ def build_configs(
     residual = _residual(args)
     configs: dict[str, dict[str, Any]] = {}
     lossless: dict[str, bool] = {}
-    for codec in codecs:
-        is_lossless = get_codec(codec, "codec").lossless
+    for codec, budget in itertools.product(codecs, parse_budgets(args.attention_budget)):
+        is_lossless = get_codec(codec, "codec").lossless and budget is None
         for resident in residents:
-            name = _label(codec, resident, disk_dir is not None)
+            name = _label(codec, resident, disk_dir is not None) + budget_label(budget)
             configs[name] = placement(
                 model,
                 context,
@@ -102,6 +104,8 @@ def build_configs(
                 residual_tokens=residual,
                 disk_dir=disk_dir,
             )
+            if budget is not None:
+                configs[name]["attention_budget"] = budget
             lossless[name] = is_lossless
     return configs, lossless
 
@@ -188,7 +192,13 @@ def run_ppl(args: argparse.Namespace) -> int:
     if context < 2:
         raise ConfigError.field("context", args.context, "a window of at least 2 tokens")
     num_windows = _positive_int(args.windows, "windows", 1)
+    prefill = parse_tokens(args.prefill, "prefill") if args.prefill else 1
+    if prefill >= context:
+        raise ConfigError.field("prefill", args.prefill, f"fewer tokens than --context {context}")
     parse_grid(args)
+    from kvstrata.cli._eval_long import parse_budgets
+
+    parse_budgets(args.attention_budget)
     parse_threads(args.threads)
     _block_size(args)
     _residual(args)
@@ -214,7 +224,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         configs, lossless = build_configs(model, args, context, tmp if args.disk else None)
         from tqdm import tqdm
 
-        total = (1 + len(configs)) * sum(len(w) - 1 for w in windows)
+        total = (1 + len(configs)) * sum(len(w) - prefill for w in windows)
         # disable=None: a bar on a terminal, silence in logs and pipes.
         with tqdm(total=total, desc="eval ppl", unit="tok", disable=None, leave=False) as bar:
             report = compare(
@@ -222,8 +232,10 @@ def run_ppl(args: argparse.Namespace) -> int:
                 windows,
                 configs,
                 context,
+                prefill=prefill,
                 bytes_of=None if byte_level else bytes_of,
                 progress=bar.update,
+                score_prefill=prefill == 1,
             )
     failures = lossless_failures(report, lossless)
     if args.json:
@@ -251,7 +263,7 @@ def run_ppl(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `eval` subcommand (with its `ppl`, `needle` and `greedy` actions)."""
-    from kvstrata.cli._eval_long import register_actions
+    from kvstrata.cli._eval_long import add_budget_option, register_actions
     from kvstrata.model.zoo import CLI_DEFAULT_MODEL
 
     p = sub.add_parser(
@@ -288,6 +300,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--disk", action="store_true", help="also put half of the cold blocks on a disk tier"
     )
     ppl.add_argument("--context", default="2048", help="tokens per window (default 2048)")
+    ppl.add_argument(
+        "--prefill", default=None, help="tokens of each window fed in one first forward; only "
+        "the rest, predicted one step at a time, is scored (default: 1, all scored)"
+    )  # fmt: skip
+    add_budget_option(ppl)
     ppl.add_argument("--windows", default="2", help="held-out windows (default 2)")
     ppl.add_argument(
         "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"

@@ -163,6 +163,7 @@ def window_perplexity(
     prefill: int = 1,
     num_bytes: int | None = None,
     progress: Progress | None = None,
+    score_prefill: bool = True,
 ) -> PplResult:
     """Teacher-forced NLL of one window, one token per forward after a short prefill.
 
@@ -175,6 +176,8 @@ def window_perplexity(
         num_bytes: Bytes of text the predicted tokens stand for; None = count the
             predicted ids below 256 (the byte tokenizer: id == byte).
         progress: Called with the number of forwards after each one.
+        score_prefill: False scores only the tokens predicted one step at a time
+            (what decode-only settings such as `attention_budget` change).
 
     Returns:
         The window's :class:`PplResult`.
@@ -198,14 +201,16 @@ def window_perplexity(
             chunk = ids[pos : pos + step].to(device)[None]
             logits = model(input_ids=chunk, cache=cache, use_cache=True).logits[0].float()
             tgt = targets[pos : pos + step].to(device)
-            nll += float(torch.nn.functional.cross_entropy(logits, tgt, reduction="sum"))
-            argmax.extend(logits.argmax(dim=-1).tolist())
+            if pos or score_prefill:
+                nll += float(torch.nn.functional.cross_entropy(logits, tgt, reduction="sum"))
+                argmax.extend(logits.argmax(dim=-1).tolist())
             pos += step
             if progress is not None:
                 progress(1)
+    scored = targets if score_prefill else targets[prefill:]
     if num_bytes is None:
-        num_bytes = int((targets < 256).sum())
-    return PplResult(nll, n - 1, num_bytes, argmax)
+        num_bytes = int((scored < 256).sum())
+    return PplResult(nll, scored.numel(), num_bytes, argmax)
 
 
 def perplexity(
@@ -217,6 +222,7 @@ def perplexity(
     prefill: int = 1,
     bytes_of: Callable[[list[int]], int] | None = None,
     progress: Progress | None = None,
+    score_prefill: bool = True,
 ) -> PplResult:
     """Teacher-forced perplexity of a token stream through a cache, window by window.
 
@@ -232,6 +238,7 @@ def perplexity(
         prefill: Tokens of each window fed in one first forward.
         bytes_of: Bytes of text of a list of predicted ids; None = ids below 256.
         progress: Called with 1 after each forward.
+        score_prefill: see :func:`window_perplexity`.
 
     Returns:
         The summed :class:`PplResult` of all windows.
@@ -243,12 +250,14 @@ def perplexity(
     total = PplResult(0.0, 0, 0, [])
     for start in starts:
         window = ids[start : start + context]
-        num_bytes = bytes_of(window[1:].tolist()) if bytes_of is not None else None
+        first = 1 if score_prefill else 1 + max(1, min(prefill, window.numel() - 1))
+        num_bytes = bytes_of(window[first:].tolist()) if bytes_of is not None else None
         cache = cache_factory(window.numel())
         try:
             result = window_perplexity(
-                model, window, cache, prefill=prefill, num_bytes=num_bytes, progress=progress
-            )
+                model, window, cache, prefill=prefill, num_bytes=num_bytes, progress=progress,
+                score_prefill=score_prefill,
+            )  # fmt: skip
         finally:
             if hasattr(cache, "close"):  # a TieredCache releases its tiers (disk files)
                 cache.close()
@@ -321,6 +330,7 @@ def compare(
     prefill: int = 1,
     bytes_of: Callable[[list[int]], int] | None = None,
     progress: Progress | None = None,
+    score_prefill: bool = True,
 ) -> Comparison:
     """Run the exact cache and every TieredCache configuration over the same windows.
 
@@ -333,6 +343,7 @@ def compare(
         prefill: Tokens of each window fed in one first forward.
         bytes_of: Bytes of text of a list of predicted ids; None = ids below 256.
         progress: Called with 1 after each forward, (1 + len(configs)) * sum(len - 1) in all.
+        score_prefill: False scores only the tokens predicted one step at a time.
 
     Returns:
         A :class:`Comparison`: ΔPPL % = 100 * (ppl / exact ppl - 1), top-1 agreement
@@ -359,6 +370,7 @@ def compare(
                     prefill=prefill,
                     bytes_of=bytes_of,
                     progress=progress,
+                    score_prefill=score_prefill,
                 )
             )
     exact = results.pop(EXACT)
