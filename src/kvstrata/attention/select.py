@@ -48,6 +48,7 @@ class SelectionStats:
     keys_attended: int = 0  # (key, KV head) pairs they attended
     keys_in_context: int = 0  # (key, KV head) pairs full attention would have attended
     pages_summarised_from_tiers: int = 0  # (page, layer) summaries read from a tier
+    summary_bytes: int = 0  # bytes of page summaries scored
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -212,4 +213,5 @@ class KeySelector:
         self.stats.layers += 1
         self.stats.keys_attended += int((out[:, 2] - out[:, 1]).sum())
         self.stats.keys_in_context += heads * (total - start)
+        self.stats.summary_bytes += lo.numel() * 4 * (1 if hi is None else 2)
         return out

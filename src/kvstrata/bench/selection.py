@@ -1,0 +1,236 @@
+"""`kvstrata bench selection`: query-aware key selection (`attention_budget`, lossy) against
+full attention over the same placement (by default 90 % of the KV on the host tier).
+
+Model: `--model` (smollm2 when installed, else the embedded one), fp32. Per window of
+`--context` tokens of held-out text, the first context - `--scored` tokens are
+prefilled, the last `--scored` decoded one at a time, teacher-forced, through one
+TieredCache per configuration — full attention and each `--budget` — the
+configurations interleaved step by step (so machine load hits them alike).
+
+Per configuration, over the decoded tokens:
+  ΔPPL % and top-1 agreement   against full attention over the same placement
+  attended                     share of the (key, KV head) pairs full attention reads
+  KV read / step               K and V bytes of the attended keys, all layers, plus the
+                               page summaries scored
+  decode ms / step             a whole forward (median over steps)
+  attention ms / step          inside the store's attention, all layers (median)
+and the ratios to full attention. `--needle` adds passkey retrieval accuracy (depths
+10-90 %) at the context for every configuration (`kvstrata.quality.needle`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from typing import Any
+
+from kvstrata.bench import _timing
+
+NAME = "selection"
+HELP = "query-aware key selection (attention_budget) vs full attention: ΔPPL, bytes, speed"
+FULL = "full attention"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="auto", help="auto (smollm2 if installed), or a name")
+    parser.add_argument("--context", default="8k", help="tokens per window (default 8k)")
+    parser.add_argument("--scored", type=int, default=64, help="decoded tokens per window")
+    parser.add_argument("--windows", type=int, default=1, help="held-out windows")
+    parser.add_argument(
+        "--budget", default="0.125", help="comma-separated attention budgets (tokens or shares)"
+    )
+    parser.add_argument("--summary", default="minmax", help="page summary: minmax or mean")
+    parser.add_argument("--resident", type=float, default=0.1, help="device share of the KV")
+    parser.add_argument("--disk", action="store_true", help="the cold half of the KV on disk")
+    parser.add_argument("--needle", action="store_true", help="also passkey retrieval accuracy")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _model_name(name: str) -> str:
+    from kvstrata.model.zoo import model_names
+
+    if name != "auto":
+        return name
+    try:
+        from kvstrata.model.zoo import resolve_model_dir
+
+        resolve_model_dir("smollm2")
+        return "smollm2"
+    except Exception:  # noqa: BLE001 - not installed: the embedded model
+        return "default" if "default" in model_names() else "tiny"
+
+
+def measure(
+    model_name: str,
+    context: int,
+    budgets: list[int | float],
+    *,
+    scored: int = 64,
+    windows: int = 1,
+    summary: str = "minmax",
+    resident: float = 0.1,
+    disk: bool = False,
+    block_size: int = 64,
+    needle: bool = False,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Full attention and each budget over the same placement (see the module docstring).
+    Returns {"rows": [...], "model", "context", ...} with one row per configuration."""
+    import torch
+
+    from kvstrata.integrations.hf import TieredCache, enable
+    from kvstrata.model.budgets import placement
+    from kvstrata.model.zoo import load_model
+    from kvstrata.quality.evaluate import heldout_windows
+
+    model, tokenizer = load_model(model_name)
+    enable(model)
+    cfg = model.config
+    byte_level = len(tokenizer) <= 259
+    texts = heldout_windows(model_name, context, windows, None if byte_level else tokenizer)
+    names = [FULL] + [f"budget {b:g}" for b in budgets]
+    fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary}
+                          for n, b in zip(names[1:], budgets, strict=True)}  # fmt: skip
+    acc = {n: {"nll": 0.0, "top1": 0, "steps": [], "attn": [], "kv": 0, "sum": 0} for n in names}
+    heads = cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_key = 2 * dim * 4  # fp32 K and V of one key in one KV head and layer
+    with tempfile.TemporaryDirectory(prefix="kvstrata-selection-") as tmp:
+        for w, ids in enumerate(texts):
+            ids = torch.tensor(ids)
+            caches, timers = {}, {}
+            for i, name in enumerate(names):
+                place = placement(
+                    model, context, resident=resident, block_size=block_size,
+                    disk_dir=f"{tmp}/{w}-{i}" if disk else None,
+                )  # fmt: skip
+                cache = TieredCache(cfg, **place, **fields[name])
+                with torch.inference_mode():
+                    model(ids[None, : context - scored], cache=cache, use_cache=True)
+                caches[name], timers[name] = cache, _attention_timer(cache)
+            ref_top = []
+            for pos in range(context - scored, context - 1):
+                for name in names:
+                    timers[name][0] = 0.0
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        out = model(ids[None, pos : pos + 1], cache=caches[name], use_cache=True)
+                    a = acc[name]
+                    a["steps"].append(time.perf_counter() - t0)
+                    a["attn"].append(timers[name][0])
+                    logits = out.logits[0, -1].float()
+                    a["nll"] += float(
+                        torch.nn.functional.cross_entropy(logits[None], ids[pos + 1 : pos + 2])
+                    )
+                    top = int(logits.argmax())
+                    if name == FULL:
+                        ref_top.append(top)
+                    a["top1"] += top == ref_top[-1]
+                    a["kv"] += (pos + 1) * heads * cfg.num_hidden_layers * per_key
+                if progress:
+                    progress(1)
+            for name in names:
+                sel = caches[name].store.runtime.selector
+                if sel is not None:  # the layers that selected read only what they chose
+                    s, a = sel.stats, acc[name]
+                    a["kv"] += (s.keys_attended - s.keys_in_context) * per_key
+                    a["sum"] += s.summary_bytes
+                    a["pairs"] = a.get("pairs", 0) + s.keys_in_context
+                    a["chosen"] = a.get("chosen", 0) + s.keys_attended
+                caches[name].close()
+    n = windows * (scored - 1)
+    full = acc[FULL]
+    rows = []
+    for name in names:
+        a = acc[name]
+        step, attn = _timing.median(a["steps"]), _timing.median(a["attn"])
+        rows.append({
+            "config": name,
+            "ppl": math.exp(a["nll"] / n),
+            "delta_ppl_pct": 100 * (math.exp((a["nll"] - full["nll"]) / n) - 1),
+            "top1_agreement": a["top1"] / n,
+            "attended_share": a["chosen"] / a["pairs"] if a.get("pairs") else 1.0,
+            "kv_bytes_per_step": a["kv"] / n,
+            "summary_bytes_per_step": a["sum"] / n,
+            "decode_ms": 1000 * step,
+            "attention_ms": 1000 * attn,
+            "decode_speedup": _timing.median(full["steps"]) / step,
+            "attention_speedup": _timing.median(full["attn"]) / attn if attn else None,
+        })  # fmt: skip
+    result = {"model": model_name, "context": context, "scored": scored, "windows": windows,
+              "summary": summary, "resident": resident, "disk": disk, "rows": rows}  # fmt: skip
+    if needle:
+        result["needle"] = _needle(model, tokenizer, context, fields, resident, block_size)
+    return result
+
+
+def _attention_timer(cache: Any) -> list[float]:
+    """Seconds spent inside the store's attention since the last reset (cell 0)."""
+    runtime = cache.store.runtime
+    cell = [0.0]
+    inner = runtime.attend
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            cell[0] += time.perf_counter() - t0
+
+    runtime.attend = timed
+    return cell
+
+
+def _needle(model, tokenizer, context, fields, resident, block_size) -> dict[str, float]:
+    from kvstrata.model.budgets import placement
+    from kvstrata.model.prompts import uses_chat
+    from kvstrata.quality.needle import needle_cases, needle_sweep
+
+    cases = needle_cases(
+        tokenizer, [context], [0.1, 0.3, 0.5, 0.7, 0.9], 1, chat=uses_chat(tokenizer)
+    )
+    configs = {
+        name: (
+            lambda n, f=f: {**placement(model, n, resident=resident, block_size=block_size), **f}
+        )
+        for name, f in fields.items()
+    }
+    report = needle_sweep(model, tokenizer, cases, configs)
+    return {name: report.accuracy(name) for name in [*fields, "exact"] if name in report.answers}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvstrata.cli._eval_long import parse_budgets
+    from kvstrata.core.units import parse_tokens
+
+    context = parse_tokens(args.context, "context")
+    budgets = [b for b in parse_budgets([args.budget]) if b is not None]
+    torch.set_num_threads(args.threads)
+    result = measure(
+        _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
+        summary=args.summary, resident=args.resident, disk=args.disk,
+        block_size=args.block_size, needle=args.needle,
+    )  # fmt: skip
+    if args.json:
+        _timing.print_json(result)
+        return 0
+    cols = ["config", "ΔPPL %", "top-1", "attended", "KV read/step", "decode ms", "attn ms",
+            "decode ×", "attn ×"]  # fmt: skip
+    rows = [
+        [r["config"], f"{r['delta_ppl_pct']:+.2f}", f"{r['top1_agreement']:.1%}",
+         f"{r['attended_share']:.1%}",
+         f"{(r['kv_bytes_per_step'] + r['summary_bytes_per_step']) / 2**20:.1f} MiB",
+         f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}", f"{r['decode_speedup']:.2f}",
+         f"{r['attention_speedup']:.2f}" if r["attention_speedup"] else "-"]
+        for r in result["rows"]
+    ]  # fmt: skip
+    _timing.print_table(f"Query-aware selection, {result['model']} @ {context} tokens", cols, rows)
+    if "needle" in result:
+        print("needle accuracy:", {k: f"{v:.0%}" for k, v in result["needle"].items()})
+    return 0
