@@ -159,7 +159,7 @@ def test_compression_codes_the_real_kv_of_every_dtype_and_codec(smoke):
     4 B per kind and token, quantized fewer), `pays` and `kept` follow the bytes and kinds."""
     _, report = smoke
     data = report["sections"]["compression"]
-    assert list(data["modes"]) == ["delta"]
+    assert list(data["modes"]) == ["delta", "selection"]
     delta = data["modes"]["delta"]
     assert delta["model"] == "tiny" and delta["contexts"] == [256] and delta["variant"] == "sub"
     rows = {(r["dtype/codec"], r["kind"]): r for r in delta["rows"]}
@@ -177,6 +177,26 @@ def test_compression_codes_the_real_kv_of_every_dtype_and_codec(smoke):
         assert r["kept"] == (r["kind"] == "k")  # disk_delta codes the keys only
         assert r["encode_ms_per_block"] > 0 and r["zstd_decode_ms_per_block"] > 0
     assert data["command"].endswith("--sections compression")
+
+
+def test_compression_selection_reads_a_share_of_the_keys_full_attention_reads(smoke):
+    """The selection sub-table: full attention and budgets of 1/8 and 1/4 over the same
+    placement; the budgets attend and read a share of the keys, full attention all."""
+    out, report = smoke
+    sel = report["sections"]["compression"]["modes"]["selection"]
+    (run,) = sel["runs"]
+    assert run["context"] == 256 and run["resident"] == 0.1
+    full, eighth, quarter = run["rows"]
+    assert full["config"] == "full attention" and full["delta_ppl_pct"] == 0
+    assert full["attended_share"] == 1 and full["top1_agreement"] == 1
+    for row, share in ((eighth, 0.125), (quarter, 0.25)):
+        assert 0 < row["attended_share"] < 1
+        assert row["kv_bytes_per_step"] < full["kv_bytes_per_step"]
+        assert row["summary_bytes_per_step"] > 0 and row["decode_ms"] > 0
+    assert eighth["attended_share"] < quarter["attended_share"]
+    md = (out / "report.md").read_text()
+    assert f"### {compression.MODES['selection'].title}" in md
+    assert f"| 256 | budget 0.125 | {eighth['delta_ppl_pct']:+.2f} % |" in md
 
 
 def test_compression_renders_the_known_modes_it_holds(smoke):

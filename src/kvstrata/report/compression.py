@@ -1,9 +1,12 @@
 """The compression section: ways of storing or reading fewer KV bytes ("modes"), each
 measured on a model's real K/V and shown as its own sub-table.
 
-    delta  delta coding along tokens before byte planes + zstd (`disk_delta`):
-           bytes per token raw / byte-plane zstd / delta + zstd, whether it pays and
-           what it costs, per dtype/codec and kind (`kvstrata.bench.delta.measure`)
+    delta      delta coding along tokens before byte planes + zstd (`disk_delta`):
+               bytes per token raw / byte-plane zstd / delta + zstd, whether it pays
+               and what it costs, per dtype/codec and kind (`kvstrata.bench.delta`)
+    selection  query-aware key selection (`attention_budget`) vs full attention over
+               the same placement: ΔPPL, top-1, keys and bytes read, decode and
+               attention time (`kvstrata.bench.selection`)
 
 The section's data is {"modes": {mode: its sub-table}, "load_warning", "command"}; a
 mode adds itself to MODES (title, measuring function, renderer, progress steps), and
@@ -165,11 +168,74 @@ def render_delta(d: dict[str, Any]) -> str:
     return text + "\n"
 
 
+# -- query-aware key selection (attention_budget) -----------------------------------------
+SELECTION_BUDGETS = (0.125, 0.25)
+
+
+def measure_selection(session: Session) -> dict[str, Any]:
+    """`kvstrata.bench.selection.measure` at each of the scale's contexts: full attention
+    and budgets of 1/8 and 1/4 of the context, 90 % of the KV on the host tier."""
+    import torch
+
+    from kvstrata.bench import selection
+
+    scale = session.scale
+    torch.set_num_threads(session.threads)
+    model, note = _model(session)
+    runs = []
+    for context in scale.compression_contexts:
+        runs.append(
+            selection.measure(
+                model,
+                context,
+                list(SELECTION_BUDGETS),
+                scored=min(64, context // 8),
+                block_size=scale.block_size,
+            )  # fmt: skip
+        )
+        session.tick(f"compression: key selection @ {context} tokens")
+    return {"model": model, "model_note": note, "runs": runs}
+
+
+def render_selection(d: dict[str, Any]) -> str:
+    rows = [
+        [run["context"], r["config"], f"{r['delta_ppl_pct']:+.2f} %", f"{r['top1_agreement']:.1%}",
+         f"{r['attended_share']:.1%}",
+         f"{(r['kv_bytes_per_step'] + r['summary_bytes_per_step']) / 2**20:.2f}",
+         f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}", f"{r['decode_speedup']:.2f}×",
+         f"{r['attention_speedup']:.2f}×" if r["attention_speedup"] else "-"]
+        for run in d["runs"]
+        for r in run["rows"]
+    ]  # fmt: skip
+    text = table(
+        ["context", "config", "ΔPPL", "top-1 agree", "keys attended", "KV read MiB/step",
+         "decode ms", "attention ms", "decode vs full", "attention vs full"],
+        rows,
+    )  # fmt: skip
+    note = f" ({d['model_note']})" if d["model_note"] else ""
+    run = d["runs"][0]
+    return text + (
+        f"\n\nModel: {d['model']}{note}, fp32, {run['resident']:.0%} of the KV on the device "
+        "and the rest on the host tier. Per context, one window of held-out text: all but "
+        f"the last {run['scored']} tokens prefilled, those decoded one at a time "
+        "(teacher-forced), full attention and each budget interleaved step by step; ΔPPL "
+        "and top-1 agreement over the decoded tokens against full attention over the same "
+        f"placement. Budgets are shares of the context; page summaries: {run['summary']} "
+        "(their bytes are in the KV read). Lossy: the default stays exact attention.\n"
+    )
+
+
 MODES: dict[str, Mode] = {
     "delta": Mode(
         title="Delta coding along tokens before byte planes + zstd (`disk_delta`)",
         measure=measure_delta,
         render=render_delta,
+        ticks=lambda scale: len(scale.compression_contexts),
+    ),
+    "selection": Mode(
+        title="Query-aware key selection (`attention_budget`, Quest-style; lossy)",
+        measure=measure_selection,
+        render=render_selection,
         ticks=lambda scale: len(scale.compression_contexts),
     ),
 }
