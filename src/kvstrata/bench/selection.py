@@ -206,11 +206,15 @@ def _needle(model, tokenizer, context, fields, resident, block_size) -> dict[str
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvstrata.cli._eval_long import parse_budgets
+    from kvstrata.config import CacheConfig
     from kvstrata.core.units import parse_tokens
 
     context = parse_tokens(args.context, "context")
-    budgets = [b for b in parse_budgets([args.budget]) if b is not None]
+    budgets = [
+        CacheConfig(attention_budget=v.strip()).attention_budget
+        for v in args.budget.split(",")
+        if v.strip()
+    ]
     torch.set_num_threads(args.threads)
     result = measure(
         _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
