@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvstrata.cli._remote import add_remote_flags, remote_fields
+from kvstrata.cli._cache_flags import add_cache_flags, cache_fields
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import (
@@ -210,7 +210,7 @@ def cache_kwargs(args: argparse.Namespace, model: Any, max_tokens: int) -> dict[
     elif args.disk_compress or args.disk_delta or args.disk_o_direct:
         name = next(n for n in ("disk_compress", "disk_delta", "disk_o_direct") if getattr(args, n))
         raise ConfigError.field(name, True, "set --disk-dir to add a disk")
-    kw.update(remote_fields(args))
+    kw.update(cache_fields(args))
     return kw
 
 
@@ -454,7 +454,7 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sinks", default="4", help="first tokens kept on the device (default 4)")
     g.add_argument("--staging-tokens", default=None, help="device staging buffer (4096)")
     g.add_argument("--cold-attention", default="auto", help="auto, local or stage")
-    add_remote_flags(g)
+    add_cache_flags(g)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvstrata.cli._remote import remote_fields
+from kvstrata.cli._cache_flags import cache_fields
 from kvstrata.cli.generate import (
     add_placement_flags,
     parse_threads,
@@ -80,7 +80,7 @@ def check_flags(args: argparse.Namespace) -> None:
         if getattr(args, field) is not None:
             get_codec(getattr(args, field), field)
     parse_tokens(args.block_size, "block_size", maximum=BLOCK_SIZE_MAX)
-    remote_fields(args)
+    cache_fields(args)
     if args.max_tokens is not None:
         parse_tokens(args.max_tokens, "max_tokens")
     for name in ("device_budget", "host_budget", "disk_budget"):

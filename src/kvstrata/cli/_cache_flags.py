@@ -1,4 +1,6 @@
-"""The remote tier's flags (`--remote-*`), shared by every command that builds a store."""
+"""CacheConfig flags shared by every command that builds a store, beyond the placement
+flags of `generate.add_placement_flags`: the remote tier's (`--remote-*`) and query-aware
+key selection's (`--attention-budget`, `--attention-summary`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,26 @@ from kvstrata.config import CacheConfig
 from kvstrata.core.units import parse_float, parse_int
 
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
+ATTENTION_FIELDS = ("attention_budget", "attention_summary")
+
+
+def add_cache_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--attention-budget", default=None, help="lossy: keys each decode step attends, as "
+        "tokens (1k) or a share of the context (0.125); the query picks them (Quest-style)"
+    )  # fmt: skip
+    g.add_argument(
+        "--attention-summary", default=None, help="page summary it scores: minmax or mean"
+    )
+    add_remote_flags(g)
+
+
+def cache_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The CacheConfig fields of these flags (ConfigError, one line)."""
+    kw = {n: getattr(args, n) for n in ATTENTION_FIELDS if getattr(args, n, None) is not None}
+    if kw:
+        kw = {n: getattr(CacheConfig(**kw), n) for n in kw}
+    return kw | remote_fields(args)
 
 
 def add_remote_flags(g: argparse._ArgumentGroup) -> None:
