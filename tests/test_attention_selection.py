@@ -249,3 +249,25 @@ def test_budgets_read_as_tokens_or_fractions():
     sink_end, recent_start, choose = small.bounds(0, 1024)
     assert (sink_end, recent_start, choose) == (16, 992, (128 - 16 - 32) // PAGE_TOKENS)
     assert KeySelector(512, "minmax", 4, torch.device("cpu")).bounds(0, 300) is None
+
+
+def test_the_engine_selects_per_sequence_and_batching_does_not_change_its_tokens():
+    """Selection in the engine's packed steps: each sequence's decode chooses from its own
+    query and pages (never the native batched call), so a request's tokens are the same
+    alone and beside others; prompts over the budget do select."""
+    from kvstrata.engine import Engine, EngineConfig, SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (260, 300, 90, 330)]
+    params = [SamplingParams(max_tokens=m) for m in (10, 14, 6, 12)]
+    with Engine(
+        tiny_model("llama", initializer_range=0.3),
+        block_size=16, device_budget="64KiB", host_budget="8MiB", attention_budget=96,
+        config=EngineConfig(max_batched_tokens=128, preemption="off"),
+    ) as engine:  # fmt: skip
+        together = engine.generate(ps, params)
+        selected = engine.store.runtime.selector.stats.layers
+        solo = [engine.generate([p], [sp])[0] for p, sp in zip(ps, params, strict=True)]
+    assert selected > 0
+    for a, b in zip(together, solo, strict=True):
+        assert a.token_ids == b.token_ids and len(a.token_ids) > 0
