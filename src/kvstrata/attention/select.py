@@ -10,8 +10,9 @@ taking for a KV head the best score over its query heads, and each KV head atten
 own best pages within the budget, plus the sink pages and the newest keys, which every
 head always attends. Only the chosen pages are read, from whichever tier holds them.
 
-Summaries live on the compute device: 2 x D floats per page, layer and KV head with
-min/max (1/8 of the keys' bytes at fp32 with 16-token pages), D with the mean. They are
+Summaries live on the compute device in fp32: 2 x D values per page, layer and KV head
+with min/max (1/16 of the K and V bytes of fp32 pages of 16 tokens), D with the mean
+(bf16 summaries were measured slower to score on a CPU without bf16 arithmetic). They are
 computed from a prefill chunk's new keys as it is attended, or, for keys that did not
 pass through one (a prefix hit, decode steps, a chunk that starts inside a page), read
 once from the tier holding them.
@@ -35,8 +36,9 @@ class _Summaries:
     """Key summaries of one sequence's pages in one layer group."""
 
     table: Any  # the block table described; a new table (a new sequence) starts over
-    lo: torch.Tensor  # [layers, Hkv, capacity, D] fp32: per-channel min (or the mean)
-    hi: torch.Tensor  # [layers, Hkv, capacity, D]: per-channel max (min/max only)
+    data: (
+        torch.Tensor
+    )  # [layers, Hkv, capacity, W] fp32: per-channel max then min (W = 2D), or the mean (W = D)
     filled: list[int]  # per local layer: pages 0 .. filled - 1 are summarised
 
 
@@ -77,14 +79,14 @@ def _ranges(
     return np.stack([head[first], lo[first], hi[last]], axis=1)
 
 
-def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None) -> torch.Tensor:
-    """Scores [Hkv, R, pages] of packed queries q [Hkv, R, D] against page summaries
-    lo / hi [Hkv, D, pages]: with the per-channel min (lo) and max (hi),
-    sum_d max(q_d lo_d, q_d hi_d) — at least any logit q . k of the page; with the mean
-    alone (hi None), q . mean."""
-    if hi is None:
-        return q @ lo
-    return torch.baddbmm(q.clamp(max=0) @ lo, q.clamp(min=0), hi)
+def page_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """Scores [Hkv, pages, R] of packed queries q [Hkv, R, D] against page summaries
+    [Hkv, pages, W]: with the per-channel max and min (W = 2D),
+    sum_d max(q_d max_d, q_d min_d) — at least any logit q . k of the page; with the
+    mean (W = D), q . mean. One batched product over the summaries' rows as stored."""
+    if summaries.shape[-1] != q.shape[-1]:
+        q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+    return summaries @ q.transpose(1, 2)
 
 
 def union(chosen: np.ndarray) -> list[tuple[int, int]]:
@@ -139,16 +141,14 @@ class KeySelector:
         entry = self._seqs.get(key)
         if entry is not None and entry.table is not table:
             entry = None
-        if entry is None or entry.lo.shape[2] < pages:
-            old = entry.lo.shape[2] if entry is not None else 0
+        if entry is None or entry.data.shape[2] < pages:
+            old = entry.data.shape[2] if entry is not None else 0
             cap = max(pages, 256, 2 * old)
-            lo = torch.empty((layers, heads, cap, dim), dtype=torch.float32, device=self.device)
-            hi = torch.empty_like(lo) if self.summary == "minmax" else lo
+            width = 2 * dim if self.summary == "minmax" else dim
+            data = torch.empty((layers, heads, cap, width), dtype=torch.float32, device=self.device)
             if entry is not None:
-                lo[:, :, :old] = entry.lo
-                if hi is not lo:
-                    hi[:, :, :old] = entry.hi
-            entry = _Summaries(table, lo, hi, entry.filled if entry else [0] * layers)
+                data[:, :, :old] = entry.data
+            entry = _Summaries(table, data, entry.filled if entry else [0] * layers)
             self._seqs[key] = entry
         return entry
 
@@ -158,10 +158,10 @@ class KeySelector:
         pages = keys.reshape(heads, n // PAGE_TOKENS, PAGE_TOKENS, dim).float()
         end = first + pages.shape[1]
         if self.summary == "minmax":
-            entry.lo[local, :, first:end] = pages.amin(dim=2).to(self.device)
-            entry.hi[local, :, first:end] = pages.amax(dim=2).to(self.device)
+            entry.data[local, :, first:end, :dim] = pages.amax(dim=2).to(self.device)
+            entry.data[local, :, first:end, dim:] = pages.amin(dim=2).to(self.device)
         else:
-            entry.lo[local, :, first:end] = pages.mean(dim=2).to(self.device)
+            entry.data[local, :, first:end] = pages.mean(dim=2).to(self.device)
         entry.filled[local] = end
 
     def observe(
@@ -204,14 +204,13 @@ class KeySelector:
         if filled < c1:
             self._put(entry, local, filled, read_keys(filled * page, c1 * page))
             self.stats.pages_summarised_from_tiers += c1 - filled
-        lo = entry.lo[local, :, c0:c1].transpose(1, 2)  # [Hkv, D, pages]
-        hi = entry.hi[local, :, c0:c1].transpose(1, 2) if self.summary == "minmax" else None
-        scores = page_scores(qp.to(self.device, torch.float32), lo, hi)
-        chosen = torch.topk(scores.amax(dim=1), choose, dim=-1, sorted=False).indices
+        summaries = entry.data[local, :, c0:c1]
+        scores = page_scores(qp.to(self.device, torch.float32), summaries).amax(dim=-1)
+        chosen = torch.topk(scores, choose, dim=-1, sorted=False).indices
         pages = chosen.sort(dim=-1).values.cpu().numpy()
         out = _ranges(pages, c0, start, sink_end, recent_start, total)
         self.stats.layers += 1
         self.stats.keys_attended += int((out[:, 2] - out[:, 1]).sum())
         self.stats.keys_in_context += heads * (total - start)
-        self.stats.summary_bytes += lo.numel() * 4 * (1 if hi is None else 2)
+        self.stats.summary_bytes += summaries.numel() * summaries.element_size()
         return out
