@@ -323,3 +323,15 @@ def test_eval_cli_runs_a_calibrated_codec(tmp_path, capsys):
     assert main([*args, "--calibration", str(out)]) == 0
     text = capsys.readouterr().out
     assert "lowrank-r8" in text and "delta_ppl_pct" in text
+
+
+def test_blockwise_attention_is_the_masked_attention():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 80, 8, generator=g) for h in (4, 2, 2))
+    kl, vl = k + 0.5 * torch.randn(k.shape, generator=g), v * 2
+    mask = kvsim.lossy_mask(80, 8, 16)
+    assert mask.any() and not mask[:, :8].any()  # the sinks stay exact
+    ref = kvsim.attend(q, k, v, 0.3, mask, kl, vl)
+    got = kvsim.attend_blocks(q, k, v, 0.3, 8, 2, kl, vl)
+    assert torch.allclose(got, ref, atol=1e-5)
+    assert not torch.allclose(got, kvsim.attend(q, k, v, 0.3), atol=1e-3)

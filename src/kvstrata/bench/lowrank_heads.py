@@ -119,6 +119,9 @@ def _grid(
 
     for name in UNIFORM:
         add("uniform", name, get_codec(name))
+    for i, row in enumerate(rows):  # the int8 / int4 baselines run first
+        if row[1] in ("int8", "int4"):
+            rows[i] = ("first", *row[1:])
     int8 = get_codec("int8")
     for r in ranks:
         add("lowrank-post", f"lowrank-r{r}", LowRankCodec(r, False, none, cal))
@@ -151,7 +154,12 @@ def _grid(
             for label, scores in (("reversed", reverse), ("random", random)):
                 codec = HeadsCodec(pct, int8, int4, cal, scores=scores)
                 add("heads", f"heads{pct}-int8-int4 {label}", codec)
+    rows.sort(key=lambda r: PRIORITY.index(r[0]) if r[0] in PRIORITY else len(PRIORITY))
     return rows
+
+
+# The order the sweep runs in (a long run interrupted still has the main comparisons).
+PRIORITY = ("first", "lowrank-post", "lowrank-pre", "heads")
 
 
 def measure(
@@ -201,7 +209,7 @@ def measure(
         ppl = math.exp(sum(r.nll for r in runs) / ex_tok)
         ids = [i for r in runs for i in r.argmax_ids]
         row = {
-            "mode": mode,
+            "mode": "uniform" if mode == "first" else mode,
             "setting": setting,
             "key_bytes_per_token": kb,
             "value_bytes_per_token": vb,

@@ -121,12 +121,21 @@ class _Collector:
         vl = kvsim.roundtrip(codec, "v", value[0], layer, self.block_size)[None]
         damage = torch.zeros(hkv)
         w = module.o_proj.weight.float()
-        for h in range(hkv):
-            k1, v1 = key.clone(), value.clone()
-            k1[0, h], v1[0, h] = kl[0, h], vl[0, h]
-            o = kvsim.attend(query, key, value, scaling, lossy, k1, v1)
+        keep = -(-self.residual // self.block_size)
+        for h in range(hkv):  # only head h's query group changes: attend it alone
+            grp = slice(h * g, (h + 1) * g)
+            o = kvsim.attend_blocks(
+                query[:, grp],
+                key[:, h : h + 1],
+                value[:, h : h + 1],
+                scaling,
+                self.block_size,
+                keep,
+                kl[:, h : h + 1],
+                vl[:, h : h + 1],
+            )
             cols = slice(h * g * d, (h + 1) * g * d)
-            diff = (o - out).reshape(t, -1)[:, cols].float() @ w[:, cols].T
+            diff = (o - out[:, :, grp]).reshape(t, -1).float() @ w[:, cols].T
             damage[h] = diff.square().sum() / t
         self.score("damage", layer, damage)
         return out

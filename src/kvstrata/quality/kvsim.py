@@ -134,6 +134,48 @@ def attend(
     return out
 
 
+def attend_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    block_size: int,
+    keep: int,
+    key_lossy: torch.Tensor | None = None,
+    value_lossy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What `attend(..., lossy_mask(...))` computes, a query block at a time with
+    `scaled_dot_product_attention` over only the keys that block sees (the causal half):
+    for query block m, decoded K/V of blocks 1 .. m-keep-1, exact ones elsewhere."""
+    _, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    q = query[0].float().reshape(hkv, g, t, d)
+    k, v = key[0].float(), value[0].float()
+    out = query.new_empty(1, t, hq, value.shape[-1])
+    for m in range(-(-t // block_size)):
+        q0, q1 = m * block_size, min(t, (m + 1) * block_size)
+        cut = (m - keep) * block_size  # keys [block_size, cut) come decoded
+        if key_lossy is None or cut <= block_size:
+            kk, vv = k[:, :q1], v[:, :q1]
+        else:
+            kl, vl = key_lossy[0, :, block_size:cut].float(), value_lossy[0, :, block_size:cut]
+            kk = torch.cat([k[:, :block_size], kl, k[:, cut:q1]], dim=1)
+            vv = torch.cat([v[:, :block_size], vl.float(), v[:, cut:q1]], dim=1)
+        rows = torch.arange(q0, q1)[:, None]
+        mask = torch.arange(q1)[None, :] <= rows
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, q0:q1],
+            kk[:, None].expand(hkv, g, q1, d),
+            vv[:, None].expand(hkv, g, q1, vv.shape[-1]),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[0, q0:q1] = o.permute(2, 0, 1, 3).reshape(q1 - q0, hq, -1).to(out.dtype)
+    return out
+
+
 def roundtrip(codec: Codec, kind: str, x: torch.Tensor, layer: int, block_size: int):
     """x [H, T, D] through `codec` (encode then decode) as model layer `layer`."""
     h, t, d = x.shape
@@ -191,15 +233,15 @@ def simulated_ppl(
     ids = torch.as_tensor(list(window), dtype=torch.long)
     t = ids.numel() - ids.numel() % block_size
     ids = ids[:t]
-    mask = lossy_mask(t, block_size, residual) if lossy is not None else None
+    keep = -(-residual // block_size)
 
     def hook(module, query, key, value, scaling):
         if lossy is None:
-            return attend(query, key, value, scaling)
+            return attend_blocks(query, key, value, scaling, block_size, keep)
         layer = module.layer_idx
         kl = lossy(layer, "k", key[0])[None]
         vl = lossy(layer, "v", value[0])[None]
-        return attend(query, key, value, scaling, mask, kl, vl)
+        return attend_blocks(query, key, value, scaling, block_size, keep, kl, vl)
 
     with torch.inference_mode(), hooked(model, hook):
         logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
