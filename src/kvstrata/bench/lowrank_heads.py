@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.codecs import _reference as ref
 from kvstrata.codecs.base import Codec
 from kvstrata.codecs.calibration import Calibration
 from kvstrata.codecs.heads import HeadsCodec
@@ -61,13 +62,22 @@ def _exact(layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _project(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """x [..., D] onto mean + span(basis [..., D, R]) (basis broadcast over tokens)."""
+def _project(
+    x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, int8: bool = False
+) -> torch.Tensor:
+    """x [..., D] onto mean + span(basis [..., D, R]) (basis broadcast over tokens); with
+    `int8` the coefficients go through the int8 codec's per-token quantization."""
     c = (x - mean[..., None, :]) @ basis
+    if int8:
+        data = torch.empty(c.shape, dtype=torch.uint8)
+        scale = torch.empty((*c.shape[:-1], 1), dtype=torch.float16)
+        zero = torch.empty_like(scale)
+        ref.int8_encode(c, data, scale, zero)
+        ref.int8_decode(data, scale, zero, c)
     return c @ basis.transpose(-1, -2) + mean[..., None, :]
 
 
-def _pre_rope(cal: Calibration, rank: int, concat: bool) -> Lossy:
+def _pre_rope(cal: Calibration, rank: int, concat: bool, int8: bool = False) -> Lossy:
     """ShadowKV: pre-RoPE keys projected, then rotated with the tokens' own positions."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -79,11 +89,11 @@ def _pre_rope(cal: Calibration, rank: int, concat: bool) -> Lossy:
             h, t, d = pre.shape
             flat = pre.transpose(0, 1).reshape(t, h * d)
             basis = cal.tensors["kpre_cat_basis"][layer, :, : rank * h]
-            rec = _project(flat, cal.tensors["kpre_cat_mean"][layer], basis)
+            rec = _project(flat, cal.tensors["kpre_cat_mean"][layer], basis, int8)
             rec = rec.reshape(t, h, d).transpose(0, 1)
         else:
             basis = cal.tensors["kpre_basis"][layer, :, :, :rank]
-            rec = _project(pre, cal.tensors["kpre_mean"][layer], basis)
+            rec = _project(pre, cal.tensors["kpre_mean"][layer], basis, int8)
         cos, sin = kvsim.rotary(layer)
         rotated, _ = apply_rotary_pos_emb(rec[None], rec[None], cos.float(), sin.float())
         return rotated[0].to(x.dtype)
@@ -91,14 +101,14 @@ def _pre_rope(cal: Calibration, rank: int, concat: bool) -> Lossy:
     return lossy
 
 
-def _concat_post(cal: Calibration, rank: int) -> Lossy:
+def _concat_post(cal: Calibration, rank: int, int8: bool = False) -> Lossy:
     def lossy(layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if kind == "v":
             return x
         h, t, d = x.shape
         flat = x.float().transpose(0, 1).reshape(t, h * d)
         basis = cal.tensors["k_cat_basis"][layer, :, : rank * h]
-        rec = _project(flat, cal.tensors["k_cat_mean"][layer], basis)
+        rec = _project(flat, cal.tensors["k_cat_mean"][layer], basis, int8)
         return rec.reshape(t, h, d).transpose(0, 1).to(x.dtype)
 
     return lossy
@@ -142,6 +152,22 @@ def _grid(
         setting = f"rank {r * h} of {h}x{layout.head_dim}"
         rows.append(("lowrank-concat-post", setting, _concat_post(cal, r), concat, v_none))
         rows.append(("lowrank-concat-pre", setting, _pre_rope(cal, r, True), concat, v_none))
+    for r in (28, 29):  # per-head pre-RoPE, int8 coefficients: near 2x below int8 keys
+        kb = _bytes_per_token(LowRankCodec(r, True, none, cal), "k", layout)
+        rows.append(
+            ("lowrank-pre", f"lowrank-r{r}-int8", _pre_rope(cal, r, False, True), kb, v_none)
+        )
+    for total in (84, 96):  # concatenated heads, int8 coefficients + fp16 scale, zero
+        if "k_cat_basis" not in cal.tensors or total % h:
+            continue
+        kb = (total + 4.0) * layout.num_layers
+        setting = f"rank {total} of {h}x{layout.head_dim}, int8"
+        rows.append(
+            ("lowrank-concat-pre", setting, _pre_rope(cal, total // h, True, True), kb, v_none)
+        )
+        rows.append(
+            ("lowrank-concat-post", setting, _concat_post(cal, total // h, True), kb, v_none)
+        )
     if heads:
         int4 = get_codec("int4")
         gen = torch.Generator().manual_seed(0)
