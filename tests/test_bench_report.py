@@ -189,7 +189,7 @@ def test_compression_selection_reads_a_share_of_the_keys_full_attention_reads(sm
     full, eighth, quarter = run["rows"]
     assert full["config"] == "full attention" and full["delta_ppl_pct"] == 0
     assert full["attended_share"] == 1 and full["top1_agreement"] == 1
-    for row, share in ((eighth, 0.125), (quarter, 0.25)):
+    for row in (eighth, quarter):
         assert 0 < row["attended_share"] < 1
         assert row["kv_bytes_per_step"] < full["kv_bytes_per_step"]
         assert row["summary_bytes_per_step"] > 0 and row["decode_ms"] > 0

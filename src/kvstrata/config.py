@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from kvstrata.codecs.registry import get_codec
+from kvstrata.codecs.calibration import FIELD, FIX, load_calibration, split_name
+from kvstrata.codecs.registry import get_codec, is_calibrated
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import (
     MAX_TOKENS,
@@ -73,7 +74,11 @@ class CacheConfig:
             (0, 1] of `max_tokens`; below 1 needs a host or disk tier for the rest).
         host_budget: host-tier size in bytes (0 = no host tier).
         disk_dir / disk_budget: disk tier (no disk tier when disk_dir is None).
-        *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...).
+        *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...;
+            calibrated, lossy and opt-in: "lowrank-r32+int8", "heads33-int8-int4").
+        codec_calibration: calibration file of the model (``kvstrata calibrate``) that
+            the calibrated codecs need; their names then get its digest appended
+            ("lowrank-r32+int8@1a2b3c4d5e6f").
         disk_compress: also compress each disk block layer losslessly (byte planes
             + zstd, the `compress` extra): e.g. disk_codec="int4" + disk_compress.
         disk_delta: with disk_compress, first code each key block as differences
@@ -134,6 +139,7 @@ class CacheConfig:
     disk_delta: bool = False  # from here on: the positional order of the fields above stays
     attention_budget: int | float | str | None = None
     attention_summary: str = "minmax"
+    codec_calibration: str | None = None
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -203,6 +209,7 @@ class CacheConfig:
                 raise ConfigError.field(name, True, "set disk_dir (and disk_budget) to add a disk")
         put("attention_budget", _check_budget(self.attention_budget))
         _check_choice("attention_summary", self.attention_summary, ATTENTION_SUMMARIES)
+        _bind_calibrated(self, put)
         _check_codecs(self)
         _check_remote(self, put)
         _check_machine(self, given)
@@ -401,6 +408,36 @@ def _check_device(value: Any) -> str:
     if index >= count:
         raise ConfigError.field("device", value, f"this machine has cuda:0 to cuda:{count - 1}")
     return value
+
+
+def _bind_calibrated(config: CacheConfig, put: Any) -> None:
+    """Calibrated codec names (lowrank-*, heads*) get the digest of `codec_calibration`;
+    one without a calibration is an error naming the field and the fix."""
+    path = config.codec_calibration
+    if path is not None and (not isinstance(path, str) or not path):
+        raise ConfigError.field(FIELD, path, f"the path of a calibration file; {FIX}")
+    cal = None
+    for name in ("device_codec", "host_codec", "disk_codec", "remote_codec"):
+        value = getattr(config, name)
+        if not isinstance(value, str) or not value:
+            continue
+        base, digest = split_name(value)
+        if not is_calibrated(base):
+            continue
+        if path is None:
+            if digest is None:
+                raise ConfigError.field(
+                    name,
+                    value,
+                    f"a calibrated codec: set {FIELD} to the model's calibration file ({FIX})",
+                )
+            continue  # "@digest": a calibration loaded earlier in this process
+        cal = cal or load_calibration(path)
+        if digest is not None and digest != cal.digest:
+            raise ConfigError.field(
+                name, value, f"made with calibration {digest}, but {FIELD} is {cal.digest}"
+            )
+        put(name, f"{base}@{cal.digest}")
 
 
 def _check_codecs(config: CacheConfig) -> None:

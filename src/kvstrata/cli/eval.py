@@ -76,7 +76,20 @@ def parse_grid(args: argparse.Namespace) -> tuple[list[str], list[float]]:
             raise ConfigError.field(name, ",".join(given or []), "one or more, comma-separated")
     for codec in codecs:
         get_codec(codec, "codec")
+    _check_calibration_flag(args, codecs)
     return codecs, [_fraction(r) for r in residents]
+
+
+def _check_calibration_flag(args: argparse.Namespace, codecs: list[str]) -> None:
+    """A calibrated codec (lowrank-*, heads*) needs --calibration, and only then."""
+    from kvstrata.codecs.calibration import FIX
+    from kvstrata.codecs.registry import is_calibrated
+
+    calibrated = [c for c in codecs if is_calibrated(c)]
+    if calibrated and getattr(args, "calibration", None) is None:
+        raise ConfigError.field(
+            "calibration", None, f"codec {calibrated[0]!r} needs --calibration FILE; {FIX}"
+        )
 
 
 def build_configs(
@@ -84,7 +97,7 @@ def build_configs(
 ) -> tuple[dict[str, dict[str, Any]], dict[str, bool]]:
     """name -> CacheConfig fields, and name -> whether the codec is lossless."""
     from kvstrata.cli._eval_long import budget_label, parse_budgets
-    from kvstrata.codecs.registry import get_codec
+    from kvstrata.codecs.registry import get_codec, is_calibrated
 
     codecs, residents = parse_grid(args)
     block_size = _block_size(args)
@@ -106,6 +119,8 @@ def build_configs(
             )
             if budget is not None:
                 configs[name]["attention_budget"] = budget
+            if is_calibrated(codec):
+                configs[name]["codec_calibration"] = args.calibration
             lossless[name] = is_lossless
     return configs, lossless
 
@@ -212,6 +227,10 @@ def run_ppl(args: argparse.Namespace) -> int:
             f"at most the model's max_position_embeddings ({limit}) tokens per window",
         )
     apply_threads(model, args.threads)
+    if args.calibration is not None:
+        from kvstrata.quality.calibrate import check_calibration
+
+        check_calibration(model, args.calibration, "calibration")
     byte_level = len(tokenizer) == BYTE_VOCAB_SIZE and tokenizer.eos_token_id == EOS_ID
     windows = heldout_windows(
         args.model, context, num_windows, tokenizer=None if byte_level else tokenizer
@@ -308,6 +327,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     ppl.add_argument("--windows", default="2", help="held-out windows (default 2)")
     ppl.add_argument(
         "--threads", default="auto", help="torch threads: N, or auto (1 for small models)"
+    )
+    ppl.add_argument(
+        "--calibration",
+        help="calibration file of the model (`kvstrata calibrate`), for the lossy, opt-in "
+        "lowrank-r<R>[-int8][+<codec>] and heads<PCT>-<kept>-<other> codecs",
     )
     ppl.add_argument("--json", action="store_true", help="machine-readable JSON output")
     ppl.set_defaults(func=run_ppl)
