@@ -159,7 +159,7 @@ def test_compression_codes_the_real_kv_of_every_dtype_and_codec(smoke):
     4 B per kind and token, quantized fewer), `pays` and `kept` follow the bytes and kinds."""
     _, report = smoke
     data = report["sections"]["compression"]
-    assert list(data["modes"]) == ["delta", "selection"]
+    assert list(data["modes"]) == ["delta", "calibrated", "selection"]
     delta = data["modes"]["delta"]
     assert delta["model"] == "tiny" and delta["contexts"] == [256] and delta["variant"] == "sub"
     rows = {(r["dtype/codec"], r["kind"]): r for r in delta["rows"]}
@@ -177,6 +177,23 @@ def test_compression_codes_the_real_kv_of_every_dtype_and_codec(smoke):
         assert r["kept"] == (r["kind"] == "k")  # disk_delta codes the keys only
         assert r["encode_ms_per_block"] > 0 and r["zstd_decode_ms_per_block"] > 0
     assert data["command"].endswith("--sections compression")
+
+
+def test_compression_calibrated_codecs_are_measured_against_their_baselines(smoke):
+    """The calibrated sub-table: a calibration pass on the embedded model, then int8 /
+    int4 baselines, low-rank keys at three ranks (fewer key bytes as the rank drops)
+    and a third of the heads in int8 chosen by calibration or at random (equal bytes)."""
+    out, report = smoke
+    cal = report["sections"]["compression"]["modes"]["calibrated"]
+    rows = {r["setting"] if r["mode"] != "lowrank-pre" else "pre " + r["setting"]: r
+            for r in cal["rows"]}  # fmt: skip
+    assert {"int8", "int4", "lowrank-r16", "lowrank-r32", "pre lowrank-r16"} <= set(rows)
+    assert rows["lowrank-r16"]["key_bytes_per_token"] < rows["lowrank-r32"]["key_bytes_per_token"]
+    damage, random = rows["heads33-int8-int4 by damage"], rows["heads33-int8-int4 random"]
+    assert damage["key_bytes_per_token"] == random["key_bytes_per_token"]
+    assert all(r["kl_nats_per_token"] >= 0 and 0 <= r["top1_agreement"] <= 1 for r in cal["rows"])
+    md = (out / "report.md").read_text()
+    assert f"### {compression.MODES['calibrated'].title}" in md
 
 
 def test_compression_selection_reads_a_share_of_the_keys_full_attention_reads(smoke):

@@ -161,12 +161,18 @@ class LayerDescs:
     group) with one vectorised op; `at(layer)` is then the address of that layer's
     array, no per-layer work."""
 
-    # uint64 word of each pointer (K and V: data, scale, zero) within one PartDesc
-    _HEAD_STRIDES = [
-        (FieldDesc.data, FieldDesc.data_head_stride),
-        (FieldDesc.scale, FieldDesc.scale_head_stride),
-        (FieldDesc.zero, FieldDesc.zero_head_stride),
+    # uint64 words of K's and V's row0, and of each pointer's head stride (in _WORDS' order)
+    _ROW0 = [(kind.offset + FieldDesc.row0.offset) // 8 for kind in (PartDesc.k, PartDesc.v)]
+    _PTR_STRIDES = [
+        (kind.offset + stride.offset) // 8
+        for kind in (PartDesc.k, PartDesc.v)
+        for stride in (
+            FieldDesc.data_head_stride,
+            FieldDesc.scale_head_stride,
+            FieldDesc.zero_head_stride,
+        )
     ]
+    # uint64 word of each pointer (K and V: data, scale, zero) within one PartDesc
     _WORDS = [
         (part.offset + ptr.offset) // 8
         for part in (PartDesc.k, PartDesc.v)
@@ -203,14 +209,10 @@ class LayerDescs:
         moved on; one head's is the part with its pointers moved to that head."""
         per_part = ctypes.sizeof(PartDesc) // 8
         rows = self._bufs[layer].reshape(self.num_parts, per_part)[parts]
-        off = np.asarray(offsets, dtype=np.uint64)
-        head = np.asarray(heads, dtype=np.uint64)
-        for kind in (PartDesc.k, PartDesc.v):
-            rows[:, (kind.offset + FieldDesc.row0.offset) // 8] += off
-            for ptr, stride in self._HEAD_STRIDES:
-                w = (kind.offset + ptr.offset) // 8
-                moved = rows[:, (kind.offset + stride.offset) // 8] * head
-                rows[:, w] = np.where(rows[:, w] != 0, rows[:, w] + moved, 0)
+        rows[:, self._ROW0] += np.asarray(offsets, dtype=np.uint64)[:, None]
+        ptrs = rows[:, self._WORDS]
+        moved = rows[:, self._PTR_STRIDES] * np.asarray(heads, dtype=np.uint64)[:, None]
+        rows[:, self._WORDS] = np.where(ptrs != 0, ptrs + moved, 0)  # 0: a field it lacks
         rows[:, PartDesc.tokens.offset // 8] = tokens
         return HeadParts(rows, np.bincount(heads, minlength=num_heads))
 

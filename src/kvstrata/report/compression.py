@@ -4,6 +4,9 @@ measured on a model's real K/V and shown as its own sub-table.
     delta      delta coding along tokens before byte planes + zstd (`disk_delta`):
                bytes per token raw / byte-plane zstd / delta + zstd, whether it pays
                and what it costs, per dtype/codec and kind (`kvstrata.bench.delta`)
+    calibrated low-rank keys and important heads (`lowrank-r<R>`, `heads<PCT>`) after a
+               calibration pass: bytes per token, ΔPPL, top-1 and KL against the exact
+               model (`kvstrata.bench.lowrank_heads`)
     selection  query-aware key selection (`attention_budget`) vs full attention over
                the same placement: ΔPPL, top-1, keys and bytes read, decode and
                attention time (`kvstrata.bench.selection`)
@@ -225,12 +228,89 @@ def render_selection(d: dict[str, Any]) -> str:
     )
 
 
+# -- calibrated codecs: low-rank keys, important heads --------------------------------------
+CALIBRATED = {  # (mode, setting) rows of bench.lowrank_heads' sweep the report keeps
+    ("first", "int8"), ("first", "int4"),
+    ("lowrank-post", "lowrank-r16"), ("lowrank-post", "lowrank-r32"),
+    ("lowrank-post", "lowrank-r48"), ("lowrank-post", "lowrank-r32-int8"),
+    ("lowrank-pre", "lowrank-r16"), ("lowrank-pre", "lowrank-r32"),
+    ("heads", "heads33-int8-int4 by damage"), ("heads", "heads33-int8-int4 random"),
+}  # fmt: skip
+
+
+def measure_calibrated(session: Session) -> dict[str, Any]:
+    """Calibrate the model (`kvstrata calibrate`, into a temporary file), then
+    `kvstrata.bench.lowrank_heads.measure` of the CALIBRATED settings on one held-out
+    window at the scale's first context."""
+    import tempfile
+
+    import torch
+
+    from kvstrata.bench import lowrank_heads
+    from kvstrata.model.zoo import load_model
+    from kvstrata.quality.calibrate import check_calibration, write_calibration
+    from kvstrata.quality.evaluate import heldout_windows
+
+    scale = session.scale
+    torch.set_num_threads(session.threads)
+    name, note = _model(session)
+    model, tokenizer = load_model(name)
+    context = scale.compression_contexts[0]
+    with tempfile.TemporaryDirectory(prefix="kvstrata-calibration-") as tmp:
+        path = f"{tmp}/calibration.safetensors"
+        write_calibration(
+            model, tokenizer, path, model_name=name, tokens=2 * context, context=context,
+            block_size=scale.block_size,
+        )  # fmt: skip
+        cal = check_calibration(model, path)
+    byte_level = len(tokenizer) <= 259
+    windows = heldout_windows(name, context, 1, tokenizer=None if byte_level else tokenizer)
+    rows = lowrank_heads.measure(
+        model, windows, cal, context=context, block_size=scale.block_size,
+        only=lambda mode, setting: (mode, setting) in CALIBRATED,
+    )  # fmt: skip
+    session.tick(f"compression: calibrated codecs @ {context} tokens")
+    return {"model": name, "model_note": note, "context": context, "rows": rows}
+
+
+def render_calibrated(d: dict[str, Any]) -> str:
+    rows = [
+        [r["mode"], r["setting"], f"{r['key_bytes_per_token']:,.0f}",
+         f"{r['value_bytes_per_token']:,.0f}", f"{r['delta_ppl_pct']:+.2f} %",
+         f"{r['top1_agreement']:.1%}", f"{r['kl_nats_per_token']:.1e}"]
+        for r in d["rows"]
+    ]  # fmt: skip
+    text = table(
+        ["mode", "setting", "key B/token", "value B/token", "ΔPPL", "top-1 agree",
+         "KL nats/token"],
+        rows,
+    )  # fmt: skip
+    note = f" ({d['model_note']})" if d["model_note"] else ""
+    return text + (
+        f"\n\nModel: {d['model']}{note}, one held-out window of {d['context']} tokens, "
+        "calibrated on other text (`kvstrata calibrate`). `lowrank-post` is the registered "
+        "codec (post-RoPE keys); `lowrank-pre` projects keys before the rotation, which a "
+        "codec cannot do yet (it is not given the tokens' positions); `heads` keeps a third "
+        "of each layer's KV heads in int8 and the rest in int4, chosen by calibration "
+        "(damage) or at random (the control at equal bytes). ΔPPL, top-1 and KL against "
+        "the exact model from a one-forward simulation of the tiered cache "
+        "(`kvstrata.quality.kvsim`: every block but the sinks and the residual window "
+        "decoded), not from a token-by-token run.\n"
+    )
+
+
 MODES: dict[str, Mode] = {
     "delta": Mode(
         title="Delta coding along tokens before byte planes + zstd (`disk_delta`)",
         measure=measure_delta,
         render=render_delta,
         ticks=lambda scale: len(scale.compression_contexts),
+    ),
+    "calibrated": Mode(
+        title="Low-rank keys and important heads (calibrated codecs; lossy)",
+        measure=measure_calibrated,
+        render=render_calibrated,
+        ticks=lambda scale: 1,
     ),
     "selection": Mode(
         title="Query-aware key selection (`attention_budget`, Quest-style; lossy)",
