@@ -36,9 +36,8 @@ class _Summaries:
     """Key summaries of one sequence's pages in one layer group."""
 
     table: Any  # the block table described; a new table (a new sequence) starts over
-    data: (
-        torch.Tensor
-    )  # [layers, Hkv, capacity, W] fp32: per-channel max then min (W = 2D), or the mean (W = D)
+    # [layers, Hkv, capacity, W] fp32: per-channel max then min (W = 2D), or mean (W = D)
+    data: torch.Tensor
     filled: list[int]  # per local layer: pages 0 .. filled - 1 are summarised
 
 
