@@ -90,7 +90,9 @@ def measure(
     model, tokenizer = load_model(model_name)
     enable(model)
     cfg = model.config
-    byte_level = len(tokenizer) <= 259
+    from kvstrata.model.zoo import is_byte_tokenizer
+
+    byte_level = is_byte_tokenizer(tokenizer)
     texts = heldout_windows(model_name, context, windows, None if byte_level else tokenizer)
     names = [FULL] + [f"budget {b:g}" for b in budgets]
     fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary}

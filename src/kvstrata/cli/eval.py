@@ -200,7 +200,7 @@ def render(
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Run `kvstrata eval ppl`; exit 1 when a lossless configuration is not exact."""
-    from kvstrata.model.zoo import BYTE_VOCAB_SIZE, EOS_ID, load_model
+    from kvstrata.model.zoo import is_byte_tokenizer, load_model
     from kvstrata.quality.evaluate import compare, heldout_windows
 
     context = parse_tokens(args.context, "context")
@@ -231,7 +231,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         from kvstrata.quality.calibrate import check_calibration
 
         check_calibration(model, args.calibration, "calibration")
-    byte_level = len(tokenizer) == BYTE_VOCAB_SIZE and tokenizer.eos_token_id == EOS_ID
+    byte_level = is_byte_tokenizer(tokenizer)
     windows = heldout_windows(
         args.model, context, num_windows, tokenizer=None if byte_level else tokenizer
     )

@@ -63,6 +63,12 @@ def default_model_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL_NAME
 
 
+def is_byte_tokenizer(tokenizer: Any) -> bool:
+    """Whether `tokenizer` is the embedded byte-level one (id == byte): its held-out text
+    is then read as bytes, not encoded (`heldout_windows(..., tokenizer=None)`)."""
+    return len(tokenizer) == BYTE_VOCAB_SIZE and tokenizer.eos_token_id == EOS_ID
+
+
 def bytes_to_ids(data: bytes) -> list[int]:
     """Map raw bytes to byte-tokenizer ids (id == byte value); works for invalid UTF-8.
 

@@ -263,7 +263,9 @@ def measure_calibrated(session: Session) -> dict[str, Any]:
             block_size=scale.block_size,
         )  # fmt: skip
         cal = check_calibration(model, path)
-    byte_level = len(tokenizer) <= 259
+    from kvstrata.model.zoo import is_byte_tokenizer
+
+    byte_level = is_byte_tokenizer(tokenizer)
     windows = heldout_windows(name, context, 1, tokenizer=None if byte_level else tokenizer)
     rows = lowrank_heads.measure(
         model, windows, cal, context=context, block_size=scale.block_size,

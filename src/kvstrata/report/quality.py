@@ -58,10 +58,10 @@ def geometry_of(model: Any) -> dict[str, Any]:
 
 def _text(session: Session, tokenizer: Any, tokens: int, count: int) -> tuple[list, Any]:
     """Held-out windows and the bytes-of-text function of `kvstrata eval ppl`."""
-    from kvstrata.model.zoo import BYTE_VOCAB_SIZE, EOS_ID
+    from kvstrata.model.zoo import is_byte_tokenizer
     from kvstrata.quality.evaluate import heldout_windows
 
-    byte_level = len(tokenizer) == BYTE_VOCAB_SIZE and tokenizer.eos_token_id == EOS_ID
+    byte_level = is_byte_tokenizer(tokenizer)
     windows = heldout_windows(
         session.model, tokens, count, tokenizer=None if byte_level else tokenizer
     )
