@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvstrata.core.errors import ConfigError, TierIOError
+from kvstrata.core.slots import slot_runs
 from kvstrata.core.units import format_bytes
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import BackendPlan
@@ -41,8 +42,10 @@ from kvstrata.tiers.base import SlotAllocator, Tier
 from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 from kvstrata.tiers.disk_format import SlotFormat
 from kvstrata.tiers.disk_lock import DirLock
+from kvstrata.tiers.memory import MemoryTier
 
 T = TypeVar("T")
+MAX_RUNS_IN_PLACE = 16  # more runs of host slots than this: read into a staging tensor
 log = logging.getLogger(__name__)
 NAMESPACE_DIR = re.compile(r"^.+-[0-9a-f]{16}$")  # plan.BackendPlan.named's subdirectories
 _TIER_FILES = {ARENA_FILE, INDEX_FILE, LOCK_FILE} | {
@@ -240,8 +243,29 @@ def copy_blocks(src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]
     dst.write_blocks(dst_slots, k, v)
 
 
+def read_into(disk: DiskTier, disk_slots: list[int], host: Tier, host_slots: list[int]) -> None:
+    """`copy_blocks` from the disk tier to the host tier; when their codecs match, the
+    blocks are read straight into the host arena's rows (one read per run of
+    consecutive host slots: no staging tensor, no second copy)."""
+    runs = slot_runs(host_slots)
+    if (
+        not isinstance(host, MemoryTier)
+        or disk.codec.name != host.codec.name
+        or len(runs) > MAX_RUNS_IN_PLACE
+    ):
+        copy_blocks(disk, disk_slots, host, host_slots)
+        return
+    rows = {f"{kind}.{f}": s.rows for kind, fs in host.field_specs.items() for f, s in fs.items()}
+    for j, first, count in runs:
+        arena = host.arenas
+        views = {key: t.narrow(2, first * rows[key], count * rows[key]) for key, t in arena.items()}
+        disk.read_encoded_into(disk_slots[j : j + count], views)
+    host.stats.blocks_written += len(host_slots)
+    host.stats.bytes_written += len(host_slots) * host.block_bytes
+
+
 def read_verified(
-    disk: Tier, disk_slots: list[int], host: Tier, host_slots: list[int]
+    disk: DiskTier, disk_slots: list[int], host: Tier, host_slots: list[int]
 ) -> dict[int, TierIOError]:
     """`copy_blocks` of a batch from the disk tier, serving only verified blocks.
 
@@ -260,7 +284,7 @@ def read_verified(
     todo = list(range(len(disk_slots)))
     while todo:
         try:
-            copy_blocks(disk, [disk_slots[i] for i in todo], host, [host_slots[i] for i in todo])
+            read_into(disk, [disk_slots[i] for i in todo], host, [host_slots[i] for i in todo])
             break
         except TierIOError as exc:
             failed = set(getattr(exc, "slots", None) or ())
