@@ -22,12 +22,15 @@ LOSSLESS_ZSTD = {"disk_compress": True}
 INT4_ZSTD = {"host_codec": "int8", "disk_codec": "int4-g32", "disk_compress": True}
 
 
-def _restarted(tmp_path: Path, keys: list[bytes], **extra: Any) -> tuple[OffloadStore, Any, Any]:
-    """A store whose blocks `keys` are on disk only (written, then a restart)."""
+def _restarted(
+    tmp_path: Path, keys: list[bytes], host_budget: str = "1MiB", **extra: Any
+) -> tuple[OffloadStore, Any, Any]:
+    """A store whose blocks `keys` are on disk only (written, then a restart with a
+    host tier of `host_budget`)."""
     store, worker = _store(tmp_path, **extra)
     data = _put(store, worker, keys, seed=7)
     store.close()
-    store, worker = _store(tmp_path, **extra)
+    store, worker = _store(tmp_path, host_budget=host_budget, **extra)
     assert all(store.index.get(k).host_slot is None for k in keys)
     return store, worker, data
 
@@ -106,7 +109,7 @@ def test_what_the_host_tier_cannot_take_is_a_miss(tmp_path: Path) -> None:
         store.close()
 
 
-def test_blocks_read_in_stay_pinned_until_looked_up_or_a_step_passes(tmp_path: Path) -> None:
+def test_blocks_read_in_stay_pinned_until_looked_up_or_a_step_has_seen_them(tmp_path: Path) -> None:
     keys = [bytes([i]) for i in range(3)]
     store, _, _ = _restarted(tmp_path, keys)
     try:
@@ -115,6 +118,8 @@ def test_blocks_read_in_stay_pinned_until_looked_up_or_a_step_passes(tmp_path: P
         store.drain()  # landed: pinned, so nothing evicts them before the request sees them
         assert [store.index.get(k).pins for k in keys] == [1, 1, 1]
         assert store.lookup(keys[0]) == HIT  # the landing pin becomes the step's lease
+        store.end_step()  # a whole step's lookups have seen the others: still pinned
+        assert [store.index.get(k).pins for k in keys] == [0, 1, 1]
         store.end_step()
         assert [store.index.get(k).pins for k in keys] == [0, 0, 0]  # unclaimed ones expire
         assert store.lookup(keys[1]) == HIT and store.source(keys[1]) == "host"

@@ -164,15 +164,16 @@ class DiskReads:
 
     # -- landed blocks -----------------------------------------------------------------------
     def land(self, entry: Entry) -> None:
-        """A block read in is on the host: pinned until a lookup takes it or the next
-        step ends (so it is not evicted before the request that asked for it sees it)."""
+        """A block read in is on the host: pinned until a lookup takes it or a whole
+        step's lookups have passed since (so it is not evicted before the request that
+        asked for it sees it)."""
         entry.pins += 1
         self.index.refresh(entry)
         self._landed[entry.key] = (entry, self._step)
 
     def end_step(self) -> list[Entry]:
-        """Begin the next step. Returns the blocks landed before this step's lookups
-        that none of them took: their pins are the caller's to release."""
+        """Begin the next step. Returns the blocks that landed before this step's
+        lookups began and none of them took: their pins are the caller's to release."""
         expired = [e for e, step in self._landed.values() if step < self._step]
         for entry in expired:
             del self._landed[entry.key]
