@@ -59,15 +59,13 @@ class DiskReads:
         disk: the store's disk tier, on its thread.
         host: the host tier the blocks are read into.
         index: the store's index (entries are re-ranked as their state changes).
-        counters: the store's counters (COUNTERS are added to them).
+        counters: the store's counters (with COUNTERS and disk_read_timeouts).
     """
 
     def __init__(
         self, disk: DiskWriter, host: Tier, index: BlockIndex, counters: dict[str, int]
     ) -> None:
         self.disk, self.host, self.index, self.counters = disk, host, index, counters
-        for name in COUNTERS:
-            counters.setdefault(name, 0)
         self._wanted: dict[bytes, Entry] = {}  # this step's disk-only lookups, in order
         self._batches: list[Batch] = []
         self._batch_of: dict[bytes, Batch] = {}  # key -> its read in flight

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.core.errors import TierIOError
+from kvstrata.integrations.vllm.disk_reads import COUNTERS as READ_COUNTERS
 from kvstrata.integrations.vllm.disk_reads import DiskReads
 from kvstrata.integrations.vllm.disk_writer import DiskWriter, make_room
 from kvstrata.integrations.vllm.index import BlockIndex, Entry
@@ -43,7 +44,7 @@ COUNTERS = (
     "lookups", "hits_host", "hits_disk", "misses", "pending", "corrupt_refused", "stored",
     "disk_written", "disk_write_errors", "evicted_host", "evicted_disk", "store_refused",
     "found_on_disk", "disk_read_timeouts", "disk_degraded", "hits_remote", "remote_retries",
-    "remote_no_room",
+    "remote_no_room", *READ_COUNTERS,
 )  # fmt: skip
 DRAIN_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 60.0
