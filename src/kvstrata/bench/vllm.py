@@ -139,7 +139,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cached: dict[str, list[int]] = {v: [] for v in VARIANTS}
     hits: dict[str, dict[str, int]] = {v: {"host": 0, "disk": 0} for v in VARIANTS}
-    reads: dict[str, dict[str, int]] = {v: {"batches": 0, "blocks": 0} for v in VARIANTS}
+    reads = {v: {"batches": 0, "blocks": 0, "retries": 0} for v in VARIANTS}
     same: dict[str, bool] = dict.fromkeys(VARIANTS, True)
     first_token: list[int] = []
     for r, prompt in enumerate(prompts):
@@ -166,8 +166,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for tier in ("host", "disk"):
                     key = f"hits_{tier}"
                     hits[variant][tier] += after[key] - before.get(key, 0)
-                for what in ("batches", "blocks"):
-                    key = f"disk_read_{what}"
+                for what, key in (
+                    ("batches", "disk_read_batches"),
+                    ("blocks", "disk_read_blocks"),
+                    ("retries", "disk_retries"),  # lookups answered RETRY: steps x blocks
+                ):
                     reads[variant][what] += after.get(key, 0) - before.get(key, 0)
         llm.reset_prefix_cache()
     final = stats()
