@@ -16,7 +16,9 @@ prompt, so storing a prompt pushes the previous one out to the disk tier. Every 
 
 Each variant's token must equal the same prompt's cold token (lossless codecs; lossy
 ones report it). Also reported: hits per tier, the batched disk reads that served them
-(reads and blocks: the path that ran), the machine's load before and after, and the
+(reads, blocks, and lookups answered RETRY meanwhile: the path that ran; a round whose
+read landed within one step has one RETRY per block), the machine's load before and
+after, and the
 bytes of one block per codec (exact stored sizes; with --disk-compress the measured
 average on disk).
 """

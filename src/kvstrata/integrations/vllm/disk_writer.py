@@ -10,8 +10,8 @@ scheduler thread never waits on a disk write, nor on a queue of them:
   to a new block is dropped before it is rewritten) and never waited for; a failure
   is reported by `finished` like a failed write;
 - blocks read back for hits go ahead of the queued writes, as one batch
-  (`read_batch`, waited for by no one: see disk_reads.py); the only waits are
-  draining and closing, each with a timeout.
+  (`read_batch`; the scheduler gives it at most a few ms per step: disk_reads.py);
+  the only other waits are draining and closing, each with a timeout.
 
 `make_room` enforces `disk_budget` per `disk_dir` across namespaces at start-up.
 """
