@@ -270,7 +270,7 @@ def _hits(variant: dict[str, Any]) -> str:
     text = ", ".join(f"{t}={n}" for t, n in variant["kvstrata_hits"].items() if n) or "-"
     reads = variant.get("disk_reads", {})
     if reads.get("batches"):
-        text += f" ({reads['blocks']} blocks in {reads['batches']} batched reads)"
+        text += f" in {reads['batches']} batched reads"
     return text
 
 
