@@ -170,6 +170,34 @@ def test_compressed_round_trip(tmp_path, compressor):
     tier.close()
 
 
+def test_compressed_slots_are_read_across_threads_bad_ones_named_in_order(tmp_path, compressor):
+    """A read of many compressed slots splits them over io_threads threads: the blocks
+    come back exact, in the caller's order, and corrupt slots are named in that order
+    whichever thread found them; `read_encoded_into` fills the caller's views."""
+    layout = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8)
+    tier = DiskTier(layout, 12, tmp_path, compress=True, io_threads=3)
+    k, v = _blocks(layout, 10, seed=4)
+    k[..., ::2] = 0.0  # compressible: every slot is stored packed
+    slots = [11, 3, 0, 7, 1, 9, 2, 8, 5, 4]
+    tier.write_blocks(slots, k, v)
+    assert (tier._lens[slots] < tier.layer_bytes).all()
+    k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+    tier.read_blocks(slots, k_out, v_out)
+    assert torch.equal(k_out, k) and torch.equal(v_out, v)
+    assert tier._file._pool is not None  # the threads did the reading
+    whole = tier.read_encoded(slots)
+    into = {key: torch.zeros_like(t) for key, t in whole.items()}
+    tier.read_encoded_into(slots, into)
+    assert all(torch.equal(into[key], whole[key]) for key in whole)
+    _corrupt_byte(tier, slot=5, layer=0, offset=3)  # the 9th slot read, then the 2nd
+    _corrupt_byte(tier, slot=3, layer=0, offset=3)
+    with pytest.raises(BlockCorruptError) as info:
+        tier.read_blocks(slots, k_out, v_out)
+    assert info.value.slots == [3, 5]
+    tier.close()
+    assert tier._file._pool is None
+
+
 # -- damage -------------------------------------------------------------------------------
 def test_corrupt_byte_is_reported_never_served(tmp_path):
     tier = DiskTier(LAYOUT, 4, tmp_path)

@@ -20,8 +20,7 @@ import torch
 
 from kvstrata.core.errors import ConfigError, KvstrataError, TierIOError, UnsupportedModelError
 from kvstrata.core.layout import BlockLayout
-from kvstrata.integrations.vllm import kv_transfer_config
-from kvstrata.integrations.vllm import store as store_module
+from kvstrata.integrations.vllm import disk_reads, kv_transfer_config
 from kvstrata.integrations.vllm.index import BlockIndex
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.pages import Pages
@@ -34,6 +33,7 @@ from kvstrata.integrations.vllm.plan import (
     weights_fingerprint,
 )
 from kvstrata.integrations.vllm.region import HEADER_BYTES, MAGIC
+from kvstrata.integrations.vllm.remote import RETRY
 from kvstrata.integrations.vllm.store import HIT, MISS, PENDING, OffloadStore
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.tiers.disk import DiskTier
@@ -335,6 +335,16 @@ def _put(store: OffloadStore, worker: Worker, keys: list[bytes], seed: int) -> t
     return data
 
 
+def read_back(store: OffloadStore, keys: list[bytes]) -> list[str]:
+    """The lookups of `keys` as vLLM repeats them: blocks only on disk answer RETRY and
+    are read in one batch at the step's end; once it landed, they are looked up again."""
+    first = [store.lookup(k) for k in keys]
+    assert RETRY in first, first
+    store.end_step()
+    store.drain()
+    return [store.lookup(k) for k in keys]
+
+
 @pytest.mark.parametrize(
     ("disk", "codec"),
     [({}, "none"), ({"disk_compress": True, "disk_delta": True}, "none+delta+zstd")],
@@ -351,7 +361,7 @@ def test_store_hits_pins_and_writes_through(tmp_path: Path, disk: dict, codec: s
         assert torch.equal(worker.read(slots), data[:, :, :N])  # "a" stayed put
         store.complete_store([b"c", b"d"], success=False)
         store.complete_load([b"a"])
-        assert store.lookup(b"b") == HIT and store.source(b"b") == "disk"  # read back, verified
+        assert read_back(store, [b"b"]) == [HIT] and store.source(b"b") == "disk"  # verified
         store.end_step()
         assert torch.equal(worker.read(store.prepare_load([b"b"])), data[:, :, N:])
         assert store.stats()["hits_disk"] == 1 and store.stats()["disk_written"] == 2
@@ -375,7 +385,7 @@ def test_store_refuses_a_corrupt_disk_block_and_reopens_its_index(tmp_path: Path
         with open(disk.path, "r+b") as f:
             f.seek(slot * disk.slot_bytes + 123)
             f.write(b"\xff\x00\xff")
-        assert [store.lookup(k) for k in keys] == [HIT, HIT, MISS, HIT]
+        assert read_back(store, keys) == [HIT, HIT, MISS, HIT]
         assert store.stats()["corrupt_refused"] == 1 and store.index.get(keys[2]) is None
     finally:
         store.close()
@@ -467,7 +477,7 @@ def test_an_arena_larger_than_shared_memory_is_a_config_error(monkeypatch: Any) 
 
 # -- a slow or failing disk -------------------------------------------------------------------
 def test_disk_frees_never_wait_and_a_slow_read_is_a_miss(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(store_module, "READ_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(disk_reads, "READ_TIMEOUT_S", 0.2)
     block = 32768
     store, worker = _store(tmp_path, host_budget=f"{6 * block}", disk_budget=f"{4 * block}")
     gate = threading.Event()
@@ -492,11 +502,18 @@ def test_disk_frees_never_wait_and_a_slow_read_is_a_miss(tmp_path: Path, monkeyp
         store.touch([a, b])
         store.prepare_store([g, h], [g, h])  # evicts the host copies of c, d (kept on disk)
         assert store.index.get(c).host_slot is None
-        assert store.lookup(c) == MISS  # its read waits behind the stuck call: timed out
+        assert store.lookup(c) == RETRY  # queued for the step's batched read
+        started = time.monotonic()
+        store.end_step()  # its read waits behind the stuck call: the step does not
+        assert time.monotonic() - started < 1.0
+        assert store.lookup(c) == RETRY
+        time.sleep(0.3)  # past READ_TIMEOUT_S
+        assert store.lookup(c) == MISS and store.stats()["disk_read_timeouts"] == 1
+        assert store.lookup(d) == MISS  # nothing is queued behind a stuck read
         assert store.lookup(c) == MISS and store.stats()["disk_read_timeouts"] == 1
         gate.set()
         assert store.drain()
-        assert store.lookup(c) == HIT and store.source(c) == "host"  # the read landed
+        assert store.lookup(c) == HIT and store.source(c) == "disk"  # the read landed
         assert torch.equal(worker.read(store.prepare_load([c])), data[:, :, 2 * N : 3 * N])
     finally:
         gate.set()
@@ -519,7 +536,7 @@ def test_a_failing_disk_free_degrades_to_host_only(tmp_path: Path) -> None:
             raise TierIOError("EIO while dropping an index row")
 
         disk.free = broken
-        assert store.lookup(keys[1]) == MISS  # corrupt: dropped; its free fails later
+        assert read_back(store, [keys[1]]) == [MISS]  # corrupt: dropped; its free fails
         store.drain()
         assert store.degraded and store.stats()["disk_degraded"] == 1
         assert store.lookup(keys[0]) == MISS  # the disk copies are forgotten
@@ -579,6 +596,6 @@ def test_blocks_written_but_never_keyed_are_freed_at_open(tmp_path: Path) -> Non
     try:
         assert store.stats()["found_on_disk"] == 2
         assert store.disk.slots.num_free == total - 2  # the two keyed blocks only
-        assert store.lookup(b"a") == HIT
+        assert read_back(store, [b"a"]) == [HIT]
     finally:
         store.close()

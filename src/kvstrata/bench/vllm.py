@@ -10,11 +10,17 @@ prompt, so storing a prompt pushes the previous one out to the disk tier. Every 
   vllm_prefix   the same prompt again: vLLM's own prefix cache holds it
   kvstrata_host after vLLM's prefix cache is reset: its blocks load from kvstrata's host tier
   kvstrata_disk the previous round's prompt, vLLM's cache reset: its blocks were pushed out
-                of the host tier and load from disk (read back and checksummed)
+                of the host tier and load from disk: the whole prefix read back in
+                one batch between two scheduler steps (vectored, checksummed,
+                decompressed across threads), then loaded as host hits are
 
 Each variant's token must equal the same prompt's cold token (lossless codecs; lossy
-ones report it). Also reported: hits per tier, and the bytes of one block per codec
-(exact stored sizes; with --disk-compress the measured average on disk).
+ones report it). Also reported: hits per tier, the batched disk reads that served them
+(reads, blocks, and lookups answered RETRY meanwhile: the path that ran; a round whose
+read landed within one step has one RETRY per block), the machine's load before and
+after, and the
+bytes of one block per codec (exact stored sizes; with --disk-compress the measured
+average on disk).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     model_dir = resolve_model_dir(args.model)
     warning = _timing.load_warning(os.cpu_count() or 1)  # vLLM uses every core
+    load_before = _timing.machine_load()[0]
     rounds = args.repeats + 1  # + the warm-up round
     prompts = _prompts(model_dir, rounds, args.prompt_tokens)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvstrata-vllm-"))
@@ -134,6 +141,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cached: dict[str, list[int]] = {v: [] for v in VARIANTS}
     hits: dict[str, dict[str, int]] = {v: {"host": 0, "disk": 0} for v in VARIANTS}
+    reads = {v: {"batches": 0, "blocks": 0, "retries": 0} for v in VARIANTS}
     same: dict[str, bool] = dict.fromkeys(VARIANTS, True)
     first_token: list[int] = []
     for r, prompt in enumerate(prompts):
@@ -160,8 +168,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for tier in ("host", "disk"):
                     key = f"hits_{tier}"
                     hits[variant][tier] += after[key] - before.get(key, 0)
+                for what, key in (
+                    ("batches", "disk_read_batches"),
+                    ("blocks", "disk_read_blocks"),
+                    ("retries", "disk_retries"),  # lookups answered RETRY: steps x blocks
+                ):
+                    reads[variant][what] += after.get(key, 0) - before.get(key, 0)
         llm.reset_prefix_cache()
     final = stats()
+    load_after = _timing.machine_load()[0]
     llm.llm_engine.engine_core.shutdown()
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
@@ -180,12 +195,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "spread": _timing.spread(times[v]),
                 "cached_tokens": _timing.median(cached[v]),
                 "kvstrata_hits": hits[v],
+                "disk_reads": reads[v],
                 "tokens_identical": same[v],
             }
             for v in VARIANTS
         ],
         "ratios": {f"cold/{v}": med["cold"] / med[v] for v in VARIANTS[1:]},
         "bytes_per_block": _codec_bytes(model_dir, block_tokens, final),
+        "load": {"before": load_before, "after": load_after, "cores": os.cpu_count() or 1},
         "machine_warning": warning,
     }
 
@@ -249,6 +266,14 @@ def run(args: argparse.Namespace) -> int:
     return 0 if not lossless or all(v["tokens_identical"] for v in report["variants"]) else 1
 
 
+def _hits(variant: dict[str, Any]) -> str:
+    text = ", ".join(f"{t}={n}" for t, n in variant["kvstrata_hits"].items() if n) or "-"
+    reads = variant.get("disk_reads", {})
+    if reads.get("batches"):
+        text += f" in {reads['batches']} batched reads"
+    return text
+
+
 def _print(report: dict[str, Any]) -> None:
     rows = [
         (
@@ -256,7 +281,7 @@ def _print(report: dict[str, Any]) -> None:
             f"{v['ttft_ms']:.1f}",
             f"{100 * v['spread']:.0f} %",
             f"{v['cached_tokens']:.0f}",
-            ", ".join(f"{t}={n}" for t, n in v["kvstrata_hits"].items() if n) or "-",
+            _hits(v),
             "✓" if v["tokens_identical"] else "✗",
         )
         for v in report["variants"]
@@ -270,6 +295,11 @@ def _print(report: dict[str, Any]) -> None:
         + f"); this run: host {measured['host']}, disk {measured['disk']:.0f}"
     )
     notes.append(f"engine start-up {report['engine_startup_s']:.0f} s (not in the figures)")
+    load = report["load"]
+    notes.append(
+        f"load average {load['before']:.2f} before, {load['after']:.2f} after "
+        f"({load['cores']} cores)"
+    )
     if report["machine_warning"]:
         notes.append(report["machine_warning"])
     c = report["codecs"]

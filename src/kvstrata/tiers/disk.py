@@ -378,6 +378,13 @@ class DiskTier(Tier):
         self._read(slots, None, out, encoded=True)
         return out
 
+    def read_encoded_into(self, slots: list[int], outs: Encoded) -> None:
+        """`read_encoded` into the caller's field tensors [L, Hkv, n*rows, cols] (views
+        of another tier's arena, say: blocks then move once). The outputs of blocks
+        that fail verification are zeroed or left as they were, never half-written
+        with unverified bytes."""
+        self._read(slots, None, outs, encoded=True)
+
     def _read(
         self,
         slots: list[int],

@@ -11,6 +11,7 @@ import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +87,8 @@ class BlockFile:
         compressor: (compress, decompress), or None to store layers as they are.
         load_compressor: returns (compress, decompress): reads compressed slots of a
             tier opened without `compressor`.
-        io_threads: threads for one native call.
+        io_threads: threads for one native call, and for the compressed slots of one
+            read (decompression releases the GIL).
         o_direct: move block data through a second, O_DIRECT descriptor.
     """
 
@@ -116,6 +118,8 @@ class BlockFile:
         self.created = False  # open() created the file (a failed sizing removes it)
         self.dfd = -1  # the descriptor block data moves through (O_DIRECT or fd)
         self._local = threading.local()
+        self.io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None  # for compressed reads, made on use
         self._vec = (
             None
             if native is None
@@ -222,6 +226,9 @@ class BlockFile:
         dfd, self.dfd = self.dfd, -1
         fd, self.fd = self.fd, -1
         self._local = threading.local()  # drop the staging buffers
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         failure = None
         if fd >= 0 and sync:
             try:
@@ -415,8 +422,7 @@ class BlockFile:
             for j in np.flatnonzero(~packed):
                 if not self._pread(full[j], chunk[j] * sb + layer * lb, [chunk[j]]):
                     missing.append(chunk[j])
-        for j in np.flatnonzero(packed):
-            self._read_packed(chunk[j], layer, stag_np[j], missing, corrupt)
+        self._read_all_packed(chunk, np.flatnonzero(packed), layer, stag_np, missing, corrupt)
         plain = np.flatnonzero(~packed)
         if len(plain):
             layers = slice(None) if layer is None else slice(layer, layer + 1)
@@ -425,6 +431,38 @@ class BlockFile:
             bad = {chunk[plain[j]] for j in np.flatnonzero((got != want).any(axis=1))}
             corrupt.extend(s for s in chunk if s in bad and s not in missing)
         return len(missing) + len(corrupt) == bad_before
+
+    def _read_all_packed(
+        self,
+        chunk: list[int],
+        picks: np.ndarray,
+        layer: int | None,
+        stag_np: np.ndarray,
+        missing: list,
+        corrupt: list,
+    ) -> None:
+        """`_read_packed` for the slots chunk[j], j in `picks`, split over up to
+        io_threads threads (each slot has its own rows; the bad ones are appended in
+        slot order, as one thread would)."""
+        num_groups = min(self.io_threads, len(picks))
+        if num_groups < 2:
+            for j in picks:
+                self._read_packed(chunk[j], layer, stag_np[j], missing, corrupt)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstrata-unzip")
+        found: list[tuple[list, list]] = []
+
+        def read(group: np.ndarray) -> None:
+            bad: tuple[list, list] = ([], [])
+            found.append(bad)
+            for j in group:
+                self._read_packed(chunk[j], layer, stag_np[j], *bad)
+
+        list(self._pool.map(read, np.array_split(picks, num_groups)))  # re-raises a failure
+        order = {slot: i for i, slot in enumerate(chunk)}
+        missing.extend(sorted((s for m, _ in found for s in m), key=order.__getitem__))
+        corrupt.extend(sorted((s for _, c in found for s in c), key=order.__getitem__))
 
     def _read_packed(
         self, slot: int, layer: int | None, out: np.ndarray, missing: list, corrupt: list

@@ -9,9 +9,9 @@ scheduler thread never waits on a disk write, nor on a queue of them:
   index row is queued behind the writes already submitted (so a slot freed and given
   to a new block is dropped before it is rewritten) and never waited for; a failure
   is reported by `finished` like a failed write;
-- the only waits are a block read back on a hit, which goes ahead of the queued
-  writes, and draining or closing; each has a timeout (`Future.result(timeout)`),
-  and the caller treats a timeout as a miss, never a hang.
+- blocks read back for hits go ahead of the queued writes, as one batch
+  (`read_batch`; the scheduler gives it at most a few ms per step: disk_reads.py);
+  the only other waits are draining and closing, each with a timeout.
 
 `make_room` enforces `disk_budget` per `disk_dir` across namespaces at start-up.
 """
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvstrata.core.errors import ConfigError, TierIOError
+from kvstrata.core.slots import slot_runs
 from kvstrata.core.units import format_bytes
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import BackendPlan
@@ -41,8 +42,10 @@ from kvstrata.tiers.base import SlotAllocator, Tier
 from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 from kvstrata.tiers.disk_format import SlotFormat
 from kvstrata.tiers.disk_lock import DirLock
+from kvstrata.tiers.memory import MemoryTier
 
 T = TypeVar("T")
+MAX_RUNS_IN_PLACE = 16  # more runs of host slots than this: read into a staging tensor
 log = logging.getLogger(__name__)
 NAMESPACE_DIR = re.compile(r"^.+-[0-9a-f]{16}$")  # plan.BackendPlan.named's subdirectories
 _TIER_FILES = {ARENA_FILE, INDEX_FILE, LOCK_FILE} | {
@@ -148,11 +151,14 @@ class DiskWriter:
         future.add_done_callback(self._report(None))
 
     # -- I/O -------------------------------------------------------------------------------
-    def read_into(self, host: Tier, disk_slot: int, host_slot: int) -> Future[None]:
-        """Read one block into a host slot, verifying its checksums, ahead of the
-        queued writes. The future fails with TierIOError (BlockCorruptError,
-        BlockMissingError) when the block cannot be served."""
-        return self.submit(lambda: copy_blocks(self.tier, [disk_slot], host, [host_slot]), True)
+    def read_batch(
+        self, host: Tier, disk_slots: list[int], host_slots: list[int]
+    ) -> Future[dict[int, TierIOError]]:
+        """Read blocks into host slots in one batch (`read_verified`), ahead of the
+        queued writes. The future's result: the blocks that cannot be served (corrupt,
+        missing, unreadable), by index in `disk_slots`, with their errors; it fails
+        when the read fails as a whole."""
+        return self.submit(lambda: read_verified(self.tier, disk_slots, host, host_slots), True)
 
     def write(
         self,
@@ -235,6 +241,60 @@ def copy_blocks(src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]
     v = torch.empty(layout.raw_shape("v", n), dtype=layout.dtype)
     src.read_blocks(src_slots, k, v)
     dst.write_blocks(dst_slots, k, v)
+
+
+def read_into(disk: DiskTier, disk_slots: list[int], host: Tier, host_slots: list[int]) -> None:
+    """`copy_blocks` from the disk tier to the host tier; when their codecs match, the
+    blocks are read straight into the host arena's rows (one read per run of
+    consecutive host slots: no staging tensor, no second copy)."""
+    runs = slot_runs(host_slots)
+    if (
+        not isinstance(host, MemoryTier)
+        or disk.codec.name != host.codec.name
+        or len(runs) > MAX_RUNS_IN_PLACE
+    ):
+        copy_blocks(disk, disk_slots, host, host_slots)
+        return
+    rows = {f"{kind}.{f}": s.rows for kind, fs in host.field_specs.items() for f, s in fs.items()}
+    for j, first, count in runs:
+        arena = host.arenas
+        views = {key: t.narrow(2, first * rows[key], count * rows[key]) for key, t in arena.items()}
+        disk.read_encoded_into(disk_slots[j : j + count], views)
+    host.stats.blocks_written += len(host_slots)
+    host.stats.bytes_written += len(host_slots) * host.block_bytes
+
+
+def read_verified(
+    disk: DiskTier, disk_slots: list[int], host: Tier, host_slots: list[int]
+) -> dict[int, TierIOError]:
+    """`copy_blocks` of a batch from the disk tier, serving only verified blocks.
+
+    One call reads them all (the disk tier's vectored reads; compressed slots are
+    decompressed across its threads; a codec change runs in torch's threads). A
+    block that fails its checksum or cannot be read is left out and the rest read
+    again (the tier raises for the batch, naming the bad slots).
+
+    Returns:
+        index in `disk_slots` -> TierIOError, for the blocks not copied.
+
+    Raises:
+        TierIOError naming no slot, or anything else: the batch failed as a whole.
+    """
+    bad: dict[int, TierIOError] = {}
+    todo = list(range(len(disk_slots)))
+    while todo:
+        try:
+            read_into(disk, [disk_slots[i] for i in todo], host, [host_slots[i] for i in todo])
+            break
+        except TierIOError as exc:
+            failed = set(getattr(exc, "slots", None) or ())
+            refused = [i for i in todo if disk_slots[i] in failed]
+            if not refused:
+                raise
+            for i in refused:
+                bad[i] = exc
+            todo = [i for i in todo if disk_slots[i] not in failed]
+    return bad
 
 
 # -- one budget per disk_dir -------------------------------------------------------------------

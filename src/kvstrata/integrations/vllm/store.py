@@ -5,15 +5,17 @@ scheduler thread; the disk tier lives on its writer thread (disk_writer.py).
 
 Safety (what a hit promises): `lookup` answers "hit" only for a block whose host copy
 is complete and which stays pinned until vLLM has loaded it (or the step ends). A
-block only on disk is first read back into a host slot — which verifies its XXH3
-checksums — and a block that fails (corrupt, missing, unreadable) is dropped and
-answered "miss": vLLM recomputes it, and never sees a failed load.
+block only on disk is first read back into a host slot — with the rest of its prefix,
+in one batch between two steps (disk_reads.py: the lookup answers RETRY meanwhile) —
+which verifies its XXH3 checksums; a block that fails (corrupt, missing, unreadable)
+is dropped and answered "miss": vLLM recomputes it, and never sees a failed load.
 
 The scheduler never hangs on the disk: its calls run on a writer thread, and the
-scheduler waits only for a read (READ_TIMEOUT_S: past it the lookup is a miss) or a
-drain (DRAIN_TIMEOUT_S, CLOSE_TIMEOUT_S). When
-the disk tier fails as a whole (a slot cannot be freed, an unexpected error) it is
-logged once and the store goes on from the host tier alone (`degraded`).
+scheduler waits only a few milliseconds per step for a batched read (past
+READ_TIMEOUT_S its blocks are misses) or for a drain (DRAIN_TIMEOUT_S,
+CLOSE_TIMEOUT_S). When the disk tier fails as a whole (a slot cannot be freed, an
+unexpected error) it is logged once and the store goes on from the host tier alone
+(`degraded`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout  # builtin only from 3.11
 from typing import Any
 
 from kvstrata.core.errors import TierIOError
+from kvstrata.integrations.vllm.disk_reads import COUNTERS as READ_COUNTERS
+from kvstrata.integrations.vllm.disk_reads import DiskReads
 from kvstrata.integrations.vllm.disk_writer import DiskWriter, make_room
 from kvstrata.integrations.vllm.index import BlockIndex, Entry
 from kvstrata.integrations.vllm.options import VllmOptions
@@ -37,16 +39,13 @@ from kvstrata.integrations.vllm.plan import BackendPlan
 from kvstrata.integrations.vllm.remote import ABSENT, RETRY, VllmRemote
 
 log = logging.getLogger(__name__)
-HIT, PENDING, MISS = "hit", "pending", "miss"  # and RETRY: a remote read is under way
+HIT, PENDING, MISS = "hit", "pending", "miss"  # and RETRY: a disk / remote read is under way
 COUNTERS = (
     "lookups", "hits_host", "hits_disk", "misses", "pending", "corrupt_refused", "stored",
     "disk_written", "disk_write_errors", "evicted_host", "evicted_disk", "store_refused",
     "found_on_disk", "disk_read_timeouts", "disk_degraded", "hits_remote", "remote_retries",
-    "remote_no_room",
+    "remote_no_room", *READ_COUNTERS,
 )  # fmt: skip
-# The scheduler never waits on the disk longer than this (seconds); a timed-out read is
-# a miss (the block reaches the host when the read ends), the rest is logged.
-READ_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 60.0
 
@@ -66,9 +65,9 @@ class OffloadStore:
         self.host = plan.host_tier(create=False)
         self.plan = plan.named(self.host.region.identity)
         self.disk: DiskWriter | None = None
+        self.reads: DiskReads | None = None  # disk hits, read back in batches
         self.degraded = False  # the disk tier failed: host only from then on
         self._writes: dict[int, list[Entry]] = {}  # disk writes in flight, by token
-        self._reads: dict[bytes, tuple[Future, Entry]] = {}  # reads that timed out
         self._tokens = itertools.count()
         self._leased: dict[bytes, str] = {}  # this step's hits -> tier they came from
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -79,6 +78,7 @@ class OffloadStore:
         if self.plan.disk_path is not None:
             self.removed_namespaces = make_room(self.plan, options.cache.disk_budget)
             self.disk = DiskWriter(self.plan, options)
+            self.reads = DiskReads(self.disk, self.host, self.index, self.counters)
             for slot, key in sorted(self.disk.keyed_slots().items()):
                 entry = self.index.add(key, None)
                 entry.disk_slot, entry.disk_ready = slot, True
@@ -89,7 +89,8 @@ class OffloadStore:
     # -- lookups and loads ---------------------------------------------------------------
     def lookup(self, key: bytes, vllm_key: bytes | None = None) -> str:
         """HIT (deliverable and pinned until loaded or the step ends), PENDING (being
-        stored), RETRY (asked of the remote tier: ask again next step) or MISS."""
+        stored), RETRY (being read from the disk or the remote tier: ask again next
+        step) or MISS."""
         self._reap()
         self.counters["lookups"] += 1
         entry = self.index.get(key)
@@ -101,15 +102,19 @@ class OffloadStore:
             if not isinstance(found, Entry):
                 return found or self._count(MISS)
             entry, tier = found, "remote"
-        if entry is None or entry.reading or entry.doomed:
+        if entry is None or entry.doomed:
             return self._count(MISS)
-        if entry.host_slot is not None and not entry.host_ready:
+        if entry.host_slot is not None and not entry.host_ready and not entry.reading:
             return self._count(PENDING)
         if not entry.host_ready:
-            if not entry.disk_ready or self.degraded or not self._promote(entry):
+            if self.reads is None or self.degraded or not (entry.disk_ready or entry.reading):
                 return self._count(MISS)
-            tier = "disk"
-        entry.pins += 1
+            result = self.reads.lookup(entry)  # RETRY while its batched read is under way
+            return self._count(MISS) if result == MISS else result
+        if self.reads is not None and self.reads.take(entry):
+            tier = "disk"  # read in for this lookup: its landing pin is the lease
+        else:
+            entry.pins += 1
         self._leased[key] = tier
         self.index.touch(entry)
         self.counters[f"hits_{tier}"] += 1
@@ -172,55 +177,46 @@ class OffloadStore:
                 self.index.touch(entry)
 
     def end_step(self) -> None:
-        """Release this step's hit leases; write the stats file when something changed."""
+        """Start this step's batched disk read (the leases still protect this step's
+        hits from its evictions), release the leases and the unclaimed landing pins;
+        write the stats file when something changed."""
         self._reap()
+        if self.reads is not None and not self.degraded:
+            self.reads.start(self._read_room)
         for key in self._leased:
             entry = self.index.get(key)
             if entry is not None:
                 entry.pins -= 1
                 self.index.refresh(entry)
         self._leased.clear()
+        if self.reads is not None:
+            for entry in self.reads.end_step():
+                entry.pins -= 1
+                self.index.refresh(entry)
+            self.reads.wait()
+            self._reap()  # what lands now is pinned through the next step's lookups
         if self.remote is not None and self.remote.end_step():
             self._dirty = True
         if self._dirty:
             self.write_stats()
 
-    def _promote(self, entry: Entry) -> bool:
-        """Read a disk-only block into a host slot, verifying its checksums. False (and
-        the block dropped) when it cannot be read; False when no host slot is free;
-        False when the read does not finish within READ_TIMEOUT_S (the host slot stays
-        reserved until it does, then the block is on the host), and without reading
-        while such a late read is still outstanding (a stuck disk stalls no lookup
-        twice and reserves at most one host slot)."""
-        assert self.disk is not None and entry.disk_slot is not None
-        if self._reads:  # a read that timed out is still stuck: never queue behind it
-            return False
-        slots = self._host_slots(1, {entry.key})
-        if slots is None:
-            return False
-        entry.host_slot, entry.reading = slots[0], True
-        self.index.refresh(entry)
-        future = self.disk.read_into(self.host, entry.disk_slot, slots[0])
-        try:
-            future.result(READ_TIMEOUT_S)
-        except FutureTimeout:
-            self.counters["disk_read_timeouts"] += 1
-            log.warning(
-                "kvstrata: a disk read took over %s s: the block is recomputed", READ_TIMEOUT_S
-            )
-            self._reads[entry.key] = (future, entry)
-            return False
-        except Exception as exc:  # reported by _read_done
-            return self._read_done(entry, exc)
-        return self._read_done(entry, None)
+    def _read_room(self, entries: list[Entry]) -> list[int]:
+        """Host slots for the first of `entries` that fit (evicting other copies)."""
+        protect = {e.key for e in entries}
+        victims = self.index.victims("host", len(entries), protect)
+        fit = min(len(entries), self.host.num_free + len(victims))
+        return (self._host_slots(fit, protect) or []) if fit else []
 
-    def _read_done(self, entry: Entry, error: BaseException | None) -> bool:
-        """Apply a finished read: the block is on the host, or dropped."""
+    def _read_done(self, entry: Entry, error: BaseException | None) -> None:
+        """Apply a finished read: the block is on the host (pinned until looked up), or
+        dropped."""
         entry.reading = False
         if error is None and not entry.doomed:
             entry.host_ready = True
             self.index.refresh(entry)
-            return True
+            assert self.reads is not None
+            self.reads.land(entry)
+            return
         if isinstance(error, TierIOError):
             log.warning("kvstrata: a disk block was not served, it is recomputed: %s", error)
             self.counters["corrupt_refused"] += 1
@@ -228,7 +224,6 @@ class OffloadStore:
             self._degrade(f"reading a block failed: {error!r}")
         self._drop(entry, "host")
         self._drop(entry, "disk")
-        return False
 
     # -- stores --------------------------------------------------------------------------
     def prepare_store(
@@ -325,11 +320,10 @@ class OffloadStore:
                     self._drop(entry, "host")
                     self._drop(entry, "disk")
             self._dirty = True
-        for key, (future, entry) in list(self._reads.items()):
-            if future.done():
-                del self._reads[key]
-                self._read_done(entry, future.exception())
-                self._dirty = True
+        assert self.reads is not None
+        for entry, _, error in self.reads.finished():
+            self._read_done(entry, error)
+            self._dirty = True
 
     def _degrade(self, reason: str) -> None:
         """The disk tier failed: log it once and serve from the host tier only (the
@@ -366,6 +360,8 @@ class OffloadStore:
         if tier == "host":
             if entry.host_slot is None:
                 return
+            if self.reads is not None and self.reads.forget(entry):
+                entry.pins -= 1  # its landing pin
             self.host.free([entry.host_slot])
             entry.host_slot, entry.host_ready = None, False
         else:
@@ -395,6 +391,8 @@ class OffloadStore:
         """Drop every block, host and disk (vLLM's reset_prefix_cache with the connector).
         A block with disk I/O in flight (past DRAIN_TIMEOUT_S) is dropped when it ends."""
         self.drain()
+        if self.reads is not None:
+            self.reads.reset()  # before the pins are: the landing pins go with them
         for entry in list(self.index.entries.values()):
             entry.pins = 0
             if entry.writing or entry.reading:
