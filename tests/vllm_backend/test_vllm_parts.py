@@ -241,8 +241,8 @@ def test_plan_refuses_what_it_cannot_read() -> None:
         make_plan(options, side(world_size=2), GEOMETRY)
     with pytest.raises(ConfigError, match="host_codec='int8' is invalid: a lossy codec needs"):
         make_plan(options, side(page_layout="opaque"), GEOMETRY)
-    with pytest.raises(ConfigError, match="dtype='fp8_e4m3' is invalid"):
-        make_plan(options, side(dtype="fp8_e4m3"), GEOMETRY)
+    with pytest.raises(ConfigError, match="kv_cache_dtype='nvfp4' is invalid"):
+        make_plan(options, side(dtype="nvfp4"), GEOMETRY)  # fp8 is read: test_vllm_fp8.py
 
 
 # -- index ----------------------------------------------------------------------------------

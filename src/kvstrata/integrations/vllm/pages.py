@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.codecs.fp8_input import FP8_DTYPES
 from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.plan import BackendPlan
 
@@ -25,12 +26,16 @@ class Pages:
     Args:
         page_tensors: per layer, in the group's layer order, `[num_blocks, >= page
             bytes]` int8 with unit stride along the page.
-        plan: gives the page shape `(Hkv, 2, N, D)` and the dtype.
+        plan: gives the page shape `(Hkv, 2, N, D)` and the dtype (fp8 for an fp8
+            KV cache: its bytes are moved as they are).
     """
 
     def __init__(self, page_tensors: list[torch.Tensor], plan: BackendPlan) -> None:
         heads, two, tokens, dim = plan.page_shape
-        dtype = plan.layout.dtype
+        # gathers and scatters move values as they are: fp8 pages (an fp8 KV cache)
+        # as bytes, which every torch indexing kernel takes
+        dtype = torch.uint8 if plan.layout.dtype in FP8_DTYPES else plan.layout.dtype
+        self.dtype = dtype
         elem = torch.empty((), dtype=dtype).element_size()
         page_bytes = heads * two * tokens * dim * elem
         if len(page_tensors) != plan.layout.num_layers:
@@ -59,7 +64,8 @@ class Pages:
         for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             for pages, out in ((k, k_out), (v, v_out)):
                 blocks = pages.index_select(0, block_ids)  # [n, Hkv, N, D]
-                out[layer].view(self.heads, n, self.tokens, self.dim).copy_(blocks.transpose(0, 1))
+                dest = out[layer].view(self.dtype).view(self.heads, n, self.tokens, self.dim)
+                dest.copy_(blocks.transpose(0, 1))
 
     def scatter(
         self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skip: int = 0
@@ -69,5 +75,5 @@ class Pages:
         n = len(block_ids)
         for layer, (k_pages, v_pages) in enumerate(zip(self.k, self.v, strict=True)):
             for pages, src in ((k_pages, k), (v_pages, v)):
-                blocks = src[layer].view(self.heads, -1, self.tokens, self.dim)
+                blocks = src[layer].view(self.dtype).view(self.heads, -1, self.tokens, self.dim)
                 pages.index_copy_(0, block_ids, blocks[:, skip : skip + n].transpose(0, 1))
