@@ -1,5 +1,9 @@
-"""kvstrata's counters in vLLM's own Prometheus `/metrics`, scraped from a real OpenAI
-server (`python -m vllm.entrypoints.openai.api_server`, the tiny Llama, CPU):
+"""kvstrata's counters in vLLM's own Prometheus `/metrics`.
+
+In one process: an OffloadStore's counters go through vLLM's own stats classes (the
+scheduler's OffloadingConnectorStats, the front-end's OffloadPromMetrics) as
+increments. Then from a real OpenAI server (`python -m vllm.entrypoints.openai.
+api_server`, the tiny Llama, CPU):
 
     server A   P1 cold (9 blocks stored, written to disk), vLLM's prefix cache reset,
                P1 again: 9 host hits                                    -> (a)
@@ -20,18 +24,27 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 from tests.vllm_backend.tiny import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, VLLM_BLOCK, prompts
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 
 import kvstrata
 from kvstrata.integrations.vllm import kv_transfer_config
-
-pytestmark = pytest.mark.slow
+from kvstrata.integrations.vllm.options import VllmOptions
+from kvstrata.integrations.vllm.plan import VllmSide, make_plan
+from kvstrata.integrations.vllm.stats import PREFIX, VllmStats, metric_definitions
+from kvstrata.integrations.vllm.store import HIT, MISS, OffloadStore
+from kvstrata.model.geometry import KVGeometry
 
 (P1,) = prompts(1, 300, seed=7)  # 9 full vLLM blocks (288 tokens) + 12 computed
 FULL = 9 * VLLM_BLOCK
@@ -59,6 +72,84 @@ FILE_TO_METRIC = {
 }
 
 
+# -- one process: the store's counters through vLLM's stats classes ------------------------------
+def _store(tmp_path: Path) -> tuple[OffloadStore, Any]:
+    geometry = KVGeometry.from_hf_config(
+        {"model_type": "llama", "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 4,
+         "num_key_value_heads": NUM_KV_HEADS, "hidden_size": 128, "head_dim": HEAD_DIM,
+         "dtype": "float32"}
+    )  # fmt: skip
+    side = VllmSide(
+        model_name="m", dtype="float32", num_layers=NUM_LAYERS, tokens_per_block=VLLM_BLOCK,
+        blocks_per_chunk=1, worker_kv_bytes_per_block=BLOCK_BYTES,
+        engine_id=f"m-{uuid.uuid4().hex}",
+    )  # fmt: skip
+    options = VllmOptions.from_extra_config(
+        {"host_budget": "1MiB", "disk_dir": str(tmp_path), "disk_budget": "4MiB"}
+    )
+    plan = make_plan(options, side, geometry)
+    host = plan.host_tier(create=True, identity={})  # the worker's side
+    return OffloadStore(plan, options), host
+
+
+def _prometheus(registry: CollectorRegistry) -> OffloadPromMetrics:
+    """vLLM's front-end metrics of a kvstrata engine, registered in `registry`."""
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config=kv_transfer_config(host_budget="1MiB")[
+                "kv_connector_extra_config"
+            ]
+        )
+    )
+    types = {cls: partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    return OffloadPromMetrics(config, types, ["engine"], {0: ["0"]})
+
+
+def test_counters_reach_vllms_prometheus_metrics_as_increments(tmp_path: Path) -> None:
+    store, host = _store(tmp_path)
+    registry = CollectorRegistry()
+    prom = _prometheus(registry)
+    stats = VllmStats()
+    try:
+        first = stats.collect(store)  # every metric once, at zero: all show from the start
+        local = {"remote_blocks", "remote_bytes"}  # no remote tier here
+        assert set(first.data["data"]) == {
+            name for name in metric_definitions() if name.removeprefix(PREFIX) not in local
+        }
+        keys = [b"a", b"b"]
+        _, slots = store.prepare_store(keys, keys)
+        host.write_blocks(slots, *[torch.ones(NUM_LAYERS, NUM_KV_HEADS, 64, HEAD_DIM)] * 2)
+        store.complete_store(keys, success=True)
+        assert store.drain()
+        assert [store.lookup(b"a"), store.lookup(b"zz")] == [HIT, MISS]
+        step = stats.collect(store)
+        counters = step.data["data"]
+        assert counters[PREFIX + "hits"] == {("host",): 1}  # only what changed, as increments
+        assert counters[PREFIX + "lookups"] == {(): 2} and counters[PREFIX + "misses"] == {(): 1}
+        assert counters[PREFIX + "stored_blocks"] == {(): 2}
+        assert counters[PREFIX + "disk_written_blocks"] == {(): 2}
+        assert counters[PREFIX + "blocks"] == {("host",): 2, ("disk",): 2}  # gauges: the value
+        assert stats.collect(store).is_empty()  # nothing changed, nothing sent
+        store.lookup(b"b")
+        last = stats.collect(store)
+        assert last.data["data"][PREFIX + "hits"] == {("host",): 1}
+        for part in (first, step, last):  # each step's payload, as the front-end gets it
+            prom.observe(part.data)
+    finally:
+        store.close()
+        host.close()
+    value = registry.get_sample_value
+    assert value("vllm:kvstrata_hits_total", {"engine": "0", "tier": "host"}) == 2
+    assert value("vllm:kvstrata_lookups_total", {"engine": "0"}) == store.counters["lookups"] == 3
+    assert value("vllm:kvstrata_misses_total", {"engine": "0"}) == 1
+    assert value("vllm:kvstrata_corrupt_blocks_total", {"engine": "0"}) == 0
+    assert value("vllm:kvstrata_disk_read_timeouts_total", {"engine": "0"}) == 0
+    assert value("vllm:kvstrata_block_bytes", {"engine": "0", "tier": "host"}) == BLOCK_BYTES
+    written = value("vllm:kvstrata_disk_bytes_total", {"engine": "0", "direction": "written"})
+    assert written == store.disk.tier.stats.bytes_written > 0
+
+
+# -- a real server ---------------------------------------------------------------------------------
 class Server:
     """One `vllm serve` (the api_server module) with kvstrata as its offloading backend."""
 
@@ -215,6 +306,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     yield run
 
 
+@pytest.mark.slow
 def test_a_host_hits_and_bytes_show_in_vllm_metrics(served: dict) -> None:
     stats, metrics = served["a_stats"], served["a_metrics"]
     assert _differences(stats, metrics) == {}  # /metrics says what the scheduler counted
@@ -236,6 +328,7 @@ def test_a_host_hits_and_bytes_show_in_vllm_metrics(served: dict) -> None:
     assert dict(info)["namespace"] == stats["namespace"] and dict(info)["host_codec"] == "none"
 
 
+@pytest.mark.slow
 def test_b_disk_hits_and_a_corrupt_block_show_in_vllm_metrics(served: dict) -> None:
     stats, metrics = served["b_stats"], served["b_metrics"]
     assert _differences(stats, metrics) == {}
