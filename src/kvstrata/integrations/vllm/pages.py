@@ -1,12 +1,15 @@
 """vLLM's KV pages read as kvstrata blocks, and written back.
 
 vLLM hands the worker one byte tensor per layer, `[num_blocks, page_bytes]` (int8).
-On its CPU backend a page is one vLLM block of one layer, `[Hkv, 2 * N, D]`: per head
-N key rows, then N value rows. A kvstrata block is `blocks_per_chunk` such blocks;
-kvstrata's tiers take K and V as `[L, Hkv, n * block_tokens, D]`:
+On its CPU backend a page is one vLLM block of one layer, `[Hkv, 2 * N * D]`: per head
+the block's keys column-major (`[D, N]`: channel by channel, N tokens each), then its
+values row-major (`[N, D]`) — vLLM-CPU's VEC attention, as its `reshape_and_cache`
+writes them (checked against transformers' K and V of the same prompt). A kvstrata
+block is `blocks_per_chunk` such blocks; kvstrata's tiers take K and V as
+`[L, Hkv, n * block_tokens, D]`:
 
-    page (block b, layer l)            kvstrata K of n blocks, layer l
-    head h: [ K_b rows | V_b rows ]    head h: [ K_b0 | K_b1 | ... ]   (N rows each)
+    page (block b, layer l)               kvstrata K of n blocks, layer l
+    head h: [ K_b^T (D x N) | V_b (N x D) ]  head h: [ K_b0 | K_b1 | ... ]  (N rows each)
 
 One gather (index_select) and one permuted copy per layer and kind; no loop per block.
 """
@@ -53,7 +56,10 @@ class Pages:
                     f"({t.dtype}) cannot hold pages of {page_bytes} bytes"
                 )
             pages = t[:, :page_bytes].view(dtype).unflatten(1, (heads, two, tokens, dim))
-            self.k.append(pages[:, :, 0])  # [num_blocks, Hkv, N, D] views
+            k = pages[:, :, 0]
+            if plan.page_layout == "cpu-hnd":  # K is column-major: [D, N] per head
+                k = k.flatten(2).unflatten(2, (dim, tokens)).transpose(2, 3)
+            self.k.append(k)  # [num_blocks, Hkv, N, D] views
             self.v.append(pages[:, :, 1])
         self.heads, self.tokens, self.dim = heads, tokens, dim
 

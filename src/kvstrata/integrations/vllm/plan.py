@@ -45,7 +45,7 @@ from kvstrata.integrations.vllm.region import SharedHostTier
 from kvstrata.model.budgets import lower_slots
 from kvstrata.model.geometry import KVGeometry
 
-NAMESPACE_VERSION = 1  # bump when the key derivation or the page reading changes
+NAMESPACE_VERSION = 2  # bump when the key derivation or the page reading changes
 KEY_BYTES = 16
 # How the worker reads K and V out of one layer's page of one vLLM block:
 #   "cpu-hnd":  vLLM's CPU attention, [Hkv, 2 * N, D] per page — for every head its N
