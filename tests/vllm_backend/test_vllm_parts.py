@@ -241,8 +241,8 @@ def test_plan_refuses_what_it_cannot_read() -> None:
         make_plan(options, side(world_size=2), GEOMETRY)
     with pytest.raises(ConfigError, match="host_codec='int8' is invalid: a lossy codec needs"):
         make_plan(options, side(page_layout="opaque"), GEOMETRY)
-    with pytest.raises(ConfigError, match="dtype='fp8_e4m3' is invalid"):
-        make_plan(options, side(dtype="fp8_e4m3"), GEOMETRY)
+    with pytest.raises(ConfigError, match="kv_cache_dtype='nvfp4' is invalid"):
+        make_plan(options, side(dtype="nvfp4"), GEOMETRY)  # fp8 is read: test_vllm_fp8.py
 
 
 # -- index ----------------------------------------------------------------------------------
@@ -289,8 +289,8 @@ def test_pages_round_trip_through_the_cpu_layout(blocks_per_chunk: int) -> None:
     k = torch.empty(plan.layout.raw_shape("k", 4 // blocks_per_chunk))
     v = torch.empty_like(k)
     pages.gather(ids, k, v)
-    # K of layer 1, head 0, token 3 of the second vLLM block (id 2) in the CPU page layout
-    assert torch.equal(k[1, 0, N + 3], typed[1][2, 0, 0, 3])
+    # K of layer 1, head 0, token 3 of the second vLLM block (id 2): K is column-major
+    assert torch.equal(k[1, 0, N + 3], typed[1][2, 0, 0].reshape(D, N)[:, 3])
     assert torch.equal(v[0, 1, 2 * N + 5], typed[0][7, 1, 1, 5])
     out = [torch.zeros(num_blocks, H, 2, N, D) for _ in range(L)]
     back = Pages([t.view(num_blocks, -1).view(torch.int8) for t in out], plan)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
@@ -24,6 +27,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.integrations.vllm.remote import RETRY
+from kvstrata.integrations.vllm.stats import VllmStats
 from kvstrata.integrations.vllm.store import HIT, PENDING, OffloadStore
 
 _RESULTS = {HIT: LookupResult.HIT, PENDING: LookupResult.HIT_PENDING, RETRY: LookupResult.RETRY}
@@ -53,6 +57,7 @@ class KvstrataOffloadingManager(OffloadingManager):
     def __init__(self, store: OffloadStore, enable_events: bool = False) -> None:
         self.store = store
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self.vllm_stats = VllmStats()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         result = self.store.lookup(self.store.plan.key(key), bytes(key))
@@ -116,6 +121,10 @@ class KvstrataOffloadingManager(OffloadingManager):
         if self.events:
             events, self.events = self.events, []
             yield from events
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        """The counters' increments since the last step (vLLM's /metrics: stats.py)."""
+        return self.vllm_stats.collect(self.store)
 
     def reset_cache(self) -> None:
         self.store.reset()

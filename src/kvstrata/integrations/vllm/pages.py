@@ -1,12 +1,15 @@
 """vLLM's KV pages read as kvstrata blocks, and written back.
 
 vLLM hands the worker one byte tensor per layer, `[num_blocks, page_bytes]` (int8).
-On its CPU backend a page is one vLLM block of one layer, `[Hkv, 2 * N, D]`: per head
-N key rows, then N value rows. A kvstrata block is `blocks_per_chunk` such blocks;
-kvstrata's tiers take K and V as `[L, Hkv, n * block_tokens, D]`:
+On its CPU backend a page is one vLLM block of one layer, `[Hkv, 2 * N * D]`: per head
+the block's keys column-major (`[D, N]`: channel by channel, N tokens each), then its
+values row-major (`[N, D]`) — vLLM-CPU's VEC attention, as its `reshape_and_cache`
+writes them (checked against transformers' K and V of the same prompt). A kvstrata
+block is `blocks_per_chunk` such blocks; kvstrata's tiers take K and V as
+`[L, Hkv, n * block_tokens, D]`:
 
-    page (block b, layer l)            kvstrata K of n blocks, layer l
-    head h: [ K_b rows | V_b rows ]    head h: [ K_b0 | K_b1 | ... ]   (N rows each)
+    page (block b, layer l)               kvstrata K of n blocks, layer l
+    head h: [ K_b^T (D x N) | V_b (N x D) ]  head h: [ K_b0 | K_b1 | ... ]  (N rows each)
 
 One gather (index_select) and one permuted copy per layer and kind; no loop per block.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.codecs.fp8_input import FP8_DTYPES
 from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.plan import BackendPlan
 
@@ -25,12 +29,16 @@ class Pages:
     Args:
         page_tensors: per layer, in the group's layer order, `[num_blocks, >= page
             bytes]` int8 with unit stride along the page.
-        plan: gives the page shape `(Hkv, 2, N, D)` and the dtype.
+        plan: gives the page shape `(Hkv, 2, N, D)` and the dtype (fp8 for an fp8
+            KV cache: its bytes are moved as they are).
     """
 
     def __init__(self, page_tensors: list[torch.Tensor], plan: BackendPlan) -> None:
         heads, two, tokens, dim = plan.page_shape
-        dtype = plan.layout.dtype
+        # gathers and scatters move values as they are: fp8 pages (an fp8 KV cache)
+        # as bytes, which every torch indexing kernel takes
+        dtype = torch.uint8 if plan.layout.dtype in FP8_DTYPES else plan.layout.dtype
+        self.dtype = dtype
         elem = torch.empty((), dtype=dtype).element_size()
         page_bytes = heads * two * tokens * dim * elem
         if len(page_tensors) != plan.layout.num_layers:
@@ -48,7 +56,10 @@ class Pages:
                     f"({t.dtype}) cannot hold pages of {page_bytes} bytes"
                 )
             pages = t[:, :page_bytes].view(dtype).unflatten(1, (heads, two, tokens, dim))
-            self.k.append(pages[:, :, 0])  # [num_blocks, Hkv, N, D] views
+            k = pages[:, :, 0]
+            if plan.page_layout == "cpu-hnd":  # K is column-major: [D, N] per head
+                k = k.flatten(2).unflatten(2, (dim, tokens)).transpose(2, 3)
+            self.k.append(k)  # [num_blocks, Hkv, N, D] views
             self.v.append(pages[:, :, 1])
         self.heads, self.tokens, self.dim = heads, tokens, dim
 
@@ -59,7 +70,8 @@ class Pages:
         for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             for pages, out in ((k, k_out), (v, v_out)):
                 blocks = pages.index_select(0, block_ids)  # [n, Hkv, N, D]
-                out[layer].view(self.heads, n, self.tokens, self.dim).copy_(blocks.transpose(0, 1))
+                dest = out[layer].view(self.dtype).view(self.heads, n, self.tokens, self.dim)
+                dest.copy_(blocks.transpose(0, 1))
 
     def scatter(
         self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skip: int = 0
@@ -69,5 +81,5 @@ class Pages:
         n = len(block_ids)
         for layer, (k_pages, v_pages) in enumerate(zip(self.k, self.v, strict=True)):
             for pages, src in ((k_pages, k), (v_pages, v)):
-                blocks = src[layer].view(self.heads, -1, self.tokens, self.dim)
+                blocks = src[layer].view(self.dtype).view(self.heads, -1, self.tokens, self.dim)
                 pages.index_copy_(0, block_ids, blocks[:, skip : skip + n].transpose(0, 1))

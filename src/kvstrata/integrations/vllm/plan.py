@@ -35,15 +35,17 @@ from typing import Any
 import xxhash
 
 from kvstrata.codecs.base import Codec
+from kvstrata.codecs.fp8_input import for_dtype
 from kvstrata.codecs.registry import get_codec
 from kvstrata.core.errors import ConfigError, UnsupportedModelError
 from kvstrata.core.layout import BlockLayout
+from kvstrata.integrations.vllm.kv_dtype import kv_cache_dtype
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.region import SharedHostTier
 from kvstrata.model.budgets import lower_slots
-from kvstrata.model.geometry import DTYPES, KVGeometry, dtype_name
+from kvstrata.model.geometry import KVGeometry
 
-NAMESPACE_VERSION = 1  # bump when the key derivation or the page reading changes
+NAMESPACE_VERSION = 2  # bump when the key derivation or the page reading changes
 KEY_BYTES = 16
 # How the worker reads K and V out of one layer's page of one vLLM block:
 #   "cpu-hnd":  vLLM's CPU attention, [Hkv, 2 * N, D] per page — for every head its N
@@ -140,8 +142,7 @@ def make_plan(
         )
     if side.page_layout not in PAGE_LAYOUTS:
         raise ConfigError.field("page_layout", side.page_layout, f"one of {PAGE_LAYOUTS}")
-    name = dtype_name(side.dtype, "dtype")  # fp8 KV caches are refused here
-    dtype = DTYPES[name][0]
+    name, dtype = kv_cache_dtype(side.dtype)  # the model's dtype, or fp8
     heads, dim, n = geometry.num_kv_heads, geometry.head_dim, side.tokens_per_block
     page_bytes = side.worker_kv_bytes_per_block // max(1, side.num_layers)
     if (
@@ -214,7 +215,7 @@ def _digest(namespace: dict[str, Any], person: bytes) -> str:
 
 
 def _codec(name: str, field: str, layout: BlockLayout, page_layout: str) -> Codec:
-    codec = get_codec(name, field)
+    codec = for_dtype(get_codec(name, field), layout.dtype)  # fp8 pages: quantized from fp8
     if page_layout == "opaque" and not codec.lossless:
         raise ConfigError.field(
             field,

@@ -14,6 +14,7 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
 )
@@ -23,6 +24,7 @@ from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.vllm.manager import KvstrataOffloadingManager
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry, model_identity
+from kvstrata.integrations.vllm.stats import metric_definitions
 from kvstrata.integrations.vllm.store import OffloadStore
 from kvstrata.integrations.vllm.worker import KvstrataOffloadingWorker
 
@@ -78,8 +80,11 @@ class KvstrataOffloadingSpec(OffloadingSpec):
         return self._worker
 
     @classmethod
-    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """kvstrata's counters in vLLM's Prometheus /metrics (stats.py)."""
+        return metric_definitions()
 
 
 def _current_vllm_config() -> Any:
