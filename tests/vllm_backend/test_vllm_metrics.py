@@ -69,6 +69,10 @@ FILE_TO_METRIC = {
     "evicted_disk": ("vllm:kvstrata_evicted_blocks_total", {"tier": "disk"}),
     "found_on_disk": ("vllm:kvstrata_found_on_disk_blocks", {}),
     "disk_degraded": ("vllm:kvstrata_disk_degraded", {}),
+    "disk_read_batches": ("vllm:kvstrata_disk_read_batches_total", {}),
+    "disk_read_blocks": ("vllm:kvstrata_disk_read_blocks_total", {}),
+    "disk_retries": ("vllm:kvstrata_disk_retries_total", {}),
+    "disk_no_room": ("vllm:kvstrata_disk_no_room_total", {}),
 }
 
 
@@ -337,6 +341,7 @@ def test_b_disk_hits_and_a_corrupt_block_show_in_vllm_metrics(served: dict) -> N
     assert text == served["cold"][0]  # identical tokens: the corrupt block was recomputed
     assert cached == hits * VLLM_BLOCK < FULL  # the client saw the hits up to the corrupt block
     assert _sample(metrics, "vllm:kvstrata_found_on_disk_blocks") == 9
+    assert _sample(metrics, "vllm:kvstrata_disk_read_blocks_total") >= hits > 0  # batched reads
     assert _sample(metrics, "vllm:kvstrata_corrupt_blocks_total") == 1
     assert _sample(metrics, "vllm:kvstrata_disk_bytes_total", direction="read") > 0
     assert _sample(metrics, "vllm:kv_offload_load_bytes_total") == hits * BLOCK_BYTES

@@ -33,6 +33,8 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
+from kvstrata.integrations.vllm.disk_reads import COUNTERS as READ_COUNTERS
+
 PREFIX = "vllm:kvstrata_"
 REMOTE_EVENTS = (
     "hits", "misses", "corrupt", "timeouts", "errors", "skipped", "reads", "writes",
@@ -58,6 +60,10 @@ _METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "evicted_blocks": ("counter", ("tier",), "Block copies evicted, by tier."),
     "disk_bytes": ("counter", ("direction",), "Bytes read from / written to the disk tier."),
     "remote_retries": ("counter", (), "Lookups answered RETRY while the remote tier is asked."),
+    "disk_read_batches": ("counter", (), "Batched reads of disk-only blocks (one per step)."),
+    "disk_read_blocks": ("counter", (), "Blocks read back from disk in those batches."),
+    "disk_retries": ("counter", (), "Lookups answered RETRY while a batched disk read runs."),
+    "disk_no_room": ("counter", (), "Disk hits left out: no host slot to read them into."),
     "remote_blocks": ("counter", ("event",), "The remote tier's block counters, by event."),
     "remote_bytes": ("counter", ("direction",), "Bytes read from / written to the remote tier."),
     "blocks": ("gauge", ("tier",), "Blocks held, by tier."),
@@ -100,6 +106,8 @@ def counter_values(
         ("disk_write_errors", ()): c["disk_write_errors"],
         ("remote_retries", ()): c["remote_retries"],
     }
+    for name in READ_COUNTERS:  # the batched disk reads (disk_reads.py)
+        out[name, ()] = c[name]
     for tier in ("host", "disk", "remote"):
         out["hits", (tier,)] = c[f"hits_{tier}"]
     for tier in ("host", "disk"):
