@@ -84,7 +84,9 @@ class KvstrataOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             vllm_config = _current_vllm_config()
             _check_heads(vllm_config, self.plan.layout.num_kv_heads, self.plan.page_layout)
-            identity = model_identity(self.options, self.model_name, vllm_config)
+            identity = {}  # rank 0 publishes it; the other ranks join its arena
+            if self.rank == 0:
+                identity = model_identity(self.options, self.model_name, vllm_config)
             self._worker = KvstrataOffloadingWorker(self.plan, kv_caches, identity, self.rank)
         return self._worker
 
