@@ -114,9 +114,7 @@ class KvstrataOffloadingManager(OffloadingManager):
             new = [o for o in per_rank if o in slot_of]
             if not new:
                 continue  # every share stored already
-            if len(new) < len(per_rank) and any(
-                o not in self.store.index.entries for o in per_rank
-            ):
+            if any(self.store.index.get(o) is None for o in per_rank):
                 self._release(new)  # a share found no room: this key is not stored
                 continue
             keys_to_store.append(vllm_key)
