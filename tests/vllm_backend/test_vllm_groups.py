@@ -127,6 +127,8 @@ def test_a_sliding_and_full_model_reloads_every_group_with_identical_tokens(gemm
     assert gemma["cold_cached"] == [0, 0]
     assert gemma["warm_cached"] == [FULL, FULL] and gemma["warm"] == gemma["cold"]
     stats = gemma["stats"]
+    # one block layout for every group: 2 layers (the largest group), K and V
+    assert stats["bytes_per_block"]["raw"] == 2 * 2 * NUM_KV_HEADS * VLLM_BLOCK * HEAD_DIM * 4
     # a kvstrata block is one chunk of one group: the full group's 9, and what vLLM keeps
     # of each sliding group (its window at the end of the prompt: 2 blocks of 32 tokens)
     sliding = GEMMA_LAYERS.count("sliding_attention")
