@@ -9,8 +9,10 @@ With vLLM (CPU, fp32, greedy), each engine run once per module:
     gemma       a Gemma-2-style model (3 groups: sliding, sliding + padding, full),
                 lossless host + disk: P1, P2 cold, then again from kvstrata's host
                 tier, then a new engine on the same disk                  -> (a), (b)
+    starved     the same model with a host tier of 10 blocks (a prompt has 13): some
+                groups stored, not all: no hit at all                       -> (c)
     mistral     every layer sliding (one group), 64-token kvstrata blocks (two vLLM
-                blocks) and an 80-token window: windows start inside a block -> (c)
+                blocks) and an 80-token window: windows start inside a block -> (d)
 """
 
 from __future__ import annotations
@@ -143,6 +145,31 @@ def test_a_restarted_sliding_and_full_model_reloads_from_disk(gemma: dict) -> No
     assert stats["found_on_disk"] == gemma["settled"]["disk_written"] == gemma["stats"]["stored"]
     assert gemma["again_cached"] == [FULL, FULL] and gemma["again"] == gemma["cold"]
     assert stats["hits_disk"] == stats["found_on_disk"] and stats["misses"] == 0
+
+
+@pytest.fixture(scope="module")
+def starved(engine_factory: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    """The Gemma-2-style model with a host tier of 10 blocks: a prompt's 13 do not fit,
+    so some of its groups are stored and not the others."""
+    model = build_tiny_gemma2(tmp_path_factory.mktemp("tiny-gemma2-starved"), seed=0)
+    block = 2 * 2 * NUM_KV_HEADS * VLLM_BLOCK * HEAD_DIM * 4
+    engine = engine_factory(model, host_budget=str(10 * block))
+    try:
+        cold, cold_cached = engine.generate([P1])
+        stored = engine.stats()["stored"]
+        warm, warm_cached = engine.generate([P1])
+    finally:
+        stats = engine.close()
+    return {"cold": cold, "cold_cached": cold_cached, "warm": warm, "warm_cached": warm_cached,
+            "stored": stored, "stats": stats}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_prefix_some_groups_lack_is_no_hit_at_all(starved: dict) -> None:
+    assert starved["stored"] == 10 and starved["stats"]["store_refused"] >= 3
+    assert starved["stats"]["hits_host"] > 0  # some groups' blocks were there ...
+    assert starved["warm_cached"] == [0]  # ... but not every group's: nothing loaded
+    assert starved["warm"] == starved["cold"]
 
 
 @pytest.fixture(scope="module")
