@@ -237,8 +237,8 @@ def test_plan_refuses_what_it_cannot_read() -> None:
     options = VllmOptions.from_extra_config({"host_budget": "1MiB", "host_codec": "int8"})
     with pytest.raises(UnsupportedModelError, match="do not match the model's config"):
         make_plan(options, side(worker_kv_bytes_per_block=L * PAGE_BYTES * 2), GEOMETRY)
-    with pytest.raises(UnsupportedModelError, match="one worker per engine"):
-        make_plan(options, side(world_size=2), GEOMETRY)
+    with pytest.raises(UnsupportedModelError, match="runs tensor parallel only; this engine has 2"):
+        make_plan(options, side(world_size=2), GEOMETRY)  # pipeline parallel
     with pytest.raises(ConfigError, match="host_codec='int8' is invalid: a lossy codec needs"):
         make_plan(options, side(page_layout="opaque"), GEOMETRY)
     with pytest.raises(ConfigError, match="kv_cache_dtype='nvfp4' is invalid"):

@@ -1,8 +1,12 @@
 """vLLM's OffloadingManager (scheduler process) over kvstrata's OffloadStore.
 
 vLLM's keys (a 32-byte block hash chained over the prompt, plus the KV group index)
-become namespaced kvstrata keys (BackendPlan.key); the load/store specs carry host
-slots, which the worker reads and fills.
+become namespaced kvstrata keys (BackendPlan.key): one per KV cache group, as vLLM's
+key names the group, and under tensor parallel one per worker (rank) — a vLLM key is
+a hit only when every worker's share is. vLLM's connector asks for every group a
+request needs and takes a hit only when all of them hit (sliding-window groups: the
+chunks of the window). The load/store specs carry host slots, which the workers read
+and fill.
 """
 
 from __future__ import annotations
@@ -36,14 +40,21 @@ _SOURCE = {"disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPEC
 
 
 class HostSlotsSpec(LoadStoreSpec):
-    """Where a load reads or a store writes: kvstrata host slots, one per vLLM chunk,
-    in the order of the keys."""
+    """Where a load reads or a store writes: kvstrata host slots, per vLLM chunk in the
+    order of the keys, `ranks` of them (one per tensor-parallel worker, rank order);
+    -1 where that worker's share is stored already (a store skips it)."""
 
-    def __init__(self, slots: list[int]) -> None:
+    def __init__(self, slots: list[int], ranks: int = 1) -> None:
         self.slots = [int(s) for s in slots]
+        self.ranks = ranks
+        assert len(self.slots) % ranks == 0
+
+    def of_rank(self, rank: int) -> list[int]:
+        """The slots of the worker of tensor-parallel rank `rank`, one per chunk."""
+        return self.slots[rank :: self.ranks]
 
     def __repr__(self) -> str:
-        return f"HostSlotsSpec({self.slots})"
+        return f"HostSlotsSpec({self.slots}, ranks={self.ranks})"
 
 
 class KvstrataOffloadingManager(OffloadingManager):
@@ -59,46 +70,82 @@ class KvstrataOffloadingManager(OffloadingManager):
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self.vllm_stats = VllmStats()
 
+    def _keys(self, key: bytes) -> list[bytes]:
+        """kvstrata's keys of vLLM's key: one per tensor-parallel rank."""
+        plan = self.store.plan
+        return [plan.key(key, rank) for rank in range(plan.tp_size)]
+
+    def _all_keys(self, keys: Iterable[bytes]) -> list[bytes]:
+        return [ours for key in keys for ours in self._keys(key)]
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        result = self.store.lookup(self.store.plan.key(key), bytes(key))
-        return _RESULTS.get(result, LookupResult.MISS)
+        result = HIT
+        for ours in self._keys(key):  # every rank's share, or a miss
+            found = self.store.lookup(ours, bytes(key))
+            if found not in _RESULTS:
+                return LookupResult.MISS
+            if found != HIT and result != RETRY:
+                result = found
+        return _RESULTS[result]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        tier = self.store.source(self.store.plan.key(key))
+        tier = self.store.source(self._keys(key)[0])
         return _SOURCE.get(tier, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return HostSlotsSpec(self.store.prepare_load([self.store.plan.key(k) for k in keys]))
+        slots = self.store.prepare_load(self._all_keys(keys))
+        return HostSlotsSpec(slots, self.store.plan.tp_size)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.store.touch([self.store.plan.key(k) for k in keys])
+        self.store.touch(self._all_keys(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.store.complete_load([self.store.plan.key(k) for k in keys])
+        self.store.complete_load(self._all_keys(keys))
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        vllm_keys = list(keys)
-        ours = [self.store.plan.key(k) for k in vllm_keys]
-        prepared = self.store.prepare_store(ours, vllm_keys)
+        vllm_keys = list(dict.fromkeys(keys))
+        ranks = self.store.plan.tp_size
+        ours = [self._keys(k) for k in vllm_keys]
+        flat = [o for per_rank in ours for o in per_rank]
+        prepared = self.store.prepare_store(flat, [k for k in vllm_keys for _ in range(ranks)])
         if prepared is None:
             return None
         to_store, slots = prepared
-        back = dict(zip(ours, vllm_keys, strict=True))
+        slot_of = dict(zip(to_store, slots, strict=True))
+        keys_to_store, spec = [], []
+        for vllm_key, per_rank in zip(vllm_keys, ours, strict=True):
+            new = [o for o in per_rank if o in slot_of]
+            if not new:
+                continue  # every share stored already
+            if any(self.store.index.get(o) is None for o in per_rank):
+                self._release(new)  # a share found no room: this key is not stored
+                continue
+            keys_to_store.append(vllm_key)
+            spec.extend(slot_of.get(o, -1) for o in per_rank)
         evicted = [OffloadKey(k) for tier, k in self.store.evicted_vllm_keys if tier == "host"]
         self._publish_evictions()
+        if not keys_to_store and prepared[0]:
+            return None  # slots were had, but for no whole key
         return PrepareStoreOutput(
-            keys_to_store=[back[k] for k in to_store],
-            store_spec=HostSlotsSpec(slots),
-            evicted_keys=evicted,
+            keys_to_store=[OffloadKey(k) for k in keys_to_store],
+            store_spec=HostSlotsSpec(spec, ranks),
+            evicted_keys=list(dict.fromkeys(evicted)),
         )
+
+    def _release(self, keys: list[bytes]) -> None:
+        """Give back host slots prepared for shares of a key that is not stored."""
+        before = len(self.store.evicted_vllm_keys)
+        self.store.complete_store(keys, False)
+        del self.store.evicted_vllm_keys[before:]  # never stored: nothing to announce
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        stored = self.store.complete_store([self.store.plan.key(k) for k in keys], success)
+        stored = self.store.complete_store(self._all_keys(keys), success)
         if stored and self.events is not None:
+            stored = list(dict.fromkeys(stored))  # one per rank
             self.events.append(OffloadingEvent([OffloadKey(k) for k in stored], Medium.CPU, False))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -113,7 +160,7 @@ class KvstrataOffloadingManager(OffloadingManager):
         if self.events is None:
             return
         for tier, medium in _MEDIUM.items():
-            keys = [OffloadKey(k) for t, k in evicted if t == tier]
+            keys = [OffloadKey(k) for k in dict.fromkeys(k for t, k in evicted if t == tier)]
             if keys:
                 self.events.append(OffloadingEvent(keys, medium, True))
 

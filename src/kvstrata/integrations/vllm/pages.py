@@ -12,6 +12,9 @@ block is `blocks_per_chunk` such blocks; kvstrata's tiers take K and V as
     head h: [ K_b^T (D x N) | V_b (N x D) ]  head h: [ K_b0 | K_b1 | ... ]  (N rows each)
 
 One gather (index_select) and one permuted copy per layer and kind; no loop per block.
+Under vLLM's hybrid allocator each KV cache group has its own Pages (its layers, in
+the group's order); a group with fewer layers than the plan's block (vLLM pads the
+last group of a kind) leaves the block's last layers zero.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class Pages:
 
     Args:
         page_tensors: per layer, in the group's layer order, `[num_blocks, >= page
-            bytes]` int8 with unit stride along the page.
+            bytes]` int8 with unit stride along the page; at most the plan's layers.
         plan: gives the page shape `(Hkv, 2, N, D)` and the dtype (fp8 for an fp8
             KV cache: its bytes are moved as they are).
     """
@@ -41,7 +44,7 @@ class Pages:
         self.dtype = dtype
         elem = torch.empty((), dtype=dtype).element_size()
         page_bytes = heads * two * tokens * dim * elem
-        if len(page_tensors) != plan.layout.num_layers:
+        if not 0 < len(page_tensors) <= plan.layout.num_layers:
             raise UnsupportedModelError(
                 f"vLLM registered {len(page_tensors)} KV tensors for "
                 f"{plan.layout.num_layers} layers"
@@ -65,8 +68,10 @@ class Pages:
 
     def gather(self, block_ids: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Copy vLLM blocks `block_ids` (in order) into k_out, v_out
-        `[L, Hkv, len(block_ids) * N, D]`."""
+        `[L, Hkv, len(block_ids) * N, D]` (layers this group lacks: zeros)."""
         n = len(block_ids)
+        for out in (k_out, v_out):
+            out[len(self.k) :].zero_()
         for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             for pages, out in ((k, k_out), (v, v_out)):
                 blocks = pages.index_select(0, block_ids)  # [n, Hkv, N, D]
@@ -77,7 +82,8 @@ class Pages:
         self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skip: int = 0
     ) -> None:
         """Write k, v `[L, Hkv, m * N, D]` into vLLM blocks `block_ids`, leaving out
-        the first `skip` vLLM blocks of k, v (a load that starts inside a chunk)."""
+        the first `skip` vLLM blocks of k, v (a load that starts inside a chunk); the
+        layers this group lacks are not read."""
         n = len(block_ids)
         for layer, (k_pages, v_pages) in enumerate(zip(self.k, self.v, strict=True)):
             for pages, src in ((k_pages, k), (v_pages, v)):

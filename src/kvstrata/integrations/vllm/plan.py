@@ -5,8 +5,12 @@ manager) and its worker process (the worker), so the two agree on the host arena
 they share without talking to each other.
 
 One kvstrata block is one vLLM offload chunk (`blocks_per_chunk` vLLM blocks) of one
-KV cache group: every layer of the group, K and V. vLLM's key for it (a block hash
-chained over the prompt, plus the group index) does not name the model, so every key
+KV cache group — under vLLM's hybrid allocator (sliding-window + full layers) every
+group has the same page and about the same layers, so every group's chunks share one
+layout (a group with fewer layers leaves the last ones zero) — and, under tensor
+parallel, of one worker's share of the heads. vLLM's key for it (a block hash chained
+over the prompt, plus the group index) names neither the model nor the worker, so
+each worker's share is keyed by vLLM's key, its rank and the TP size, and every key
 is hashed again with a *namespace* — model and weights, dtype, layout, codecs, and
 what vLLM's config says changes K and V (revision, quantization, rope settings,
 hf_overrides: `model_identity`) — and the disk tier lives in a subdirectory of
@@ -64,13 +68,15 @@ class VllmSide:
 
     model_name: str
     dtype: str
-    num_layers: int  # layers of the offloaded KV cache group
+    num_layers: int  # layers of the largest offloaded KV cache group
     tokens_per_block: int  # vLLM's KV block
     blocks_per_chunk: int
-    worker_kv_bytes_per_block: int
+    worker_kv_bytes_per_block: int  # one worker's bytes of a block, largest group
     engine_id: str
     world_size: int = 1
     page_layout: str = "cpu-hnd"
+    group_layers: tuple[int, ...] = ()  # layers per KV cache group; () = (num_layers,)
+    tp_size: int = 1  # tensor parallel workers (each holds its share of the heads)
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,8 @@ class BackendPlan:
     `arena_digest` names what both processes must agree on (layout, codecs, slots):
     the host arena's header carries it. `digest` adds the model identity (see
     `model_identity`; empty until `named`): it namespaces every key and names the
-    disk tier's subdirectory.
+    disk tier's subdirectory. `layout` is one worker's share: under tensor parallel
+    (`tp_size` > 1) each block is stored once per worker (`key(vllm_key, rank)`).
     """
 
     layout: BlockLayout
@@ -99,13 +106,20 @@ class BackendPlan:
     disk_root: str | None = None
     disk_path: str | None = None
     region_path: str = ""
+    tp_size: int = 1
+    group_layers: tuple[int, ...] = ()
 
-    def key(self, vllm_key: bytes) -> bytes:
-        """The kvstrata key of vLLM's key: namespaced, KEY_BYTES long, the same in
-        every process (hashlib, never Python's salted hash())."""
+    def key(self, vllm_key: bytes, rank: int = 0) -> bytes:
+        """The kvstrata key of vLLM's key (which carries the KV cache group) for the
+        worker of tensor-parallel rank `rank`: namespaced, KEY_BYTES long, the same in
+        every process (hashlib, never Python's salted hash()). Under tensor parallel it
+        names the rank and the TP size: a worker's share of the heads is never read by
+        another rank, nor under another TP size."""
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvstrata.vllm")
         h.update(bytes.fromhex(self.digest))
         h.update(vllm_key)
+        if self.tp_size > 1:
+            h.update(f"tp:{rank}/{self.tp_size}".encode())
         return h.digest()
 
     def named(self, identity: dict[str, Any]) -> BackendPlan:
@@ -117,12 +131,15 @@ class BackendPlan:
             disk_path = str(Path(self.disk_root) / f"{_slug(namespace['model'])}-{digest[:16]}")
         return replace(self, namespace=namespace, digest=digest, disk_path=disk_path)
 
-    def host_tier(self, *, create: bool, identity: dict[str, Any] | None = None) -> Any:
-        """The shared host arena of this plan: created by the worker (with the model
-        identity it publishes), opened by the scheduler."""
+    def host_tier(
+        self, *, create: bool, identity: dict[str, Any] | None = None, join: bool = False
+    ) -> Any:
+        """The shared host arena of this plan: created by the worker (rank 0 under
+        tensor parallel; with the model identity it publishes), joined by the other
+        workers, opened by the scheduler."""
         return SharedHostTier(
             self.layout, self.host_slots, self.host_codec, self.region_path,
-            self.arena_digest, create=create, identity=identity,
+            self.arena_digest, create=create, identity=identity, join=join,
         )  # fmt: skip
 
 
@@ -135,39 +152,53 @@ def make_plan(
     """The plan of one engine, or ConfigError / UnsupportedModelError (one line).
     `identity` (model_identity) names the model; without it the plan is what the
     scheduler knows before it has read the identity the worker published."""
-    if side.world_size != 1:
+    groups = side.group_layers or (side.num_layers,)
+    tp = side.tp_size
+    if side.world_size != tp or tp < 1:
         raise UnsupportedModelError(
-            f"kvstrata's vLLM backend runs one worker per engine; this engine has "
-            f"{side.world_size} (tensor / pipeline parallel): use vLLM's own offloading there"
+            f"kvstrata's vLLM backend runs tensor parallel only; this engine has "
+            f"{side.world_size} workers for tensor parallel {tp} (pipeline or context "
+            "parallel): use vLLM's own offloading there"
         )
     if side.page_layout not in PAGE_LAYOUTS:
         raise ConfigError.field("page_layout", side.page_layout, f"one of {PAGE_LAYOUTS}")
     name, dtype = kv_cache_dtype(side.dtype)  # the model's dtype, or fp8
-    heads, dim, n = geometry.num_kv_heads, geometry.head_dim, side.tokens_per_block
-    page_bytes = side.worker_kv_bytes_per_block // max(1, side.num_layers)
+    # vLLM's per-worker heads (ModelConfig.get_num_kv_heads): split, or replicated
+    heads, dim, n = max(1, geometry.num_kv_heads // tp), geometry.head_dim, side.tokens_per_block
+    layers = max(groups)
+    page_bytes = side.worker_kv_bytes_per_block // max(1, layers)
     if (
-        geometry.num_layers != side.num_layers
+        sum(groups) != geometry.num_layers
+        or layers != side.num_layers
+        or (geometry.num_kv_heads % tp and tp % geometry.num_kv_heads)
         or geometry.v_head_dim != dim
-        or page_bytes * side.num_layers != side.worker_kv_bytes_per_block
-        or page_bytes != geometry.head_layout(n, dtype, num_layers=1).raw_block_bytes
+        or page_bytes * layers != side.worker_kv_bytes_per_block
+        or page_bytes
+        != geometry.head_layout(n, dtype, num_layers=1, num_kv_heads=heads).raw_block_bytes
     ):
         raise UnsupportedModelError(
-            f"{side.model_name}: vLLM's KV pages ({side.num_layers} layers, "
-            f"{side.worker_kv_bytes_per_block} bytes per block) do not match the model's "
-            f"config ({geometry.num_layers} layers x {heads} kv heads x {dim} dims, {name}): "
-            "kvstrata supports one full-attention KV cache group (no sliding-window, hybrid "
-            "or MLA models yet)"
+            f"{side.model_name}: vLLM's KV pages ({len(groups)} KV cache groups of "
+            f"{'/'.join(map(str, groups))} layers, {side.worker_kv_bytes_per_block} bytes "
+            f"per block and worker, tensor parallel {tp}) do not match the model's config "
+            f"({geometry.num_layers} layers x {geometry.num_kv_heads} kv heads x {dim} "
+            f"dims, {name}): kvstrata reads KV cache groups of one page shape (no MLA or "
+            "mixed head sizes yet)"
         )
     if side.page_layout == "opaque":
         heads, dim = 1, heads * dim  # a page is [1, 2 * N, Hkv * D]: any view is lossless
     tokens = n * side.blocks_per_chunk
-    layout = BlockLayout(side.num_layers, heads, dim, tokens, dtype)
+    layout = BlockLayout(layers, heads, dim, tokens, dtype)
     cache = options.cache
     host_codec = _codec(cache.host_codec, "host_codec", layout, side.page_layout)
     disk_codec = None
     if cache.disk_dir is not None:
         disk_codec = _codec(cache.disk_codec, "disk_codec", layout, side.page_layout)
     if cache.remote_url is not None:  # checked here, used by the scheduler (remote.py)
+        if tp > 1:
+            raise ConfigError.field(
+                "remote_url", cache.remote_url, "a remote tier serves one worker per engine "
+                f"(this engine runs tensor parallel {tp}): leave it out"
+            )  # fmt: skip
         remote_codec(cache, layout, side.page_layout)
     host_slots = lower_slots(cache.host_budget, host_codec.block_nbytes(layout), "host_budget")
     disk_slots = 0
@@ -184,6 +215,10 @@ def make_plan(
         "disk_codec": disk_codec.name if disk_codec else "",
         "disk_compress": cache.disk_compress,
     }
+    if len(groups) > 1:  # named only when there is more than one: older namespaces hold
+        namespace["groups"] = list(groups)
+    if tp > 1:
+        namespace["tp"] = tp
     arena_digest = _digest({**namespace, "slots": host_slots}, b"kvstrata.arena")
     plan = BackendPlan(
         layout=layout,
@@ -198,6 +233,8 @@ def make_plan(
         arena_digest=arena_digest,
         disk_root=cache.disk_dir if disk_codec is not None else None,
         region_path=region_path(side.engine_id, arena_digest),
+        tp_size=tp,
+        group_layers=tuple(groups),
     )
     return plan.named(identity or {})
 

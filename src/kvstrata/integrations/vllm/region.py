@@ -27,6 +27,11 @@ manager), so the worker is the *creator* and the manager only *opens*:
   EngineCore, the scheduler's process). A stale file is never adopted. The opener
   then removes the file's name, so nothing is left in /dev/shm after start-up (the
   creator also removes it when it closes, in case the manager never came).
+
+Under tensor parallel vLLM runs one worker process per rank, all children of EngineCore
+and built at once: rank 0 creates the arena, the other ranks *join* it — they wait
+(JOIN_TIMEOUT_S) for a file of this plan whose creator is a live sibling (a stale one
+is waited out, never adopted), map it and leave its name to the scheduler.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import logging
 import mmap
 import os
 import secrets
+import time
 from typing import Any
 
 import torch
@@ -55,6 +61,7 @@ HEADER_BYTES = 4096
 MAGIC = b"kvstrata-vllm-host-2\n"
 ALIGN = 64
 PREFIX = "kvstrata-vllm-"  # plan.region_path's file names
+JOIN_TIMEOUT_S = 120.0  # how long a worker of rank > 0 waits for rank 0's arena
 # path -> nonce of the region this process created under it (the "uni" executor runs
 # the worker in the scheduler's process: the opener checks the nonce against this)
 _CREATED: dict[str, str] = {}
@@ -69,10 +76,13 @@ class SharedRegion:
         digest: the plan's arena digest, written (creator) or checked (opener).
         create: True in the worker (creator), False in the manager (opener).
         identity: what the creator publishes for the opener (JSON-able dict).
+        join: a worker of tensor-parallel rank > 0 (create=False): wait for the
+            creator's arena, accept a sibling creator, keep the file's name.
 
     Raises:
         ConfigError: the arena does not fit in the shared-memory filesystem (creator).
-        KvstrataError: no arena to open, an arena of another plan, or a stale one.
+        KvstrataError: no arena to open, an arena of another plan, or a stale one; a
+            joiner that waited JOIN_TIMEOUT_S in vain.
     """
 
     def __init__(
@@ -83,11 +93,18 @@ class SharedRegion:
         *,
         create: bool,
         identity: dict[str, Any] | None = None,
+        join: bool = False,
     ) -> None:
         self.path = path
         self.created = create
         self.size = HEADER_BYTES + nbytes
-        fd = self._create(nbytes) if create else self._open()
+        header: dict[str, Any] = {}
+        if create:
+            fd = self._create(nbytes)
+        elif join:
+            fd, header = self._join(digest)
+        else:
+            fd = self._open()
         try:
             self._ino = os.fstat(fd).st_ino
             self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -102,6 +119,8 @@ class SharedRegion:
             self.identity = identity or {}
             self._write_header(digest)
             _CREATED[path] = self.nonce
+        elif join:  # the scheduler opens it after every worker: it removes the name
+            self.nonce, self.identity = header["nonce"], header.get("identity", {})
         else:
             header = self._read_header(digest)
             self.nonce, self.identity = header["nonce"], header.get("identity", {})
@@ -170,12 +189,8 @@ class SharedRegion:
         return fd
 
     def _read_header(self, digest: str) -> dict[str, Any]:
-        raw = bytes(self._map[:HEADER_BYTES]).split(b"\0", 1)[0]
-        header: dict[str, Any] = {}
-        if raw.startswith(MAGIC):
-            with contextlib.suppress(ValueError):
-                header = json.loads(raw[len(MAGIC) :])
-        if not isinstance(header, dict) or not {"digest", "pid", "nonce"} <= header.keys():
+        header = _parse_header(bytes(self._map[:HEADER_BYTES]))
+        if header is None:
             raise KvstrataError(f"{self.path} is not a kvstrata host arena of this version")
         if header["digest"] != digest:
             raise KvstrataError(
@@ -194,6 +209,33 @@ class SharedRegion:
             )
         return header
 
+    # -- joiner (tensor-parallel rank > 0) --------------------------------------------------
+    def _join(self, digest: str) -> tuple[int, dict[str, Any]]:
+        """Wait for rank 0's arena of this plan (complete header, live sibling creator)."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                header = None
+                if os.fstat(fd).st_size >= self.size:
+                    header = _parse_header(os.pread(fd, HEADER_BYTES, 0))
+                if header is not None and header["digest"] != digest:
+                    os.close(fd)
+                    raise KvstrataError(
+                        f"{self.path} holds another host arena (plan {header['digest']}, this "
+                        f"worker planned {digest}): the workers disagree on the kvstrata settings"
+                    )
+                if header is not None and _peer(header, self.path):
+                    return fd, header
+                os.close(fd)  # not written yet, or stale: rank 0 replaces it
+            if time.monotonic() > deadline:
+                raise KvstrataError(
+                    f"no host arena of this plan at {self.path} after {JOIN_TIMEOUT_S:.0f} s: "
+                    "the worker of rank 0 creates it (kvstrata's vLLM backend needs vLLM's "
+                    "'mp' executor for tensor parallel, its workers on one machine)"
+                )
+            time.sleep(0.05)
+
     # -- both ------------------------------------------------------------------------------
     def unlink(self) -> None:
         """Remove the file's name when it is still this region's file (the mappings
@@ -201,6 +243,27 @@ class SharedRegion:
         with contextlib.suppress(FileNotFoundError):
             if os.stat(self.path).st_ino == self._ino:
                 os.unlink(self.path)
+
+
+def _peer(header: dict[str, Any], path: str) -> bool:
+    """Whether an arena's creator is a fellow worker: a live sibling process (vLLM's
+    "mp" executor), or this very process (workers driven in one process)."""
+    pid = header["pid"]
+    if pid == os.getpid():
+        return _CREATED.get(path) == header["nonce"]
+    return isinstance(pid, int) and pid_alive(pid) and _parent(pid) == os.getppid()
+
+
+def _parse_header(raw: bytes) -> dict[str, Any] | None:
+    """The header's fields, or None when it is not (yet) a complete header."""
+    raw = raw.split(b"\0", 1)[0]
+    header: Any = None
+    if raw.startswith(MAGIC):
+        with contextlib.suppress(ValueError):
+            header = json.loads(raw[len(MAGIC) :])
+    if not isinstance(header, dict) or not {"digest", "pid", "nonce"} <= header.keys():
+        return None
+    return header
 
 
 def sweep_stale(base: str) -> list[str]:
@@ -315,6 +378,7 @@ class SharedHostTier(MemoryTier):
             checked against, the header.
         create: True in the worker (creates the file), False in the manager (opens it).
         identity: the model identity the worker publishes (create=True only).
+        join: a worker of tensor-parallel rank > 0 (see SharedRegion).
     """
 
     def __init__(
@@ -327,12 +391,14 @@ class SharedHostTier(MemoryTier):
         *,
         create: bool,
         identity: dict[str, Any] | None = None,
+        join: bool = False,
     ) -> None:
         super().__init__("host", layout, 0, codec, "cpu")  # empty arenas, replaced below
         Tier.__init__(self, "host", layout, num_slots, codec)
         self.region = SharedRegion(
-            path, arena_bytes(layout, num_slots, codec), digest, create=create, identity=identity
-        )
+            path, arena_bytes(layout, num_slots, codec), digest, create=create,
+            identity=identity, join=join,
+        )  # fmt: skip
         offset = 0
         self.arenas = {}
         for key, shape, dtype in _arena_shapes(layout, num_slots, codec):

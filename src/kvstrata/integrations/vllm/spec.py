@@ -34,30 +34,41 @@ class KvstrataOffloadingSpec(OffloadingSpec):
 
     Raises:
         ConfigError: a bad `kv_connector_extra_config` value (one line).
-        UnsupportedModelError: several KV cache groups (sliding-window or hybrid
-            models), MLA, a quantized KV cache, or more than one worker.
+        UnsupportedModelError: KV cache groups of different page shapes or block
+            sizes, MLA, a quantized KV cache other than fp8, pipeline or context parallel.
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.options = VllmOptions.from_extra_config(config.extra_config)
-        if len(config.groups) != 1:
+        groups = config.groups
+        if len({g.tokens_per_block for g in groups}) != 1:
             raise UnsupportedModelError(
-                f"{config.model.name} has {len(config.groups)} KV cache groups (sliding-window "
-                "or hybrid layers): kvstrata's vLLM backend offloads one full-attention group"
+                f"{config.model.name} has KV cache groups of "
+                f"{[g.tokens_per_block for g in groups]} tokens per block: kvstrata's vLLM "
+                "backend stores groups of one block size"
             )
-        group = config.groups[0]
+        parallel = config.parallel
+        if parallel.pcp_size > 1 or parallel.dcp_size > 1:
+            raise UnsupportedModelError(
+                f"kvstrata's vLLM backend splits blocks by heads (tensor parallel), not by "
+                f"tokens: this engine runs context parallel (prefill {parallel.pcp_size}, "
+                f"decode {parallel.dcp_size}); use vLLM's own offloading there"
+            )
         side = VllmSide(
             model_name=config.model.name,
             dtype=config.model.dtype,
-            num_layers=len(group.layer_names),
-            tokens_per_block=group.tokens_per_block,
+            num_layers=max(len(g.layer_names) for g in groups),
+            tokens_per_block=groups[0].tokens_per_block,
             blocks_per_chunk=self.blocks_per_chunk,
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
             engine_id=config.engine_id,
-            world_size=config.parallel.world_size,
+            world_size=parallel.world_size,
             page_layout="cpu-hnd" if current_platform.is_cpu() else "opaque",
+            group_layers=tuple(len(g.layer_names) for g in groups),
+            tp_size=parallel.tp_size,
         )
+        self.rank = parallel.rank  # 0 in the scheduler process
         self.model_name = config.model.name
         self.plan = make_plan(self.options, side, model_geometry(config.model.name))
         self._manager: KvstrataOffloadingManager | None = None
@@ -75,8 +86,10 @@ class KvstrataOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             vllm_config = _current_vllm_config()
             _check_heads(vllm_config, self.plan.layout.num_kv_heads, self.plan.page_layout)
-            identity = model_identity(self.options, self.model_name, vllm_config)
-            self._worker = KvstrataOffloadingWorker(self.plan, kv_caches, identity)
+            identity = {}  # rank 0 publishes it; the other ranks join its arena
+            if self.rank == 0:
+                identity = model_identity(self.options, self.model_name, vllm_config)
+            self._worker = KvstrataOffloadingWorker(self.plan, kv_caches, identity, self.rank)
         return self._worker
 
     @classmethod
@@ -96,12 +109,14 @@ def _current_vllm_config() -> Any:
 
 
 def _check_heads(vllm_config: Any, num_kv_heads: int, page_layout: str) -> None:
-    """The worker process knows vLLM's own view of the model: check the plan's heads."""
+    """The worker process knows vLLM's own view of the model: check the plan's heads
+    (one worker's share under tensor parallel)."""
     if vllm_config is None or page_layout != "cpu-hnd":
         return
     heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
     if heads != num_kv_heads:
         raise UnsupportedModelError(
-            f"vLLM runs {heads} kv heads per worker, the model's config.json says "
-            f"{num_kv_heads}: kvstrata cannot read these KV pages"
+            f"vLLM runs {heads} kv heads per worker, kvstrata planned {num_kv_heads} from "
+            "the model's config.json and the tensor-parallel size: it cannot read these "
+            "KV pages"
         )

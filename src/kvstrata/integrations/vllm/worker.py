@@ -7,6 +7,14 @@ completion inside `submit_*` (on the CPU the copy is the work; vLLM fences the
 source blocks of a store until it is reported done), and are reported by
 `get_finished`. They cannot fail on a block: the manager only hands out host slots
 that hold complete, verified blocks.
+
+Several KV cache groups (vLLM's hybrid allocator: sliding-window and full layers): a
+transfer lists each group's vLLM blocks in turn (`group_sizes`), and the host slots
+follow in the same order, one per chunk; a group's first chunk may be partial
+(`block_indices`: a sliding window that starts inside a chunk), and the blocks a store
+does not have (out of the window) are stored as zeros, never read back by vLLM.
+Tensor parallel: each worker moves its own share of the heads, in its own column of
+the transfer's slots (HostSlotsSpec.of_rank; -1: already stored for this rank).
 """
 
 from __future__ import annotations
@@ -35,63 +43,99 @@ class KvstrataOffloadingWorker(OffloadingWorker):
 
     Args:
         plan: the engine's BackendPlan (the scheduler derived the same one).
-        kv_caches: vLLM's canonical KV caches (one byte tensor per layer).
+        kv_caches: vLLM's canonical KV caches (one byte tensor per layer; its
+            group_data_refs give each KV cache group's layers).
         identity: the model identity (plan.model_identity), published to the
             scheduler in the host arena's header.
+        rank: this worker's tensor-parallel rank (rank 0 creates the host arena,
+            the others join it).
     """
 
     def __init__(
-        self, plan: BackendPlan, kv_caches: CanonicalKVCaches, identity: dict[str, Any]
+        self,
+        plan: BackendPlan,
+        kv_caches: CanonicalKVCaches,
+        identity: dict[str, Any],
+        rank: int = 0,
     ) -> None:
-        if len(kv_caches.group_data_refs) != 1:
+        groups = kv_caches.group_data_refs
+        if len(groups) != len(plan.group_layers) or any(
+            len(refs) != layers for refs, layers in zip(groups, plan.group_layers, strict=False)
+        ):
             raise UnsupportedModelError(
-                f"kvstrata's vLLM backend offloads one KV cache group; this model has "
-                f"{len(kv_caches.group_data_refs)}"
+                f"vLLM registered KV cache groups of {[len(refs) for refs in groups]} layers, "
+                f"its config announced {list(plan.group_layers)}: kvstrata cannot read them"
             )
-        refs = kv_caches.group_data_refs[0]
-        self.plan = plan
-        self.pages = Pages([kv_caches.tensors[r.tensor_idx].tensor for r in refs], plan)
-        # vLLM builds the worker first: it creates the arena, the scheduler opens it
-        self.host = plan.host_tier(create=True, identity=identity)
+        self.plan, self.rank = plan, rank
+        self.pages = [Pages([kv_caches.tensors[r.tensor_idx].tensor for r in refs], plan)
+                      for refs in groups]  # fmt: skip
+        # vLLM builds the workers first: rank 0 creates the arena, the scheduler opens it
+        if rank == 0:
+            self.host = plan.host_tier(create=True, identity=identity)
+        else:
+            self.host = plan.host_tier(create=False, join=True)
         self._finished: list[TransferResult] = []
 
-    def _spec_blocks(self, spec: GPULoadStoreSpec, num_slots: int) -> tuple[torch.Tensor, int]:
-        """vLLM block ids of a transfer and the blocks to skip in its first chunk."""
-        block_ids = torch.from_numpy(np.asarray(spec.block_ids, dtype=np.int64))
+    def _parts(
+        self, spec: GPULoadStoreSpec, slots: HostSlotsSpec
+    ) -> list[tuple[Pages, torch.Tensor, int, list[int]]]:
+        """Per KV cache group with blocks in the transfer: its pages, its vLLM block
+        ids, the blocks to skip in its first chunk, and this rank's host slots."""
+        mine = slots.of_rank(self.rank)
+        ids = np.asarray(spec.block_ids, dtype=np.int64)
+        sizes = spec.group_sizes if spec.group_sizes is not None else [len(ids)]
+        indices = spec.block_indices if len(spec.block_indices) else [0] * len(sizes)
         bpc = self.plan.blocks_per_chunk
-        skip = int(spec.block_indices[0]) % bpc if len(spec.block_indices) else 0
-        assert len(block_ids) + skip == num_slots * bpc, "a transfer covers whole chunks"
-        return block_ids, skip
+        parts, b, s = [], 0, 0
+        for pages, size, index in zip(self.pages, sizes, indices, strict=True):
+            if size == 0:
+                continue
+            skip = int(index) % bpc
+            count = -(-(skip + size) // bpc)  # chunks, the first and last maybe partial
+            block_ids = torch.from_numpy(ids[b : b + size])
+            parts.append((pages, block_ids, skip, mine[s : s + count]))
+            b, s = b + size, s + count
+        assert b == len(ids) and s == len(mine), "a transfer covers whole chunks"
+        return parts
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, HostSlotsSpec)
         start = time.perf_counter()
-        slots = dst_spec.slots
-        block_ids, skip = self._spec_blocks(src_spec, len(slots))
-        assert skip == 0, "a store starts at a chunk boundary"
-        layout = self.plan.layout
-        k = torch.empty(layout.raw_shape("k", len(slots)), dtype=layout.dtype)
-        v = torch.empty(layout.raw_shape("v", len(slots)), dtype=layout.dtype)
-        if slots:
-            self.pages.gather(block_ids, k, v)
-            self.host.write_blocks(slots, k, v)
-        self._done(job_id, len(slots) * self.host.block_bytes, start)
+        layout, bpc, tokens = self.plan.layout, self.plan.blocks_per_chunk, self.plan.page_shape[2]
+        written = 0
+        for pages, block_ids, skip, slots in self._parts(src_spec, dst_spec):
+            keep = [i for i, slot in enumerate(slots) if slot >= 0]
+            if not keep:
+                continue
+            n = len(slots)
+            partial = skip or (skip + len(block_ids)) % bpc  # blocks out of the window
+            alloc = torch.zeros if partial else torch.empty
+            k = alloc(layout.raw_shape("k", n), dtype=layout.dtype)
+            v = alloc(layout.raw_shape("v", n), dtype=layout.dtype)
+            span = slice(skip * tokens, (skip + len(block_ids)) * tokens)
+            pages.gather(block_ids, k[:, :, span], v[:, :, span])
+            if len(keep) < n:  # shares this rank stored already
+                k, v = (x.unflatten(2, (n, -1))[:, :, keep].flatten(2, 3) for x in (k, v))
+            self.host.write_blocks([slots[i] for i in keep], k, v)
+            written += len(keep)
+        self._done(job_id, written * self.host.block_bytes, start)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, HostSlotsSpec)
         start = time.perf_counter()
-        slots = src_spec.slots
-        block_ids, skip = self._spec_blocks(dst_spec, len(slots))
         layout = self.plan.layout
-        k = torch.empty(layout.raw_shape("k", len(slots)), dtype=layout.dtype)
-        v = torch.empty(layout.raw_shape("v", len(slots)), dtype=layout.dtype)
-        if slots:
+        read = 0
+        for pages, block_ids, skip, slots in self._parts(dst_spec, src_spec):
+            assert min(slots) >= 0, "a load reads every rank's share"
+            k = torch.empty(layout.raw_shape("k", len(slots)), dtype=layout.dtype)
+            v = torch.empty(layout.raw_shape("v", len(slots)), dtype=layout.dtype)
             self.host.read_blocks(slots, k, v)
-            self.pages.scatter(block_ids, k, v, skip)
-        self._done(job_id, len(slots) * self.host.block_bytes, start)
+            pages.scatter(block_ids, k, v, skip)
+            read += len(slots)
+        self._done(job_id, read * self.host.block_bytes, start)
         return True
 
     def _done(self, job_id: int, nbytes: int, start: float) -> None:
