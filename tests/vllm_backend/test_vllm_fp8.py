@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.tiny import VLLM_BLOCK, prompts
+from tests.vllm_backend.tiny import VLLM_BLOCK, prompts, read_back
 
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.pages import Pages
@@ -196,7 +196,7 @@ def _through_the_backend(
     host = plan.host_tier(create=True, identity={})
     store = OffloadStore(plan, options)
     try:
-        assert [store.lookup(key) for key in keys] == [HIT] * len(keys)
+        assert read_back(store, keys) == [HIT] * len(keys)  # from disk, in one batch
         slots = store.prepare_load(keys)
         out_k, out_v = torch.empty_like(k), torch.empty_like(v)
         host.read_blocks(slots, out_k, out_v)  # worker.submit_load

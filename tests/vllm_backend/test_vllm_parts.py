@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.vllm_backend.tiny import read_back
 
 from kvstrata.core.errors import ConfigError, KvstrataError, TierIOError, UnsupportedModelError
 from kvstrata.core.layout import BlockLayout
@@ -333,16 +334,6 @@ def _put(store: OffloadStore, worker: Worker, keys: list[bytes], seed: int) -> t
     store.complete_store(keys, success=True)
     store.drain()
     return data
-
-
-def read_back(store: OffloadStore, keys: list[bytes]) -> list[str]:
-    """The lookups of `keys` as vLLM repeats them: blocks only on disk answer RETRY and
-    are read in one batch at the step's end; once it landed, they are looked up again."""
-    first = [store.lookup(k) for k in keys]
-    assert RETRY in first, first
-    store.end_step()
-    store.drain()
-    return [store.lookup(k) for k in keys]
 
 
 @pytest.mark.parametrize(
