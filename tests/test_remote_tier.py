@@ -373,6 +373,47 @@ def test_the_cost_rule_recomputes_when_loading_is_predicted_slower(llama, server
 
 
 @needs_redis
+def test_an_idle_engine_reports_the_writes_that_finished_after_its_last_step(server):
+    from kvstrata.engine import Engine, SamplingParams
+
+    model = tiny_model("llama", max_position_embeddings=4096)
+    proxy = SlowProxy(server.port, delay=0.3)  # each write's answer comes 0.3 s later
+    try:
+        fields = {"block_size": 64, "host_budget": "16MiB", "remote_url": proxy.url}
+        with Engine(model, **fields) as a:
+            a.generate([_ids(7, PREFIX)[0].tolist()], [SamplingParams(max_tokens=2)])
+            assert a.store.prefix_index.remote.tier.flush(30)  # sent, the engine idle
+            # an idle engine still refreshes its snapshot (what /metrics and stats()
+            # show): the bench waits on these to see the write-behind queue drain
+            for _ in range(100):
+                if a.metrics.value("kvstrata_remote_writes_total") == BLOCKS:
+                    break
+                time.sleep(0.1)
+            assert a.metrics.value("kvstrata_remote_writes_total") == BLOCKS
+            assert a.metrics.value("kvstrata_remote_pending_bytes") == 0
+    finally:
+        proxy.close()
+
+
+@needs_redis
+def test_the_writer_thread_outlives_a_write_that_fails_unexpectedly(server):
+    from kvstrata.tiers.remote import RemoteTier
+
+    tier = RemoteTier(server.url)
+    try:
+        tier.start(1 << 10)
+        # a value redis-py cannot encode fails in the client, not on the socket
+        assert tier.submit(lambda: [(b"kvstrata:t:bad", {"not": "bytes"})], 10, 1)
+        assert tier.submit(lambda: [(b"kvstrata:t:good", b"v" * 10)], 10, 1)
+        assert tier.flush(10)
+        stats = tier.as_dict()
+        assert stats["write_errors"] == 1 and stats["writes"] == 1 and stats["writer_alive"]
+        assert server.client().get(b"kvstrata:t:good") == b"v" * 10
+    finally:
+        tier.close()
+
+
+@needs_redis
 def test_wrong_password_and_a_too_small_server_are_refused_at_start(llama, tmp_path, monkeypatch):
     model, prompts, _ = llama
     srv = RedisServer(tmp_path, None, "--requirepass", "right").start()
