@@ -89,7 +89,9 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--doc-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--remote-timeout", type=float, default=0.5, help="the read deadline")
+    parser.add_argument(
+        "--remote-timeout", type=float, default=0.5, help="the floor of a read's deadline"
+    )
     args = parser.parse_args()
     from kvstrata.bench._redis import RedisServer
     from kvstrata.model.zoo import resolve_model_dir
@@ -135,6 +137,7 @@ def main() -> int:
     print(f"  A remote: { {k: stats_a['remote'][k] for k in keys} }")
     print(f"  B remote: { {k: stats_b['remote'][k] for k in keys} }, hits_remote "
           f"{stats_b['hits_remote']}, retries {stats_b['remote_retries']}")  # fmt: skip
+    print(f"  B link model (the last decision): {stats_b['remote']['link']}")
     return 0 if tokens_a == tokens_b else 1
 
 

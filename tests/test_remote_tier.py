@@ -17,7 +17,9 @@ from kvstrata import CacheConfig, ConfigError, KVStore
 from kvstrata.codecs.registry import get_codec
 from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.hf import TieredCache, enable
+from kvstrata.tiers import remote_link
 from kvstrata.tiers.remote_format import BadValue, RemoteFormat
+from kvstrata.tiers.remote_link import LinkModel
 from redis_harness import RedisServer, SlowProxy, free_port, needs_redis
 
 PREFIX = 512
@@ -116,6 +118,33 @@ def test_a_value_that_fails_any_check_is_refused():
         fmt.decode(value, "cd" * 16, h)
     with pytest.raises(BadValue, match="another namespace"):
         fmt.decode(value, ns, bytes(16))
+
+
+# -- the link model ------------------------------------------------------------------------
+def test_the_rule_compares_predictions_and_the_deadline_scales_with_the_bytes():
+    link = LinkModel(latency_s=0.1, bytes_per_s=1e6, compute_tok_s=1000.0)
+    assert link.predict_load(2_000_000) == pytest.approx(2.1)
+    assert link.predict_recompute(4000) == pytest.approx(4.0)
+    assert link.worth_loading(2_000_000, 4000)  # 2.1 s against 4 s
+    assert not link.worth_loading(2_000_000, 1000)  # 2.1 s against 1 s
+    assert (link.decisions_load, link.decisions_recompute) == (1, 1)
+    assert (link.last_load_s, link.last_recompute_s) == (pytest.approx(2.1), 1.0)
+    # 8x the predicted load, at most the recompute, at least a quarter of it, and
+    # never under the floor (remote_timeout)
+    assert link.deadline(100_000, 4000, floor=0.5) == pytest.approx(1.6)  # 8 x 0.2 s
+    assert link.deadline(2_000_000, 4000, floor=0.5) == pytest.approx(4.0)  # the recompute
+    assert link.deadline(100_000, 40_000, floor=0.5) == pytest.approx(10.0)  # a quarter
+    assert link.deadline(0, 10, floor=0.5) == 0.5  # the floor
+    assert link.last_deadline_s == 0.5
+    fresh = LinkModel(latency_s=0.1, bytes_per_s=1e6)  # prefill speed not measured yet
+    assert fresh.worth_loading(10**9, 10) and fresh.deadline(10**6, 10, 0.5) == pytest.approx(8.8)
+    assert LinkModel().deadline(10**6, 10, floor=0.5) == 0.5  # nothing measured
+
+
+def test_a_stale_link_is_never_explored_with_a_request_read():
+    link = LinkModel(latency_s=1.0, bytes_per_s=1e6, compute_tok_s=1e6, last_measure=0.0)
+    assert link.needs_measure()  # the tier re-measures it in the background...
+    assert not link.worth_loading(10**6, 1000)  # ...and the rule still says recompute
 
 
 # -- sharing -----------------------------------------------------------------------------
@@ -296,23 +325,92 @@ def test_a_slow_server_passes_its_deadline_and_the_prefix_is_recomputed(llama, s
 
 
 @needs_redis
-def test_the_cost_rule_recomputes_when_loading_is_predicted_slower(llama, server):
+def test_a_read_slower_than_remote_timeout_gets_the_deadline_its_bytes_need(llama, server):
     model, prompts, refs = llama
-    _run(model, _config(server.url), prompts[0], refs[0])
+    first = _run(model, _config(server.url), prompts[0], refs[0])
+    value_bytes = first["remote"]["bytes_written"] / first["remote"]["writes"]
+    # a throttled link: the prefix's blocks take ~0.6 s, three times remote_timeout
+    proxy = SlowProxy(server.port, delay=0.0, rate=BLOCKS * value_bytes / 0.6)
+    try:
+        cfg = _config(proxy.url, remote_timeout=0.2)
+        out = _run(model, cfg, prompts[1], refs[1])  # the start-up probe measured the link
+        remote = out["remote"]
+        assert remote["latency_sum_s"] > cfg.remote_timeout  # the read took longer...
+        assert remote["link"]["last_deadline_s"] > remote["latency_sum_s"]  # ...and was let
+        assert out["matched"] == PREFIX and remote["hits"] == BLOCKS
+        assert remote["timeouts"] == 0 and remote["reads"] == 1
+    finally:
+        proxy.close()
+
+
+@needs_redis
+def test_the_cost_rule_recomputes_when_loading_is_predicted_slower(llama, server, monkeypatch):
+    model, prompts, refs = llama
+    for salt in ("", "t2"):  # the document on the server for two tenants
+        _run(model, _config(server.url), prompts[0], refs[0], salt=salt)
     proxy = SlowProxy(server.port, delay=0.25)
     try:
         cfg = _config(proxy.url, remote_timeout=5)
         with KVStore(model.config, cfg) as b:
             warm = _ids(99, 300)  # measures this store's prefill speed
             _greedy(model, warm, TieredCache.from_store(b, warm), n=2)
-            cache = TieredCache.from_store(b, prompts[1])
-            assert cache.matched_tokens == 0
-            assert torch.equal(_greedy(model, prompts[1], cache), refs[1])
-            link = b.stats()["remote"]["link"]
-            assert link["decisions_recompute"] >= 1
+            for prompt, ref, salt in zip(prompts[1:], refs[1:], ("", "t2"), strict=True):
+                cache = TieredCache.from_store(b, prompt, salt=salt)
+                assert cache.matched_tokens == 0
+                assert torch.equal(_greedy(model, prompt, cache), ref)
+                cache.close()
+                # a link refused for long is re-measured in the background, never by
+                # loading a request's blocks over it
+                monkeypatch.setattr(remote_link, "REMEASURE_S", 0.0)
+            remote = b.stats()["remote"]
+            link = remote["link"]
+            assert link["decisions_recompute"] == 2 and link["decisions_load"] == 1  # warm
+            assert remote["reads"] == 1 and remote["hits"] == 0 and remote["timeouts"] == 0
             assert link["latency_ms"] > 200 and link["compute_tok_s"] > 0
+            assert link["last_load_s"] > link["last_recompute_s"] > 0  # why: in the stats
     finally:
         proxy.close()
+
+
+@needs_redis
+def test_an_idle_engine_reports_the_writes_that_finished_after_its_last_step(server):
+    from kvstrata.engine import Engine, SamplingParams
+
+    model = tiny_model("llama", max_position_embeddings=4096)
+    proxy = SlowProxy(server.port, delay=0.3)  # each write's answer comes 0.3 s later
+    try:
+        fields = {"block_size": 64, "host_budget": "16MiB", "remote_url": proxy.url}
+        with Engine(model, **fields) as a:
+            a.generate([_ids(7, PREFIX)[0].tolist()], [SamplingParams(max_tokens=2)])
+            assert a.store.prefix_index.remote.tier.flush(30)  # sent, the engine idle
+            # an idle engine still refreshes its snapshot (what /metrics and stats()
+            # show): the bench waits on these to see the write-behind queue drain
+            for _ in range(100):
+                if a.metrics.value("kvstrata_remote_writes_total") == BLOCKS:
+                    break
+                time.sleep(0.1)
+            assert a.metrics.value("kvstrata_remote_writes_total") == BLOCKS
+            assert a.metrics.value("kvstrata_remote_pending_bytes") == 0
+    finally:
+        proxy.close()
+
+
+@needs_redis
+def test_the_writer_thread_outlives_a_write_that_fails_unexpectedly(server):
+    from kvstrata.tiers.remote import RemoteTier
+
+    tier = RemoteTier(server.url)
+    try:
+        tier.start(1 << 10)
+        # a value redis-py cannot encode fails in the client, not on the socket
+        assert tier.submit(lambda: [(b"kvstrata:t:bad", {"not": "bytes"})], 10, 1)
+        assert tier.submit(lambda: [(b"kvstrata:t:good", b"v" * 10)], 10, 1)
+        assert tier.flush(10)
+        stats = tier.as_dict()
+        assert stats["write_errors"] == 1 and stats["writes"] == 1 and stats["writer_alive"]
+        assert server.client().get(b"kvstrata:t:good") == b"v" * 10
+    finally:
+        tier.close()
 
 
 @needs_redis

@@ -103,8 +103,11 @@ class CacheConfig:
         remote_codec: codec of remote blocks (None: the disk codec).
         remote_ttl: seconds a remote block lives after it is written (None: until
             the server evicts it).
-        remote_timeout: seconds one remote read may take (its deadline); past it the
-            blocks are recomputed.
+        remote_timeout: the shortest deadline of a remote read, seconds (a PING's, and
+            a small read's): a read of many blocks gets 8x what the link model predicts
+            for its bytes, at least a quarter of what recomputing its tokens is
+            predicted to cost and never more than all of it. Past its deadline a read
+            is abandoned and the blocks are recomputed.
         attention_budget: query-aware block selection (Quest; lossy, opt-in): each
             decode step attends at most this many of a sequence's keys — a token
             count, or a fraction of its context — chosen per layer from the query and

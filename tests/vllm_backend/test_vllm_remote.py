@@ -16,7 +16,7 @@ import torch
 from tests.vllm_backend.test_vllm_parts import GEOMETRY, Worker, side
 from tests.vllm_backend.tiny import VLLM_BLOCK, prompts
 
-from kvstrata.bench._redis import REDIS_SERVER, RedisServer
+from kvstrata.bench._redis import REDIS_SERVER, RedisServer, SlowProxy
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.plan import make_plan
 from kvstrata.integrations.vllm.remote import RETRY
@@ -101,6 +101,46 @@ def test_a_corrupt_value_is_refused_counted_and_deleted(server: RedisServer) -> 
     finally:
         a.close()
         b.close()
+
+
+def test_the_cost_rule_recomputes_when_vllm_prefills_faster_than_the_link_loads(
+    server: RedisServer,
+) -> None:
+    a, wa = _store(server.url)
+    proxy = SlowProxy(server.port, delay=0.2)  # B's link: 0.2 s per answer
+    b, _ = _store(proxy.url)
+    try:
+        keys = [b"va-%04d" % i for i in range(4)]
+        to_store, slots = a.prepare_store([a.plan.key(k) for k in keys], keys)
+        wa.write(slots, seed=5)
+        a.complete_store(to_store, success=True)
+        assert a.remote.flush()
+        # B prefills: a step whose prepare_store names 3 new blocks of one request, timed
+        # from one step's end to the next (vLLM's on_schedule_end)
+        b.end_step()
+        own = [b"vb-%04d\0\0\0\0" % i for i in range(3)]  # vLLM keys: hash + group
+        assert b.prepare_store([b.plan.key(k) for k in own], own) is not None
+        b.end_step()
+        link = b.remote.tier.link
+        assert link.compute_tok_s is not None and link.compute_tok_s > 0
+        # A's blocks: loading them over B's link is predicted slower than recomputing
+        assert [b.lookup(b.plan.key(k), k) for k in keys] == [RETRY] * 4
+        _wait_fetch(b)
+        assert [b.lookup(b.plan.key(k), k) for k in keys] == [MISS] * 4  # vLLM recomputes
+        stats = b.stats()["remote"]
+        assert stats["link"]["decisions_recompute"] == 1 and stats["link"]["decisions_load"] == 0
+        assert stats["reads"] == 0 and stats["hits"] == 0  # nothing read over the slow link
+        assert stats["link"]["last_load_s"] > stats["link"]["last_recompute_s"] > 0
+        # a decode step (one block per request) is not a prefill: it measures nothing
+        before = link.compute_tok_s
+        one = [b"vc-0000\0\0\0\0"]
+        b.prepare_store([b.plan.key(k) for k in one], one)
+        b.end_step()
+        assert link.compute_tok_s == before
+    finally:
+        a.close()
+        b.close()
+        proxy.close()
 
 
 def test_a_server_that_is_down_costs_misses_never_a_failure(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """A real `redis-server` and a slow link to it, for `kvstrata bench remote` and the tests:
 the server on a free loopback port (no persistence: a restart is empty), killed,
 restarted, reconfigured; and a TCP proxy that holds every server-to-client chunk back
-a fixed delay (a slow or far link: the injected per-read delay)."""
+a fixed delay, plus its length at a given rate when one is set (a slow or far link:
+the injected per-read delay, and a throttled one)."""
 
 from __future__ import annotations
 
@@ -74,10 +75,11 @@ class RedisServer:
 
 class SlowProxy:
     """Forwards 127.0.0.1:`port` to a server, holding every server->client chunk back
-    `delay` seconds (a slow or far link)."""
+    `delay` seconds, plus its length / `rate` (bytes per second) when `rate` is set (a
+    slow or far link, a throttled one)."""
 
-    def __init__(self, target_port: int, delay: float) -> None:
-        self.target_port, self.delay = target_port, delay
+    def __init__(self, target_port: int, delay: float, rate: float | None = None) -> None:
+        self.target_port, self.delay, self.rate = target_port, delay, rate
         self.port = free_port()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._stop = False
@@ -100,8 +102,8 @@ class SlowProxy:
     def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
         try:
             while data := src.recv(1 << 20):
-                if slow and self.delay:  # read at each chunk: a test may change it
-                    time.sleep(self.delay)
+                if slow:  # read at each chunk: a test may change them
+                    time.sleep(self.delay + (len(data) / self.rate if self.rate else 0.0))
                 dst.sendall(data)
         except OSError:
             pass

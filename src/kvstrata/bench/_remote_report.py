@@ -68,7 +68,10 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         own = rows.get("slow_cold", {}).get("ttft_s")
         verdicts["slow_vs_cold"] = slow / cold - 1
         verdicts["slow_vs_own_cold"] = slow / own - 1 if own else None
-        verdicts["slow_target_met"] = abs(slow / cold - 1) <= TARGET_SLOW_WITHIN
+        # B_slow's own cold run is the fair comparison: the same process, minutes apart
+        # at most, where B cold ran in another phase (other loads, other processes)
+        ref = own or cold
+        verdicts["slow_target_met"] = abs(slow / ref - 1) <= TARGET_SLOW_WITHIN
     predicted = {}
     link = out.get("slow_link") or {}
     if link.get("latency_s") is not None and per_block["bytes_per_block"]:
@@ -126,12 +129,18 @@ def report_lines(out: dict[str, Any]) -> list[str]:
     if link:
         p, bw = s["predicted"], (link.get("bytes_per_s") or 0) / 1e6
         lines.append(
-            f"slow link ({out['delay_ms']} ms per answer chunk): link model latency "
+            f"slow link ({out['delay_ms']} ms per answer chunk, "
+            f"{out.get('link_mb_s') or 'unlimited'} MB/s): link model latency "
             f"{_f(link.get('latency_s'))} s, bandwidth {_f(bw, '.1f')}"
             f" MB/s, prefill {_f(link.get('compute_tok_s'), '.0f')} tok/s -> predicted load "
             f"{_f(p.get('load_s'), '.2f')} s vs recompute {_f(p.get('recompute_s'), '.2f')} s for "
             f"{p.get('blocks', '-')} blocks; decisions load {link['load']:.0f} / recompute "
             f"{link['recompute']:.0f}, timeouts {link['timeouts']:.0f}, reads {link['reads']:.0f}"
+        )
+        lines.append(
+            f"B_slow's last lookup (its /metrics): predicted load "
+            f"{_f(link.get('last_load_s'), '.2f')} s vs recompute "
+            f"{_f(link.get('last_recompute_s'), '.2f')} s"
         )
     v = s["verdicts"]
     if "remote_speedup" in v:
@@ -140,11 +149,12 @@ def report_lines(out: dict[str, Any]) -> list[str]:
             f"{_f(v['remote_speedup'], '.2f')}x -> {'met' if v['remote_target_met'] else 'NOT met'}"
         )
     if "slow_vs_cold" in v:
+        own = v["slow_vs_own_cold"]
         lines.append(
-            f"target slow link within {100 * TARGET_SLOW_WITHIN:.0f} % of cold B: "
-            f"{100 * v['slow_vs_cold']:+.1f} % (vs B_slow's own cold "
-            f"{_f(None if v['slow_vs_own_cold'] is None else 100 * v['slow_vs_own_cold'], '+.1f')}"
-            f" %) -> {'met' if v['slow_target_met'] else 'NOT met'}"
+            f"target slow link within {100 * TARGET_SLOW_WITHIN:.0f} % of cold: "
+            f"{_f(None if own is None else 100 * own, '+.1f')} % vs B_slow's own cold "
+            f"({100 * v['slow_vs_cold']:+.1f} % vs B cold, another phase) -> "
+            f"{'met' if v['slow_target_met'] else 'NOT met'}"
         )
     lines.append(
         f"load average (1 min) at start {out['load_start']:.2f}, at end {out['load_end']:.2f}; "

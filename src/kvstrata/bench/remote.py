@@ -11,14 +11,14 @@ Each repeat takes a fresh document (real text, --doc-tokens tokens + a short que
   B remote   B answers it as A did: its blocks come from Redis (one batched read)
   B disk     B restarted (its disk tier persists its prefix cache at shutdown) answers
              it again: a hit on its own disk tier
-  slow       B_slow (no disk) reaches Redis through a proxy that holds every answer back
-             --delay-ms (its remote_timeout: 3x that, at least 0.5 s): after one prefill
-             teaches it this machine's prefill speed, the link model predicts loading
-             slower than recomputing, so it recomputes (slow remote: A's document; slow
-             cold: a fresh salt). A link it keeps refusing is re-measured by one real
-             read every 30 s (tiers/remote_link.py), which the deadline cuts short: with
-             prefills longer than that, each request pays up to one deadline for it
-             (counted as a load decision and a timeout)
+  slow       B_slow (no disk, default settings) reaches Redis through a proxy that holds
+             every answer chunk back --delay-ms and passes --link-mb-s MB/s: after one
+             prefill teaches it this machine's prefill speed, the link model (its PINGs
+             and a one-block probe read through the proxy) predicts loading slower than
+             recomputing, so it recomputes (slow remote: A's document; slow cold: a
+             fresh salt, B_slow's own cold run, which the verdict compares with). A
+             link it refuses is re-measured in the background (tiers/remote_link.py),
+             never with a request's own read
 
 B cold and B remote alternate their order across repeats; every request waits until
 the servers' write-behind queues are empty (kvstrata_remote_pending_bytes), so no
@@ -61,9 +61,8 @@ QUESTION = "\n\nQuestion: what does the code above do? Answer:"
 WARMUP_PROMPT = "def warm_up(server):\n    return server\n"
 BLOCK_TOKENS = 64
 SETTLE_TIMEOUT_S = 300.0
-# B_slow's writes go through the slow link; seen here: its writer stuck for a minute
-# with blocks queued and nothing sent (not understood yet), so its settling is bounded
-# tightly (long waits would also make the link model re-measure the link: EXPLORE_S)
+# B_slow's writes go through the slow link (each answer chunk held back): its settling
+# is bounded, a queue still sending then is reported
 SLOW_SETTLE_S = 5.0
 REMOTE_KEYS = ("hits", "misses", "timeouts", "errors", "skipped", "bytes_read", "writes")
 
@@ -83,8 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delay-ms",
         type=int,
         default=None,
-        help="the slow link's delay per answer chunk, ms (200; --quick 1000: a tiny model's "
-        "blocks are few, so only a longer delay makes loading them slower than recomputing)",
+        help="the slow link's delay per answer chunk, ms (100; --quick 300: a tiny model's "
+        "blocks are few and small, so its link's latency is what makes loading slower)",
+    )
+    parser.add_argument(
+        "--link-mb-s",
+        type=float,
+        default=None,
+        help="the slow link's bandwidth, MB/s (2: a 4k-token smollm2 prefix then takes "
+        "minutes to load, longer than its prefill; 0: no limit)",
     )
     parser.add_argument("--remote-codec", default=None, help="remote codec (default: disk's)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 512 tokens, 1 repeat")
@@ -105,7 +111,8 @@ def _options(args: argparse.Namespace) -> argparse.Namespace:
         o.doc_tokens = o.doc_tokens or 512
         o.max_tokens = 4 if o.max_tokens == 16 else o.max_tokens
     o.doc_tokens = o.doc_tokens or 4096
-    o.delay_ms = o.delay_ms or (1000 if o.quick else 200)
+    o.delay_ms = o.delay_ms or (300 if o.quick else 100)
+    o.link_mb_s = 2.0 if o.link_mb_s is None else o.link_mb_s
     _timing.check_positive(o, "repeats", "doc_tokens", "max_tokens", "delay_ms", "health_timeout")
     try:
         o.kvstrata_args = shlex.split(o.kvstrata_args or "")
@@ -263,15 +270,12 @@ class Docs:
 
 
 def _slow_phase(o, docs: Docs, redis: _redis.RedisServer, log_dir: Path, out: dict) -> None:
-    proxy = _redis.SlowProxy(redis.port, o.delay_ms / 1000)
+    proxy = _redis.SlowProxy(redis.port, o.delay_ms / 1000, o.link_mb_s * 1e6 or None)
     server = None
     try:
         port = srv.free_port()
-        # a deadline the slow link's PING meets (3x the delay, at least the default 0.5 s):
-        # what keeps B_slow from loading is the cost rule; the deadline bounds the one
-        # read the link model makes every 30 s to re-measure a link it keeps refusing
-        timeout = f"{max(0.5, 3 * o.delay_ms / 1000):g}"
-        cmd = _command(o, docs.model_dir, port, remote_url=proxy.url, remote_timeout=timeout)
+        # default settings: what keeps B_slow from loading is the cost rule
+        cmd = _command(o, docs.model_dir, port, remote_url=proxy.url)
         server = _start("B_slow", cmd, log_dir, o, docs.warm)
         out["commands"]["B_slow"] = shlex.join(cmd)
         out["slow_warm"] = ask(server, "warm", docs.warm_doc, o.max_tokens, "warm", SLOW_SETTLE_S)
@@ -285,6 +289,10 @@ def _slow_phase(o, docs: Docs, redis: _redis.RedisServer, log_dir: Path, out: di
             "latency_s": m.get("kvstrata_remote_link_latency_seconds"),
             "bytes_per_s": m.get("kvstrata_remote_link_bytes_per_second"),
             "compute_tok_s": m.get("kvstrata_remote_compute_tokens_per_second"),
+            # the last lookup's figures (what the rule compared, the read's deadline)
+            "last_load_s": m.get("kvstrata_remote_predicted_load_seconds"),
+            "last_recompute_s": m.get("kvstrata_remote_predicted_recompute_seconds"),
+            "last_deadline_s": m.get("kvstrata_remote_read_deadline_seconds"),
             **remote_counts(m),
         }
     finally:
@@ -304,7 +312,8 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "scenario": NAME, "command": shlex.join(sys.argv), "model": docs.model_name,
         "doc_tokens": o.doc_tokens, "prompt_tokens": len(docs.docs[0]), "repeats": o.repeats,
-        "max_tokens": o.max_tokens, "delay_ms": o.delay_ms, "block_tokens": BLOCK_TOKENS,
+        "max_tokens": o.max_tokens, "delay_ms": o.delay_ms, "link_mb_s": o.link_mb_s,
+        "block_tokens": BLOCK_TOKENS,
         "log_dir": str(log_dir), "commands": {}, "records": {k: [] for k in kinds},
         "load_start": os.getloadavg()[0], "cores": os.cpu_count(),
     }  # fmt: skip

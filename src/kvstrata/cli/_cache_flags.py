@@ -44,7 +44,12 @@ def add_remote_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--remote-ttl", default=None, help="seconds a remote block lives (default: no limit)"
     )
-    g.add_argument("--remote-timeout", default=None, help="deadline of one remote read, s (0.5)")
+    g.add_argument(
+        "--remote-timeout",
+        default=None,
+        help="shortest deadline of a remote read, s (0.5); a large read gets what the link "
+        "model predicts for its bytes x8, up to the cost of recomputing its tokens",
+    )
 
 
 def remote_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from kvstrata.integrations.hf.step import StepCache
 from kvstrata.store.kvstore import KVStore
 
 log = logging.getLogger("kvstrata.engine")
+IDLE_SNAPSHOT_S = 1.0  # an idle engine refreshes its stats snapshot this often
 OnOutput = Callable[[RequestOutput], None]
 
 
@@ -348,8 +349,12 @@ class Engine:
         sched, runner = self.sched, self.runner
         assert sched is not None and runner is not None
         while not self._stop:
-            if not sched.has_work():  # idle: sleep until a command comes
-                self._command(*self._commands.get())
+            if not sched.has_work():  # idle: sleep until a command comes...
+                try:
+                    self._command(*self._commands.get(timeout=IDLE_SNAPSHOT_S))
+                except queue.Empty:  # ...taking snapshots: the remote tier's write-behind
+                    self._take_snapshot()  # goes on while idle, and stats() follow it
+                    continue
             while True:
                 try:
                     self._command(*self._commands.get_nowait())

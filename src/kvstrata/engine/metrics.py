@@ -115,6 +115,9 @@ _LINK_GAUGES = (
     ("latency_ms", "link_latency_seconds", 1e-3, "the link model's round-trip latency"),
     ("bandwidth_mb_s", "link_bytes_per_second", 1e6, "the link model's read bandwidth"),
     ("compute_tok_s", "compute_tokens_per_second", 1.0, "this store's measured prefill speed"),
+    ("last_load_s", "predicted_load_seconds", 1.0, "the last lookup's predicted remote load"),
+    ("last_recompute_s", "predicted_recompute_seconds", 1.0, "...and its predicted recompute"),
+    ("last_deadline_s", "read_deadline_seconds", 1.0, "the deadline of the last remote read"),
 )
 
 

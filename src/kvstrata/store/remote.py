@@ -4,7 +4,8 @@ import into a local tier, and the write-behind of every new full block.
 Reads (`fill`, at admission, before the prefix index's own lookup): the prompt's
 chain of block hashes is walked per layer group; the blocks no local tier holds, past
 the longest local match, are asked for in one round trip — only when the link model
-predicts loading them beats recomputing those tokens (the decision is counted). Every
+predicts loading them beats recomputing those tokens (the decision is counted), and
+within the deadline the link model gives those bytes and tokens. Every
 value is checked (tiers/remote_format.py: header, namespace, block hash, lengths,
 XXH3, and the token ids against the prompt's); one that fails is a miss, counted,
 deleted from the server and recomputed, never served. The longest prefix every group
@@ -25,7 +26,6 @@ block size or tenant salt is another key.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Callable
 
@@ -41,7 +41,6 @@ from kvstrata.tiers.remote import RemoteTier
 from kvstrata.tiers.remote_format import BadValue, RemoteFormat
 
 ExtraKeys = Callable[[int, str], dict[str, str | int]]
-PING_STALE_S = 5.0  # re-measure the latency of a link the rule keeps refusing this often
 
 
 class RemoteBlocks:
@@ -66,7 +65,6 @@ class RemoteBlocks:
         self._extra_keys: ExtraKeys | None = None
         self._ns: dict[tuple[int, str], str] = {}
         self._step: tuple[float, int] | None = None
-        self._last_ping = time.monotonic()
 
     def bind(self, manager: BlockManager, extra_keys: ExtraKeys) -> None:
         """The store's block manager and its hash extra keys per (group, salt)."""
@@ -127,17 +125,14 @@ class RemoteBlocks:
         ]
         if k0 >= limit or not want:
             return set()
-        value_bytes = self.format.value_bytes
-        if not self.tier.link.worth_loading(len(want) * value_bytes, (limit - k0) * bs):
-            if time.monotonic() - self._last_ping > PING_STALE_S and self.tier.available:
-                # off the step's path: a slow link's PING must not delay the recompute
-                self._last_ping = time.monotonic()
-                threading.Thread(
-                    target=self.tier.ping, name="kvstrata-remote-ping", daemon=True
-                ).start()
+        value_bytes, link = self.format.value_bytes, self.tier.link
+        nbytes, tokens = len(want) * value_bytes, (limit - k0) * bs
+        if link.needs_measure():
+            self.tier.remeasure()  # in the background: never a request's own read
+        if not link.worth_loading(nbytes, tokens):
             return set()
         keys = [self.key(g, salt, hashes[g][i]) for g, i in want]
-        values = self.tier.get(keys, value_bytes)
+        values = self.tier.get(keys, value_bytes, self.tier.deadline(nbytes, tokens))
         if values is None:  # down, in backoff or past the deadline: counted by the tier
             return set()
         fetched: dict[tuple[int, int], Encoded] = {}

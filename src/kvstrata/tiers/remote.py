@@ -3,26 +3,36 @@
 Not a slot arena like the other tiers: a content-addressed map from block keys to
 block values (tiers/remote_format.py) on a server this process does not own. The
 store reads it at admission — the missing blocks of a prompt's prefix in one round
-trip (a pipeline of MGETs) with a deadline (`timeout`) — and writes every full block
-it computes, asynchronously: a background thread encodes and sends queued blocks, and
-a full queue (`max_pending_bytes`) drops new writes (counted), never blocks a step.
+trip (a pipeline of MGETs) with a deadline — and writes every full block it computes,
+asynchronously: a background thread encodes and sends queued blocks, and a full queue
+(`max_pending_bytes`) drops new writes (counted), never blocks a step.
+
+Deadlines are whole-read deadlines, not socket timeouts: a watchdog disconnects the
+read's connection when its time is up, however the bytes trickle in. A read of many
+blocks gets the link model's deadline for its bytes (tiers/remote_link.py:
+`deadline`), at least `timeout` (remote_timeout, the floor); a PING gets `timeout`.
 
 Faults never fail a request, they cost a recompute: a server that is down, refuses a
 read, passes its deadline or drops a connection makes the read a miss and starts a
 backoff (0.2 s doubling to 10 s) during which the tier is skipped; the first request
 after it reconnects (an empty restarted server gives misses, then hits again as
 blocks are written). What the store does with values (checks, the cost rule) is
-store/remote.py; the link model is tiers/remote_link.py.
+store/remote.py; the link model is tiers/remote_link.py. The link is measured at
+start (two PINGs, then a probe read of about one block) and again in the background
+when a lookup finds the figures older than REMEASURE_S (`remeasure`) — never with a
+request's own read.
 
 Start-up (`start`) refuses, with one line naming remote_url: a password the server
 rejects, and a server whose maxmemory holds fewer than MIN_BLOCKS blocks. A server
-that cannot be reached at start is a RuntimeWarning: the store runs without it until
-it answers.
+that cannot be reached at start (or does not answer a PING within `timeout`) is a
+RuntimeWarning: the store runs without it until it answers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import os
 import secrets
 import threading
@@ -38,12 +48,19 @@ from kvstrata.core.errors import ConfigError, MissingExtraError
 from kvstrata.core.units import format_bytes
 from kvstrata.tiers.remote_link import LinkModel
 
+log = logging.getLogger(__name__)
 PASSWORD_ENV = "KVSTRATA_REMOTE_PASSWORD"
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.2, 10.0
 MIN_BLOCKS = 16  # a server that cannot hold this many blocks is refused at start
 DEFAULT_PENDING_BYTES = 256 << 20
 READ_CHUNK_BYTES = 32 << 20  # one MGET of the pipeline asks for at most this much
-PROBE_BYTES = 256 << 10  # the start-up bandwidth probe
+# The bandwidth probe reads one block's worth of bytes, within these bounds; in the
+# background it may take PROBE_TIMEOUT_S (at least remote_timeout). At start, the
+# connecting PING, the CONFIG GET and the probe get CONNECT_TIMEOUT_S (a TLS or AUTH
+# handshake is more than a round trip; a slow link delays start-up at most that).
+PROBE_MIN_BYTES, PROBE_MAX_BYTES = 256 << 10, 8 << 20
+PROBE_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 2.0
 # Round-trip latency histogram buckets (seconds), Prometheus style (cumulative).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -89,6 +106,10 @@ class RemoteStats:
         self.latency_sum_s += seconds
 
 
+class _Cut(Exception):
+    """A call passed its deadline (the watchdog disconnected it)."""
+
+
 class RemoteTier:
     """A shared Redis-protocol server holding encoded blocks (see the module docstring).
 
@@ -96,7 +117,8 @@ class RemoteTier:
         url: redis://[:password@]host[:port][/db] or rediss:// (TLS); without a
             password in the URL, $KVSTRATA_REMOTE_PASSWORD is used if set.
         ttl: seconds a written block lives (None: until the server evicts it).
-        timeout: the deadline of one read, seconds.
+        timeout: the shortest deadline of a read (remote_timeout), seconds: a PING's,
+            and a read's whenever the link model gives less.
         max_pending_bytes: writes queued beyond this are dropped (counted).
     """
 
@@ -121,26 +143,38 @@ class RemoteTier:
         self._redis = redis
         password = None if parts.password else os.environ.get(PASSWORD_ENV) or None
 
-        def client(socket_timeout: float) -> Any:
-            # one immediate retry on a dropped connection (a pooled socket the server
-            # closed when it restarted), none on a timeout: the deadline is the deadline
-            retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        # no CLIENT SETINFO round trips on every connect (redis-py >= 7: driver_info)
+        quiet = (
+            {"driver_info": None}
+            if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
+            else {"lib_name": None, "lib_version": None}
+        )
+
+        def client(socket_timeout: float | None, retries: int) -> Any:
+            # the writer: one immediate retry on a dropped connection (a pooled socket
+            # the server closed when it restarted); reads retry that themselves (_timed)
+            retry = Retry(NoBackoff(), retries, supported_errors=(redis.ConnectionError,))
             return redis.Redis.from_url(
                 url,
                 password=password,
                 socket_timeout=socket_timeout,
-                socket_connect_timeout=timeout,
+                socket_connect_timeout=max(timeout, CONNECT_TIMEOUT_S),
                 retry=retry,
                 health_check_interval=0,
+                **quiet,
             )
 
-        self._reader = client(timeout)
-        self._writer = client(max(5.0, 4 * timeout))
+        # reads block in recv until their watchdog cuts them (_timed): no socket timeout
+        self._reader = client(None, 0)
+        self._prober = client(None, 0)  # background measurements: never cut with a read
+        self._writer = client(max(5.0, 4 * timeout), 1)
         self.stats = RemoteStats()
         self.link = LinkModel()
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = 0.0
+        self._probe_bytes = PROBE_MIN_BYTES
+        self._measurer: threading.Thread | None = None
         self._cond = threading.Condition()
         self._queue: deque[WriteJob] = deque()
         self._pending_bytes = 0
@@ -168,15 +202,47 @@ class RemoteTier:
             self._backoff = min(max(2 * self._backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
             self._down_until = time.monotonic() + self._backoff
 
+    def _timed(self, client: Any, deadline: float, call: Callable[[], Any]) -> Any:
+        """`call()` (a command of `client`) cut at `deadline` seconds: a watchdog
+        disconnects the client's connections (ConnectionPool.disconnect, in use
+        included), which ends a recv however slowly the bytes came. Raises _Cut past
+        the deadline (or on a connect timeout), else what the call raised; a
+        connection the server closed (a restart) is tried once more."""
+        cut = threading.Event()
+
+        def fire() -> None:
+            cut.set()
+            # the reading thread may be disconnecting it too: either one suffices
+            with contextlib.suppress(Exception):
+                client.connection_pool.disconnect(inuse_connections=True)
+
+        watchdog = threading.Timer(deadline, fire)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            for attempt in (0, 1):
+                try:
+                    return call()
+                except Exception as exc:  # noqa: BLE001 - a cut read fails in many ways
+                    if cut.is_set() or isinstance(exc, self._redis.TimeoutError):
+                        raise _Cut from exc
+                    if attempt or not isinstance(exc, self._redis.ConnectionError):
+                        raise
+            raise AssertionError("unreachable")
+        finally:
+            watchdog.cancel()
+
     def start(self, value_bytes: int) -> None:
         """Check the server once (see the module docstring) and measure the link."""
         redis = self._redis
+        self._probe_bytes = min(max(value_bytes, PROBE_MIN_BYTES), PROBE_MAX_BYTES)
+        slow = max(self.timeout, CONNECT_TIMEOUT_S)
         try:
-            self._reader.ping()  # connects: the second one measures the round trip
+            self._timed(self._reader, slow, self._reader.ping)  # connects
             t0 = time.perf_counter()
-            self._reader.ping()
+            self._timed(self._reader, self.timeout, self._reader.ping)
             self.link.observe_ping(time.perf_counter() - t0)
-            maxmemory = self._maxmemory()
+            maxmemory = self._timed(self._reader, slow, self._maxmemory)
         except redis.AuthenticationError as exc:
             raise ConfigError.field(
                 "remote_url",
@@ -184,10 +250,11 @@ class RemoteTier:
                 f"the server refused the credentials ({exc}): put the password in the URL "
                 f"(redis://:PASSWORD@host) or ${PASSWORD_ENV}",
             ) from None
-        except self._errors as exc:
+        except (_Cut, *self._errors) as exc:
+            why = f"no answer within {self.timeout:g} s" if isinstance(exc, _Cut) else exc
             warnings.warn(
-                f"remote tier {self.url} is unreachable at start ({exc}): running without it, "
-                "retrying with backoff",
+                f"remote tier {self.url} is unreachable at start ({why}): running without "
+                "it, retrying with backoff",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -201,7 +268,9 @@ class RemoteTier:
                 f"{MIN_BLOCKS} blocks of {format_bytes(value_bytes)}: raise it (CONFIG SET "
                 "maxmemory) or store fewer bytes per block (block_size, remote_codec)",
             )
-        self._probe()
+        # the first bandwidth figure, before the first lookup needs it
+        with contextlib.suppress(_Cut, *self._errors, self._redis.ResponseError):
+            self._probe(slow)
 
     def _maxmemory(self) -> int:
         try:
@@ -209,48 +278,81 @@ class RemoteTier:
         except self._redis.ResponseError:  # CONFIG is disabled on many managed servers
             return 0
 
-    def _probe(self) -> None:
-        """One real read of PROBE_BYTES: the link's first bandwidth figure."""
-        key = b"kvstrata:probe:" + secrets.token_hex(8).encode()
-        try:
-            self._writer.set(key, b"\0" * PROBE_BYTES, px=10_000)
-            t0 = time.perf_counter()
-            self._reader.get(key)
-            self.link.observe_read(time.perf_counter() - t0, PROBE_BYTES)
-            self._writer.delete(key)
-        except (*self._errors, self._redis.ResponseError):
-            pass  # no figure yet: the first real read gives one
+    # -- measuring the link ---------------------------------------------------------------
+    def remeasure(self) -> bool:
+        """Measure the link in the background — a PING (within `timeout`), then a probe
+        read of about one block (within PROBE_TIMEOUT_S) — unless a measurement is
+        under way, the tier is closed or in backoff. True when one was started."""
+        with self._lock:
+            busy = self._measurer is not None and self._measurer.is_alive()
+            if busy or self._closed or not self.available:
+                return False
+            self._measurer = threading.Thread(
+                target=self._measure, name="kvstrata-remote-measure", daemon=True
+            )
+            self._measurer.start()
+        return True
 
-    def ping(self) -> float | None:
-        """Round-trip seconds of a PING, or None (the tier then backs off)."""
+    def _measure(self) -> None:
+        prober = self._prober
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            self._reader.ping()
+            self._timed(prober, self.timeout, prober.ping)
+        except _Cut:  # slower than the floor: it cost at least that
+            self.link.observe_ping(time.perf_counter() - t0)
+            return
         except self._errors:
             self._fail()
-            return None
-        elapsed = time.perf_counter() - t0
-        self.link.observe_ping(elapsed)
+            return
+        self.link.observe_ping(time.perf_counter() - t0)
         self._ok()
-        return elapsed
+        with contextlib.suppress(_Cut, *self._errors, self._redis.ResponseError):
+            self._probe(max(self.timeout, PROBE_TIMEOUT_S))
+
+    def _probe(self, wait: float) -> None:
+        """One real read of about a block, within `wait` seconds: the link's bandwidth.
+        A probe cut at its deadline is credited with its bytes: a bound the real
+        bandwidth is below."""
+        prober = self._prober
+        key = b"kvstrata-probe:" + secrets.token_hex(8).encode()  # no block namespace
+        self._timed(prober, wait, lambda: prober.set(key, b"\0" * self._probe_bytes, px=60_000))
+        t0, value = time.perf_counter(), b""
+        with contextlib.suppress(_Cut):
+            value = self._timed(prober, wait, lambda: prober.get(key))
+        if value is not None:  # None: evicted at once (a full server), nothing measured
+            self.link.observe_read(time.perf_counter() - t0, self._probe_bytes)
+        with contextlib.suppress(_Cut, *self._errors):
+            self._timed(prober, wait, lambda: prober.delete(key))
 
     # -- reads --------------------------------------------------------------------------
-    def get(self, keys: list[bytes], value_bytes: int) -> list[bytes | None] | None:
+    def deadline(self, nbytes: int, tokens: int) -> float:
+        """The deadline of a read of `nbytes` that saves recomputing `tokens` tokens
+        (the link model's, at least `timeout`)."""
+        return self.link.deadline(nbytes, tokens, self.timeout)
+
+    def get(
+        self, keys: list[bytes], value_bytes: int, deadline: float | None = None
+    ) -> list[bytes | None] | None:
         """The values of `keys` (None where absent) in one round trip, or None when the
-        server is in backoff, down, or past the deadline (each counted)."""
+        server is in backoff, down, or past `deadline` seconds (default: `timeout`);
+        each counted."""
         if not keys:
             return []
         if not self.available:
             self.stats.skipped += 1
             return None
         per_get = max(1, READ_CHUNK_BYTES // max(1, value_bytes))
-        t0 = time.perf_counter()
-        try:
+
+        def read() -> list[bytes | None]:
             pipe = self._reader.pipeline(transaction=False)
             for i in range(0, len(keys), per_get):
                 pipe.mget(keys[i : i + per_get])
-            values = [v for chunk in pipe.execute() for v in chunk]
-        except self._redis.TimeoutError:
+            return [v for chunk in pipe.execute() for v in chunk]
+
+        t0 = time.perf_counter()
+        try:
+            values = self._timed(self._reader, deadline or self.timeout, read)
+        except _Cut:
             elapsed = time.perf_counter() - t0
             self.stats.timeouts += 1
             self.stats.observe_latency(elapsed)
@@ -309,6 +411,9 @@ class RemoteTier:
                 self._busy = True
             try:
                 self._send(make, blocks)
+            except Exception:  # noqa: BLE001 - the writer thread outlives any one write
+                self.stats.write_errors += blocks
+                log.exception("kvstrata: a remote write failed unexpectedly; writing goes on")
             finally:
                 with self._cond:
                     self._pending_bytes -= nbytes
@@ -362,6 +467,7 @@ class RemoteTier:
         out["latency_counts"] = list(self.stats.latency_counts)
         out["latency_sum_s"] = self.stats.latency_sum_s
         out["pending_bytes"] = self._pending_bytes
+        out["writer_alive"] = self._thread.is_alive()
         out["available"] = self.available
         out["link"] = self.link.as_dict()
         out["url"] = self.url
@@ -378,6 +484,9 @@ class RemoteTier:
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout=flush_timeout)
-        for client in (self._reader, self._writer):
+        measurer = self._measurer
+        if measurer is not None:
+            measurer.join(timeout=flush_timeout)
+        for client in (self._reader, self._prober, self._writer):
             with contextlib.suppress(*self._errors):
                 client.close()

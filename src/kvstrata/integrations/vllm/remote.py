@@ -14,13 +14,21 @@ is what ties it to a prompt.
 Reads are asynchronous, as vLLM's OffloadingManager allows: a lookup of a block no
 local tier holds answers RETRY (vLLM defers the request a step) and queues the key; at
 the end of the scheduler's step the queued keys are fetched in one batched round trip
-on a thread, with the deadline (`remote_timeout`); the next lookup of a key takes the
+on a thread, within its deadline (below); the next lookup of a key takes the
 checked value (the store installs it in a host slot: a hit) or its absence (a miss,
 remembered for ABSENT_S). A value failing a check is a miss, counted and deleted from
 the server; a server that is down, in backoff or past the deadline costs misses,
-never a failed request. There is no load-or-recompute rule here: the scheduler
-process does not see vLLM's prefill speed, so a remote hit is always taken (within
-the deadline).
+never a failed request.
+
+The load-or-recompute rule (tiers/remote_link.py) decides each step's batch: its bytes
+against its tokens. The scheduler sees vLLM's prefill speed through the store calls
+it makes: `prepare_store` names the blocks a step completes, and the time from one
+step's end (`end_step`, at vLLM's on_schedule_end) to the next is that step's
+execution. A step in which a request completes two or more blocks is a prefill (a
+decode step completes at most one per request) and measures tokens per second; a
+refused batch is a miss at once (vLLM recomputes), counted as a recompute decision.
+The deadline of a read is the link model's for its bytes and tokens (at least
+remote_timeout).
 
 Writes: every block vLLM stores is copied out of its host slot on the scheduler
 thread and sent by the tier's writer thread (a full queue drops writes, counted).
@@ -55,7 +63,7 @@ class VllmRemote:
     Args:
         plan: the engine's plan, named with the model identity.
         options: the backend's settings (remote_url, remote_codec, remote_ttl,
-            remote_timeout).
+            remote_timeout: the floor of a read's deadline).
         tier: the RemoteTier to use (tests); default: one built from the options.
     """
 
@@ -80,6 +88,9 @@ class VllmRemote:
         self._absent: dict[bytes, float] = {}  # our key -> until when it is a miss
         self._fetcher: threading.Thread | None = None
         self._seen: tuple[int, ...] = ()
+        self._block_tokens = plan.layout.block_size
+        self._step_began: float | None = None  # perf_counter() of the last step's end
+        self._step_blocks = 0  # blocks prefilled by the step since then
         self.counters = dict.fromkeys(("remote_hits", "remote_misses", "remote_corrupt"), 0)
 
     def remote_key(self, vllm_key: bytes) -> bytes:
@@ -112,9 +123,27 @@ class VllmRemote:
             self._queued[key] = self.remote_key(vllm_key)
             return RETRY, None
 
+    def computed(self, vllm_keys: list[bytes]) -> None:
+        """A request's blocks this step completes (vLLM's prepare_store of keys not
+        stored yet): two or more are a prefill, timed at the next end_step. vLLM's
+        keys end in a 4-byte KV group index (make_offload_key): a block stored for
+        two groups is one block of tokens."""
+        blocks = len({bytes(k)[:-4] for k in vllm_keys})
+        if blocks >= 2:
+            self._step_blocks += blocks
+
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._step_blocks and self._step_began is not None:
+            tokens = self._step_blocks * self._block_tokens
+            self.tier.link.observe_compute(tokens, now - self._step_began)
+        self._step_began, self._step_blocks = now, 0
+
     def end_step(self) -> bool:
-        """Fetch what this step's lookups queued, in one round trip on a thread; True
-        when something changed since the last step (the stats file is rewritten)."""
+        """Fetch what this step's lookups queued, in one round trip on a thread (or
+        refuse it: the cost rule); True when something changed since the last step
+        (the stats file is rewritten)."""
+        self._time_step()
         stats = self.tier.stats
         seen = (stats.writes, stats.writes_dropped, stats.hits, stats.misses, stats.corrupt)
         changed, self._seen = seen != self._seen, seen
@@ -127,21 +156,34 @@ class VllmRemote:
             if not self._queued or (self._fetcher is not None and self._fetcher.is_alive()):
                 return changed
             batch, self._queued = self._queued, {}
-            self._asked.update(batch)
             now = time.monotonic()
             self._absent = {k: t for k, t in self._absent.items() if t > now}
+            link = self.tier.link
+            nbytes = len(batch) * self.format.value_bytes
+            tokens = len(batch) * self._block_tokens
+            if link.needs_measure():
+                self.tier.remeasure()  # in the background: never a request's own read
+            if not link.worth_loading(nbytes, tokens):  # recomputing is faster
+                self._absent.update(dict.fromkeys(batch, now + ABSENT_S))
+                return True
+            self._asked.update(batch)
+        deadline = self.tier.deadline(nbytes, tokens)
         self._fetcher = threading.Thread(
-            target=self._fetch, args=(batch,), name="kvstrata-vllm-remote-read", daemon=True
+            target=self._fetch,
+            args=(batch, deadline),
+            name="kvstrata-vllm-remote-read",
+            daemon=True,
         )
         self._fetcher.start()
         return True
 
-    def _fetch(self, batch: dict[bytes, bytes]) -> None:
+    def _fetch(self, batch: dict[bytes, bytes], deadline: float) -> None:
         keys = list(batch.values())
         found: dict[bytes, Encoded] = {}
         bad: list[bytes] = []
         try:
-            values = self.tier.get(keys, self.format.value_bytes) or [None] * len(keys)
+            values = self.tier.get(keys, self.format.value_bytes, deadline)
+            values = values or [None] * len(keys)
             for ours, remote, value in zip(batch, keys, values, strict=True):
                 if value is None:
                     continue

@@ -240,6 +240,8 @@ class OffloadStore:
             return [], []
         protect = set(keys)
         room = self.host.num_free + len(self.index.victims("host", len(new), protect))
+        if self.remote is not None:  # the remote cost rule times prefill steps
+            self.remote.computed([v for _, v in new])
         if room < len(new):
             self.counters["store_refused"] += len(new) - room
             new = new[:room]
