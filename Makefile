@@ -51,7 +51,7 @@ venv-vllm: $(VLLM_STAMP)
 
 # PYTHONHASHSEED: vLLM seeds its block hashes with it; the restart tests need it equal.
 test-vllm: $(VLLM_STAMP)
-	PYTHONHASHSEED=0 $(VLLM_VENV)/bin/python -m pytest tests/vllm_backend
+	PYTHONHASHSEED=0 $(VLLM_VENV)/bin/python -m pytest --durations=15 tests/vllm_backend
 
 $(MODEL_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[model]'
