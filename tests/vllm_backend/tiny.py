@@ -241,6 +241,13 @@ class Rig:
         return out.keys_to_store
 
     def lookup(self, keys: list[bytes]) -> list[str]:
+        """vLLM's lookups of `keys`; blocks only on disk answer RETRY and are read in one
+        batch at the step's end, then looked up again (as vLLM does a step later)."""
+        first = [self.manager.lookup(k, None).name for k in keys]
+        if "RETRY" not in first:
+            return first
+        self.manager.on_schedule_end(None)
+        self.store.drain()
         return [self.manager.lookup(k, None).name for k in keys]
 
     def load_blocks(self, keys: list[bytes], groups: list[tuple[list[int], int]]) -> None:
