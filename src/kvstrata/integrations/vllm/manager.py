@@ -79,8 +79,14 @@ class KvstrataOffloadingManager(OffloadingManager):
         return [ours for key in keys for ours in self._keys(key)]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        shares = self._keys(key)
+        if len(shares) > 1:  # a rank's share not held: a miss, before any share is leased
+            absent = next((o for o in shares if self.store.index.get(o) is None), None)
+            if absent is not None:
+                self.store.lookup(absent, bytes(key))  # counted: a lookup and a miss
+                return LookupResult.MISS
         result = HIT
-        for ours in self._keys(key):  # every rank's share, or a miss
+        for ours in shares:  # every rank's share, or a miss
             found = self.store.lookup(ours, bytes(key))
             if found not in _RESULTS:
                 return LookupResult.MISS
