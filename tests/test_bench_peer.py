@@ -236,6 +236,73 @@ def test_command_lines(tmp_path):
     assert fits[-2:] == ["--max-tokens", "32768"]
 
 
+def test_backend_variants_command_lines(tmp_path):
+    quarter = srv.KVSize("quarter", 2560, 2560 * 46080)
+
+    def extra(variant: str, disk=None) -> dict:
+        cmd = srv.vllm_command(tmp_path / "py", tmp_path, 1, variant, quarter, 1792, disk)
+        config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+        assert config["kv_connector_extra_config"]["spec_name"] == "KvstrataOffloadingSpec"
+        return config["kv_connector_extra_config"]
+
+    assert extra("vllm_kvstrata_int8")["host_codec"] == "int8"
+    assert extra("vllm_kvstrata_int8")["host_budget"] == "2GiB"
+    disk = extra("vllm_kvstrata_disk", tmp_path / "d")
+    assert disk["host_budget"] == str(quarter.bytes)  # the host tier: as large as vLLM's KV
+    assert disk["disk_dir"] == str(tmp_path / "d") and disk["disk_budget"] == "8GiB"
+    assert "host_codec" not in extra("vllm_kvstrata")
+    # opt-in: the default run leaves them out; at "fits" they do not run
+    assert set(srv.BACKEND_VARIANTS) - set(srv.DEFAULT_VARIANTS) == {
+        "vllm_kvstrata_int8", "vllm_kvstrata_disk"
+    }  # fmt: skip
+    assert not set(srv.BACKEND_VARIANTS) & set(srv.AT_SIZE["fits"])
+
+
+def test_backend_counters_are_read_from_metrics(tmp_path):
+    """kvstrata's counters as a vLLM server's /metrics shows them (prometheus_client's
+    own exposition of labelled counters), summed over vLLM's engine labels."""
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    hits = Counter("vllm:kvstrata_hits", "h", ["tier", "engine", "model_name"], registry=registry)
+    hits.labels("host", "0", "m").inc(5)
+    hits.labels("disk", "0", "m").inc(7)
+    hits.labels("disk", "1", "m").inc(1)
+    Counter("vllm:kvstrata_misses", "m", ["engine"], registry=registry).labels("0").inc(2)
+    Counter("vllm:prompt_tokens", "other", registry=registry).inc(100)
+    body = generate_latest(registry)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = srv.Server("vllm_kvstrata", "quarter", [], httpd.server_port, tmp_path / "l")
+        assert server.kvstrata_counters() == {
+            "hits{tier=host}": 5.0, "hits{tier=disk}": 8.0, "misses": 2.0
+        }  # fmt: skip
+    finally:
+        httpd.shutdown()
+
+
+def test_a_disk_variants_scratch_directory_is_removed_at_stop(tmp_path):
+    scratch = tmp_path / "disk"
+    scratch.mkdir()
+    (scratch / "block").write_bytes(b"x")
+    srv.Server("vllm_kvstrata_disk", "quarter", [], 1, tmp_path / "log", scratch=scratch).stop()
+    assert not scratch.exists()
+
+
 def test_server_that_exits_reports_its_log(tmp_path):
     code = "import sys; print('ValueError: the root cause'); print('x\\n' * 40); sys.exit(3)"
     server = srv.Server("vllm", "fits", [sys.executable, "-c", code], srv.free_port(),
@@ -357,10 +424,52 @@ def test_compare_and_report_against_vllm(capsys):
         "notes": [], "vllm_skipped": None, "machine_warning": None, "log_dir": "/tmp/x",
     }  # fmt: skip
     assert wl.failures(report) == 0
-    peer._print(report)
+    peer.rep.print_report(report)
     out = capsys.readouterr().out
     assert "fits: ratio (variant ÷ vllm)" in out and "chat wall s" in out
     assert "lower is better" in out and "higher is better" in out and "50 % / 75 %" in out
+    assert "kvstrata under vLLM" not in out  # no backend variant ran
+
+
+def test_backend_counters_summed_over_repeats_and_printed(capsys):
+    def result(wall: float, counters: dict) -> dict:
+        records = [{"key": "k", "prompt_tokens": 100, "max_tokens": 4, "completion_tokens": 4,
+                    "cached_tokens": 64, "ttft_s": 0.1, "tpot_s": 0.01, "error": None,
+                    "text": "ab"}]  # fmt: skip
+        return {**wl.summarize(records, wall), "records": records, "kvstrata": counters}
+
+    rounds = {
+        "vllm": {"docqa_queries": [{**result(2.0, {})} for _ in range(2)]},
+        "vllm_kvstrata_disk": {
+            "docqa_queries": [
+                result(1.0, {"lookups": 10.0, "hits{tier=disk}": 6.0, "misses": 1.0}),
+                result(1.0, {"lookups": 10.0, "hits{tier=disk}": 4.0, "hits{tier=host}": 3.0}),
+            ]
+        },
+    }
+    for r in rounds["vllm"]["docqa_queries"]:
+        del r["kvstrata"]
+    result_ = {"rounds": rounds, "summary": wl.compare(rounds)}
+    peer._add_backend_counters(result_)
+    row = result_["summary"]["variants"]["vllm_kvstrata_disk"]["docqa_queries"]
+    assert row["kvstrata"] == {"lookups": 20.0, "hits{tier=disk}": 10.0, "misses": 1.0,
+                               "hits{tier=host}": 3.0}  # fmt: skip
+    assert "kvstrata" not in result_["summary"]["variants"]["vllm"]["docqa_queries"]
+    kv = {"name": "quarter", "tokens": 1024, "bytes": 2**20}
+    report = {
+        "command": "kvstrata bench peer", "model": "tiny", "working_set_tokens": 512,
+        "repeats": 2, "sizes": {"quarter": {"kv": kv, "summary": result_["summary"],
+                                            "startup_s": {}}},
+        "notes": [], "vllm_skipped": None, "machine_warning": None, "log_dir": "/tmp/x",
+    }  # fmt: skip
+    peer.rep.print_report(report)
+    out = capsys.readouterr().out
+    assert "kvstrata under vLLM" in out
+    backend_table = out[out.index("kvstrata under vLLM") :]
+    line = next(x for x in backend_table.splitlines() if "│ vllm_kvstrata_disk" in x)
+    cells = [c.strip() for c in line.split("│")[1:-1]]
+    # workload, variant, lookups, host hits, disk hits, misses, reads, no room, corrupt
+    assert cells == ["docqa_queries", "vllm_kvstrata_disk", "20", "3", "10", "1", "0", "0", "0"]
 
 
 def test_vllm_runs_on_every_core_unless_the_caller_chose(monkeypatch):

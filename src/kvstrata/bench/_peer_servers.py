@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,12 +30,21 @@ from typing import IO, Any
 from kvstrata.bench import _peer_workloads as wl
 from kvstrata.core.errors import ConfigError, KvstrataError
 
-VARIANTS = ("vllm", "vllm_kvstrata", "kvstrata", "kvstrata_host", "kvstrata_int8")
-VLLM_VARIANTS = ("vllm", "vllm_kvstrata")
+VARIANTS = (
+    "vllm", "vllm_kvstrata", "vllm_kvstrata_int8", "vllm_kvstrata_disk", "kvstrata",
+    "kvstrata_host", "kvstrata_int8",
+)  # fmt: skip
+# kvstrata as vLLM's offloading backend: its host tier lossless, int8, or a small host
+# tier (as much as vLLM's own KV) in front of a disk tier
+BACKEND_VARIANTS = ("vllm_kvstrata", "vllm_kvstrata_int8", "vllm_kvstrata_disk")
+VLLM_VARIANTS = ("vllm", *BACKEND_VARIANTS)
+# run unless --variants names them: the two extra backend set-ups are opt-in (four vLLM
+# servers at once hold ~10 GB here; `kvstrata bench vllm --docqa` runs them)
+DEFAULT_VARIANTS = ("vllm", "vllm_kvstrata", "kvstrata", "kvstrata_host", "kvstrata_int8")
 SIZES = ("fits", "quarter")
 AT_SIZE = {
     "fits": ("vllm", "kvstrata"),
-    "quarter": ("vllm", "vllm_kvstrata", "kvstrata_host", "kvstrata_int8"),
+    "quarter": (*VLLM_VARIANTS, "kvstrata_host", "kvstrata_int8"),
 }
 # vLLM's CPU backend wants blocks of a multiple of 32 tokens: 64 is kvstrata's default.
 BLOCK_TOKENS = 64
@@ -43,10 +53,12 @@ FITS_TOKENS = 32768  # kvstrata serve's default cache capacity (--max-tokens)
 SINK_TOKENS, RESIDUAL_TOKENS = 4, 128  # kvstrata serve's defaults (--sinks, --residual)
 HOST_BUDGET = "4GiB"  # kvstrata_host / kvstrata_int8: the host tier under the device budget
 CONNECTOR_HOST_BUDGET = "2GiB"  # vllm_kvstrata: kvstrata's host tier under vLLM
+DISK_BUDGET = "8GiB"  # vllm_kvstrata_disk: its disk tier (a fresh directory per server)
 HEALTH_TIMEOUT_S = 300.0  # vLLM on a 2-core CPU takes 25-60 s to start, more when busy
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 25
 VLLM_ENTRY = "vllm.entrypoints.openai.api_server"
+METRICS_PREFIX = "vllm:kvstrata_"  # kvstrata's counters in a vLLM server's /metrics
 REQUEST_TIMEOUT_S = 1800.0
 
 
@@ -59,10 +71,10 @@ class KVSize:
     bytes: int
 
 
-def connector_config(host_budget: str = CONNECTOR_HOST_BUDGET) -> dict:
+def connector_config(host_budget: str = CONNECTOR_HOST_BUDGET, **fields: Any) -> dict:
     """The kv_transfer_config that makes kvstrata vLLM's offloading backend — what
-    `kvstrata.integrations.vllm.kv_transfer_config(host_budget=...)` returns, built here
-    because that module imports vLLM (absent from kvstrata's own environment)."""
+    `kvstrata.integrations.vllm.kv_transfer_config(host_budget=..., **fields)` returns,
+    built here because that module imports vLLM (absent from kvstrata's own environment)."""
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -70,8 +82,21 @@ def connector_config(host_budget: str = CONNECTOR_HOST_BUDGET) -> dict:
             "spec_name": "KvstrataOffloadingSpec",
             "spec_module_path": "kvstrata.integrations.vllm",
             "host_budget": host_budget,
+            **fields,
         },
     }
+
+
+def backend_fields(variant: str, size: KVSize, disk_dir: Path | None) -> dict[str, Any]:
+    """The backend's settings of a BACKEND_VARIANTS server: host 2 GiB lossless or int8,
+    or (vllm_kvstrata_disk) a host tier as large as vLLM's KV in front of a disk tier."""
+    if variant == "vllm_kvstrata_int8":
+        return {"host_codec": "int8"}
+    if variant == "vllm_kvstrata_disk":
+        assert disk_dir is not None
+        return {"host_budget": str(size.bytes), "disk_dir": str(disk_dir),
+                "disk_budget": DISK_BUDGET}  # fmt: skip
+    return {}
 
 
 def repo_root() -> Path:
@@ -105,10 +130,16 @@ def check_vllm_model(model_dir: Path) -> None:
 
 
 def vllm_command(
-    python: Path, model_dir: Path, port: int, variant: str, size: KVSize, max_len: int
+    python: Path,
+    model_dir: Path,
+    port: int,
+    variant: str,
+    size: KVSize,
+    max_len: int,
+    disk_dir: Path | None = None,
 ) -> list[str]:
     """vLLM's OpenAI server: fp32, eager, prefix caching, 64-token blocks, 8 sequences,
-    the KV size in bytes; vllm_kvstrata adds kvstrata as its offloading backend."""
+    the KV size in bytes; BACKEND_VARIANTS add kvstrata as its offloading backend."""
     cmd = [
         str(python), "-m", VLLM_ENTRY, "--model", str(model_dir), "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
@@ -117,8 +148,9 @@ def vllm_command(
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         "--uvicorn-log-level", "warning", "--seed", "0",
     ]  # fmt: skip
-    if variant == "vllm_kvstrata":
-        cmd += ["--kv-transfer-config", json.dumps(connector_config())]
+    if variant in BACKEND_VARIANTS:
+        fields = backend_fields(variant, size, disk_dir)
+        cmd += ["--kv-transfer-config", json.dumps(connector_config(**fields))]
     return cmd
 
 
@@ -183,6 +215,7 @@ class Server:
     proc: subprocess.Popen | None = None
     model: str = ""
     startup_s: float = 0.0
+    scratch: Path | None = None  # a directory of its own (a disk tier), removed by stop()
     _log: IO[bytes] | None = None
 
     @property
@@ -219,6 +252,29 @@ class Server:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def kvstrata_counters(self) -> dict[str, float]:
+        """kvstrata's counters in a vLLM server's `/metrics` (`vllm:kvstrata_*`, the
+        backend variants), by name and label values: `hits{tier=disk}` etc.; {} for a
+        server without them."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.type != "counter" or not family.name.startswith(METRICS_PREFIX):
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(sample.labels.items())
+                    if k not in ("engine", "model_name")
+                )  # fmt: skip
+                name = family.name[len(METRICS_PREFIX) :] + (f"{{{labels}}}" if labels else "")
+                out[name] = out.get(name, 0.0) + sample.value
+        return out
 
     def _model_id(self) -> str:
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as resp:
@@ -260,6 +316,8 @@ class Server:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 # -- the client: the official openai package, streamed completions --------------------------

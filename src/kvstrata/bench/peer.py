@@ -7,6 +7,9 @@ Servers (variants), each its own process, started once per KV size:
            kvstrata       kvstrata serve, its defaults (64-token blocks, 8 sequences)
   quarter  vllm           vLLM with a KV cache of a quarter of the working set
            vllm_kvstrata  the same plus kvstrata as its offloading backend (host 2 GiB)
+           vllm_kvstrata_int8  the same, host blocks int8 (opt-in: --variants)
+           vllm_kvstrata_disk  the same, a host tier as large as vLLM's KV in front of a
+                          disk tier (a fresh temp directory; opt-in: --variants)
            kvstrata_host  kvstrata serve, device budget = that quarter, host tier 4 GiB
            kvstrata_int8  the same, host blocks int8
 "fits" holds every workload (kvstrata serve's default 32768 tokens, both servers); the
@@ -29,6 +32,8 @@ ignored (`ignore_eos`, `min_tokens`: every server generates the requested count)
               each turn and the answer the server gave; one request per user in flight
   throughput  distinct prompts of mixed lengths and output lengths, 8 in flight
   single      one request at a time (TPOT)
+For the backend variants, kvstrata's counters from the server's `/metrics` (lookups, hits
+by tier, misses, batched disk reads), per round.
 Repeats alternate the servers (A B A B ...); each repeat has fresh documents and
 prompts (no restart). Reported: medians over repeats of the round's wall time, output
 tokens/s, TTFT / TPOT p50 / p99, prefix-hit tokens (usage.prompt_tokens_details), and
@@ -50,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstrata.bench import _peer_report as rep
 from kvstrata.bench import _peer_servers as srv
 from kvstrata.bench import _peer_workloads as wl
 from kvstrata.bench import _timing
@@ -68,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="fits,quarter", help="KV sizes (default: both)")
     parser.add_argument(
         "--variants",
-        default=",".join(srv.VARIANTS),
-        help=f"servers to run (default all: {', '.join(srv.VARIANTS)})",
+        default=",".join(srv.DEFAULT_VARIANTS),
+        help=f"servers to run (default: {', '.join(srv.DEFAULT_VARIANTS)}; all: "
+        f"{', '.join(srv.VARIANTS)})",
     )
     parser.add_argument(
         "--only",
@@ -202,10 +209,14 @@ class Context:
 # -- the run ------------------------------------------------------------------------------
 
 
-def _command(ctx: Context, variant: str, size: srv.KVSize, port: int) -> list[str]:
+def _command(
+    ctx: Context, variant: str, size: srv.KVSize, port: int, scratch: Path | None
+) -> list[str]:
     o = ctx.o
     if variant in srv.VLLM_VARIANTS:
-        cmd = srv.vllm_command(o.vllm_python, ctx.model_dir, port, variant, size, ctx.max_len)
+        cmd = srv.vllm_command(
+            o.vllm_python, ctx.model_dir, port, variant, size, ctx.max_len, scratch
+        )
         return cmd + o.vllm_args
     cmd = srv.kvstrata_command(ctx.model_dir, port, variant, size, ctx.bytes_per_token)
     return cmd + o.kvstrata_args
@@ -220,9 +231,12 @@ def _start(
     try:
         for variant in variants:
             port = srv.free_port()
+            scratch = None  # vllm_kvstrata_disk's disk tier: fresh, removed at its stop
+            if variant == "vllm_kvstrata_disk":
+                scratch = Path(tempfile.mkdtemp(prefix="kvstrata-peer-disk-"))
             server = srv.Server(
-                variant, size, _command(ctx, variant, ctx.sizes[size], port), port,
-                log_dir / f"{size}-{variant}.log", srv.server_env(variant),
+                variant, size, _command(ctx, variant, ctx.sizes[size], port, scratch), port,
+                log_dir / f"{size}-{variant}.log", srv.server_env(variant), scratch=scratch,
             )  # fmt: skip
             _progress(f"{size}: starting {variant} (log {server.log_path})")
             try:
@@ -255,9 +269,14 @@ def _measure_size(
     try:
         for r, plan in enumerate(ctx.plans):
             for server in servers:
+                backend = server.variant in srv.BACKEND_VARIANTS
                 for phase in phases:
                     _progress(f"{size}: repeat {r + 1}/{len(ctx.plans)} {server.variant} {phase}")
+                    before = server.kvstrata_counters() if backend else {}
                     result = srv.run_phase(server, phase, plan, ctx.o.workload, ctx.encode, f"r{r}")
+                    if backend:  # what kvstrata did in this round: hits by tier, reads
+                        after = server.kvstrata_counters()
+                        result["kvstrata"] = {k: v - before.get(k, 0) for k, v in after.items()}
                     rounds[server.variant][phase].append(result)
     finally:
         for server in servers:
@@ -309,6 +328,7 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
         if result is None:
             continue
         result["summary"] = wl.compare(result["rounds"])
+        _add_backend_counters(result)
         report["sizes"][size] = result
     if "quarter" in report["sizes"] and ctx.quarter_raised:
         report["notes"].append(
@@ -325,106 +345,17 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-# -- the report ---------------------------------------------------------------------------
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None or x != x else f"{1000 * x:.0f}"
-
-
-def _cached(row: dict[str, Any]) -> str:
-    if row["cached_tokens"] is None:
-        return "n/a"
-    return f"{100 * row['cached_tokens'] / max(1, row['prompt_tokens']):.0f} %"
-
-
-def _same(row: dict[str, Any]) -> str:
-    a = row["agreement"]
-    return "-" if a is None else f"{100 * a['identical']:.0f} % / {100 * a['prefix']:.0f} %"
-
-
-def _size_title(report: dict[str, Any], size: str) -> str:
-    kv, ws = report["sizes"][size]["kv"], report["working_set_tokens"]
-    return (
-        f"{size}: KV {kv['tokens']} tokens = {kv['bytes'] / 2**20:.0f} MiB (working set "
-        f"{ws} tokens), {report['model']}, medians of {report['repeats']} repeat(s)"
-    )
-
-
-def _console() -> Any:
-    """A rich console, 140 columns wide when the output is not a terminal (a log)."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=140)
-
-
-def _table(console: Any, title: str, columns: list[str], rows: list[list[str]]) -> None:
-    from rich.table import Table
-
-    table = Table(title=title)
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i < 2 else "right", no_wrap=i < 2)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-
-
-def _print_size(console: Any, report: dict[str, Any], size: str) -> None:
-    summary = report["sizes"][size]["summary"]
-    ref = summary["reference"]
-    rows = []
-    for variant, phases in summary["variants"].items():
-        for phase, r in phases.items():
-            rows.append([
-                phase, variant, f"{r['wall_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
-                f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])}",
-                f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])}", _cached(r),
-                f"{r['complete']}/{r['requests']}", _same(r),
-            ])  # fmt: skip
-    rows.sort(key=lambda row: list(summary["variants"][row[1]]).index(row[0]))
-    _table(
-        console, _size_title(report, size),
-        ["workload", "variant", "wall s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-         "prefix hits", "done", f"text = {ref}: same / prefix"],
-        rows,
-    )  # fmt: skip
-    others = [v for v in summary["variants"] if v != ref]
-    if not others:
-        return
-    ratio_rows = []
-    phases = list(summary["variants"][ref])
-    for phase in phases:
-        for key, label, lower in wl.RATIO_ROWS:
-            cells = [summary["variants"][v][phase]["ratios"][key] for v in others]
-            better = "lower is better" if lower else "higher is better"
-            ratio_rows.append([f"{phase} {label}", better, *(f"{c:.2f}" for c in cells)])
-    _table(console, f"{size}: ratio (variant ÷ {ref})", ["metric", "", *others], ratio_rows)
-
-
-def _print(report: dict[str, Any]) -> None:
-    console = _console()
-    console.print(f"command: {report['command']}", highlight=False)
-    for size in report["sizes"]:
-        _print_size(console, report, size)
-    notes = [
-        "prompts are token ids; greedy; end-of-sequence ignored (every request generates "
-        "its max_tokens); 'done' = requests that returned exactly that many tokens",
-        "prefix hits = usage.prompt_tokens_details.cached_tokens / prompt tokens",
-        "batching: each server's default (tokens per step: vLLM-CPU 2048, kvstrata serve "
-        '512); align them with --kvstrata-args="--max-batched-tokens 2048"',
-    ]
-    notes += report["notes"]
-    for size, result in report["sizes"].items():
-        starts = ", ".join(f"{v} {s:.0f} s" for v, s in result["startup_s"].items())
-        notes.append(f"{size} start-up (not timed): {starts}")
-    if report["vllm_skipped"]:
-        notes.append(f"vLLM side skipped: {report['vllm_skipped']}")
-    notes.append(f"server logs: {report['log_dir']}")
-    if report["machine_warning"]:
-        notes.append(f"[yellow]{report['machine_warning']}[/yellow]")
-    for note in notes:
-        console.print(note, highlight=False)
+def _add_backend_counters(result: dict[str, Any]) -> None:
+    """Each backend variant's phase gets kvstrata's counters summed over its repeats."""
+    for variant, phases in result["rounds"].items():
+        for phase, results in phases.items():
+            if "kvstrata" not in results[0]:
+                continue
+            total: dict[str, float] = {}
+            for res in results:
+                for key, value in res["kvstrata"].items():
+                    total[key] = total.get(key, 0.0) + value
+            result["summary"]["variants"][variant][phase]["kvstrata"] = total
 
 
 def _settle_vllm(o: argparse.Namespace) -> bool:
@@ -439,9 +370,12 @@ def _settle_vllm(o: argparse.Namespace) -> bool:
         if wanted:
             rest = "running the kvstrata variants only" if _runnable(o) else "nothing else to run"
             print(f"vLLM side skipped: {why}; {rest}", flush=True)
-    elif "vllm_kvstrata" in o.variants and not srv.has_kvstrata(python):
-        print(f"vllm_kvstrata skipped: {python} cannot import kvstrata (make venv-vllm)")
-        o.variants.remove("vllm_kvstrata")
+    else:
+        backend = [v for v in o.variants if v in srv.BACKEND_VARIANTS]
+        if backend and not srv.has_kvstrata(python):
+            print(f"{', '.join(backend)} skipped: {python} cannot import kvstrata "
+                  "(make venv-vllm)")  # fmt: skip
+            o.variants = [v for v in o.variants if v not in backend]
     return bool(_runnable(o))
 
 
@@ -465,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
     if not _settle_vllm(o):
         return 0
     report = measure(o)
-    _print(report)
+    rep.print_report(report)
     if o.json:
         Path(o.json).write_text(json.dumps(wl.plain(report), indent=1))
         print(f"raw numbers: {o.json}")
