@@ -14,6 +14,18 @@ prompt, so storing a prompt pushes the previous one out to the disk tier. Every 
                 one batch between two scheduler steps (vectored, checksummed,
                 decompressed across threads), then loaded as host hits are
 
+`--tp 2` runs the engine tensor parallel (each worker stores its heads' share, one CPU
+per worker: VLLM_CPU_OMP_THREADS_BIND is set unless given); `--sliding-window W` runs
+the model with a W-token window in every other layer (Gemma-2's pattern: vLLM's hybrid
+allocator makes sliding and full KV cache groups) — the model's own weights under a
+config.json that adds `layer_types` and `sliding_window` (a Llama's; vLLM reads them).
+
+`--docqa` instead times the long-document QA rounds of `kvstrata bench peer` with
+vLLM's KV holding a quarter of the working set (smollm2 by default): vLLM alone against
+vLLM with kvstrata as its backend — host tier lossless, int8, and a host tier as large
+as vLLM's KV in front of a disk tier — each an OpenAI server driven over HTTP, with
+kvstrata's hits by tier from its `/metrics`; `--repeats` (default 3) alternate them.
+
 Each variant's token must equal the same prompt's cold token (lossless codecs; lossy
 ones report it). Also reported: hits per tier, the batched disk reads that served them
 (reads, blocks, and lookups answered RETRY meanwhile: the path that ran; a round whose
@@ -40,13 +52,31 @@ from kvstrata.bench import _timing
 NAME = "vllm"
 HELP = "vLLM time to first token: cold vs loaded from kvstrata host / disk vs vLLM prefix cache"
 VARIANTS = ("cold", "vllm_prefix", "kvstrata_host", "kvstrata_disk")
+DOCQA_VARIANTS = ("vllm", "vllm_kvstrata", "vllm_kvstrata_int8", "vllm_kvstrata_disk")
 EXTRA_HINT = "pip install 'kvstrata[vllm]' (in a checkout: make venv-vllm)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="model directory (default: embedded)")
+    parser.add_argument(
+        "--model", default=None, help="model (default: embedded; --docqa: smollm2 if installed)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="interleaved timed rounds (5; --docqa 3)"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel workers (one CPU each)")
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="run the model with this window in every other layer (hybrid KV cache groups)",
+    )
+    parser.add_argument(
+        "--docqa",
+        action="store_true",
+        help="long-document QA rounds, vLLM's KV a quarter of the working set: vLLM alone "
+        "vs with kvstrata host / int8 host / disk (servers over HTTP)",
+    )
     parser.add_argument("--block-size", type=int, default=32, help="vLLM KV block (x32 on CPU)")
     parser.add_argument("--host-codec", default="none")
     parser.add_argument("--disk-codec", default="none")
@@ -85,13 +115,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.integrations.vllm import kv_transfer_config
     from kvstrata.model.zoo import resolve_model_dir
 
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(args.model or "default")
     warning = _timing.load_warning(os.cpu_count() or 1)  # vLLM uses every core
     load_before = _timing.machine_load()[0]
     rounds = args.repeats + 1  # + the warm-up round
     prompts = _prompts(model_dir, rounds, args.prompt_tokens)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvstrata-vllm-"))
     root.mkdir(parents=True, exist_ok=True)  # the stats file's directory must exist
+    source_dir = model_dir
+    if args.sliding_window:
+        model_dir = windowed_model(model_dir, args.sliding_window, root / "model")
+    groups = _groups(model_dir)
+    engine_args: dict[str, Any] = {}
+    if args.tp > 1:
+        engine_args["tensor_parallel_size"] = args.tp
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _threads_bind(args.tp))
     stats_file = root / "stats.json"
     block_tokens = args.block_size
     num_blocks = args.prompt_tokens // block_tokens
@@ -105,8 +143,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stats_file=str(stats_file),
     )
     host_block = _host_block_bytes(model_dir, block_tokens, args.host_codec)
-    fields["host_budget"] = num_blocks * host_block
-    fields["disk_budget"] = 4 * rounds * num_blocks * _raw_block_bytes(model_dir, block_tokens)
+    per_prompt = _blocks_per_prompt(model_dir, num_blocks, block_tokens)
+    fields["host_budget"] = per_prompt * host_block
+    fields["disk_budget"] = 4 * rounds * per_prompt * _raw_block_bytes(model_dir, block_tokens)
     started = time.perf_counter()
     llm = LLM(
         model=str(model_dir),
@@ -116,6 +155,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_bytes=max(256 << 20, 4 * num_blocks * _raw_block_bytes(model_dir, 32)),
         seed=0,
         kv_transfer_config=kv_transfer_config(**fields),
+        **engine_args,
     )
     startup_s = time.perf_counter() - started
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -178,12 +218,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     final = stats()
     load_after = _timing.machine_load()[0]
     llm.llm_engine.engine_core.shutdown()
+    sizes = _codec_bytes(model_dir, block_tokens, final)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     med = {v: _timing.median(t) for v, t in times.items()}
     return {
         "scenario": NAME,
-        "model": str(model_dir),
+        "model": str(source_dir),
+        "sliding_window": args.sliding_window,
+        "kv_cache_groups": groups,
+        "tp": args.tp,
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if args.tp > 1 else None,
         "prompt_tokens": args.prompt_tokens,
         "vllm_block_tokens": block_tokens,
         "codecs": final["codecs"],
@@ -201,7 +246,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for v in VARIANTS
         ],
         "ratios": {f"cold/{v}": med["cold"] / med[v] for v in VARIANTS[1:]},
-        "bytes_per_block": _codec_bytes(model_dir, block_tokens, final),
+        "bytes_per_block": sizes,
         "load": {"before": load_before, "after": load_after, "cores": os.cpu_count() or 1},
         "machine_warning": warning,
     }
@@ -214,7 +259,69 @@ def _layout(model_dir: Path, block_tokens: int) -> Any:
     from kvstrata.integrations.vllm.plan import model_geometry
 
     g = model_geometry(str(model_dir))
-    return BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, block_tokens, torch.float32)
+    layers = max(_groups(model_dir)["layers"])  # kvstrata's blocks: one group's layers
+    return BlockLayout(layers, g.num_kv_heads, g.head_dim, block_tokens, torch.float32)
+
+
+def windowed_model(model_dir: Path, window: int, dest: Path) -> Path:
+    """`model_dir` with a `window`-token sliding window in every other layer (0, 2, ...:
+    Gemma-2's pattern) at `dest`: its files linked, config.json with `layer_types` and
+    `sliding_window` added. A Llama's only (vLLM's Llama reads both); ConfigError else."""
+    from kvstrata.core.errors import ConfigError
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") != "llama" or config.get("layer_types"):
+        what = repr(config.get("model_type")) + (
+            " with layer_types" * bool(config.get("layer_types"))
+        )
+        raise ConfigError.field(
+            "sliding_window", window,
+            f"--sliding-window rewrites a Llama model's config (this one is {what}); pass a "
+            "sliding-window model with --model instead",
+        )  # fmt: skip
+    layers = int(config["num_hidden_layers"])
+    if layers < 2:
+        raise ConfigError.field("sliding_window", window, "needs a model of 2 layers or more")
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.name != "config.json" and not (dest / path.name).exists():
+            (dest / path.name).symlink_to(path.resolve())
+    kinds = ("sliding_attention", "full_attention")
+    config.update(layer_types=[kinds[i % 2] for i in range(layers)], sliding_window=window)
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    return dest
+
+
+def _groups(model_dir: Path) -> dict[str, Any]:
+    """The KV cache groups vLLM's hybrid allocator makes of the model's layers: groups of
+    the smallest kind's count, each kind's layers split into them (one group when every
+    layer is alike) — their layers and whether they slide."""
+    config = json.loads((model_dir / "config.json").read_text())
+    kinds = config.get("layer_types") or ["full_attention"] * int(config["num_hidden_layers"])
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    size = min(counts.values())
+    layers, sliding = [], []
+    for kind, count in counts.items():
+        for start in range(0, count, size):
+            layers.append(min(size, count - start))
+            sliding.append(kind == "sliding_attention")
+    return {"layers": layers, "sliding": sliding, "window": config.get("sliding_window")}
+
+
+def _blocks_per_prompt(model_dir: Path, num_blocks: int, block_tokens: int) -> int:
+    """kvstrata blocks one prompt of `num_blocks` vLLM blocks stores: every block of a
+    full group, the window's (+ 1) of a sliding one."""
+    g = _groups(model_dir)
+    window = min(num_blocks, -(-int(g["window"] or 0) // block_tokens) + 1)
+    return sum(window if s else num_blocks for s in g["sliding"])
+
+
+def _threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` workers: this process's CPUs split evenly
+    ("0|1" on two; vLLM's "auto" wants a NUMA node per worker)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // tp
+    return "|".join(",".join(map(str, cpus[i * share : (i + 1) * share])) for i in range(tp))
 
 
 def _raw_block_bytes(model_dir: Path, block_tokens: int) -> int:
@@ -253,10 +360,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"kvstrata bench vllm needs vLLM, which is not installed: {EXTRA_HINT}")
         return 2
-    if args.quick:
-        args = argparse.Namespace(**vars(args))
-        args.prompt_tokens, args.repeats = 512, 2
-    _timing.check_positive(args, "prompt_tokens", "repeats", "block_size")
+    args = _settle(args)
+    if args.docqa:
+        return _docqa(args)
     report = measure(args)
     if args.json:
         _timing.print_json(report)
@@ -264,6 +370,48 @@ def run(args: argparse.Namespace) -> int:
         _print(report)
     lossless = report["codecs"]["host"] == "none" and report["codecs"]["disk"] in (None, "none")
     return 0 if not lossless or all(v["tokens_identical"] for v in report["variants"]) else 1
+
+
+def _settle(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags checked (ConfigError: exit 2, one line) and defaults filled in."""
+    from kvstrata.core.errors import ConfigError
+
+    args = argparse.Namespace(**vars(args))
+    if args.repeats is None:
+        args.repeats = 3 if args.docqa else 5
+    if args.quick and not args.docqa:
+        args.prompt_tokens, args.repeats = 512, 2
+    _timing.check_positive(args, "prompt_tokens", "repeats", "block_size", "tp")
+    if args.sliding_window is not None:
+        _timing.check_positive(args, "sliding_window")
+    cpus = len(os.sched_getaffinity(0))
+    if args.tp > cpus:
+        raise ConfigError.field("tp", args.tp, f"vLLM-CPU runs one worker per CPU: at most {cpus}")
+    if args.docqa:
+        defaults = {"tp": 1, "sliding_window": None, "json": False}
+        ignored = [f"--{n.replace('_', '-')}" for n, d in defaults.items() if getattr(args, n) != d]
+        if ignored:
+            raise ConfigError.field(
+                "docqa", True, f"takes none of {', '.join(ignored)} (its servers are "
+                "`kvstrata bench peer`'s; its --json PATH keeps the raw numbers)",
+            )  # fmt: skip
+    return args
+
+
+def _docqa(args: argparse.Namespace) -> int:
+    """`kvstrata bench peer`'s docqa rounds at a quarter-size vLLM KV, vLLM alone and with
+    kvstrata as its backend (host / int8 host / disk)."""
+    from kvstrata.bench import peer
+
+    argv = ["--sizes", "quarter", "--only", "docqa", "--variants", ",".join(DOCQA_VARIANTS),
+            "--repeats", str(args.repeats)]  # fmt: skip
+    if args.model:
+        argv += ["--model", args.model]
+    if args.quick:
+        argv.append("--quick")
+    parser = argparse.ArgumentParser(prog="kvstrata bench vllm --docqa")
+    peer.add_arguments(parser)
+    return peer.run(parser.parse_args(argv))
 
 
 def _hits(variant: dict[str, Any]) -> str:
@@ -303,9 +451,19 @@ def _print(report: dict[str, Any]) -> None:
     if report["machine_warning"]:
         notes.append(report["machine_warning"])
     c = report["codecs"]
+    setup = ""
+    if report["tp"] > 1:
+        setup += f", tensor parallel {report['tp']} (CPUs {report['threads_bind']})"
+        notes.append("tensor parallel: hits count each worker's share of a block")
+    if report["sliding_window"]:
+        g = report["kv_cache_groups"]
+        setup += f", {report['sliding_window']}-token window in every other layer"
+        pairs = zip(g["layers"], g["sliding"], strict=True)
+        kinds = [f"{n} {'sliding' if s else 'full'}" for n, s in pairs]
+        notes.append("KV cache groups (layers): " + ", ".join(kinds))
     _timing.print_table(
-        f"vLLM time to first token, {report['prompt_tokens']}-token prompt, kvstrata host "
-        f"{c['host']} / disk {c['disk']} (medians)",
+        f"vLLM time to first token, {report['prompt_tokens']}-token prompt{setup}, kvstrata "
+        f"host {c['host']} / disk {c['disk']} (medians)",
         ("variant", "TTFT ms", "spread", "cached tokens", "kvstrata hits (blocks)", "token"),
         rows,
         notes,
