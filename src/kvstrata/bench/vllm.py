@@ -21,7 +21,8 @@ allocator makes sliding and full KV cache groups) — the model's own weights un
 config.json that adds `layer_types` and `sliding_window` (a Llama's; vLLM reads them).
 
 `--docqa` instead times the long-document QA rounds of `kvstrata bench peer` with
-vLLM's KV holding a quarter of the working set (smollm2 by default): vLLM alone against
+vLLM's KV holding a quarter of the working set (smollm2 by default; it runs from either
+environment: vLLM's servers start from <repo>/.venv-vllm): vLLM alone against
 vLLM with kvstrata as its backend — host tier lossless, int8, and a host tier as large
 as vLLM's KV in front of a disk tier — each an OpenAI server driven over HTTP, with
 kvstrata's hits by tier from its `/metrics`; `--repeats` (default 3) alternate them.
@@ -354,6 +355,8 @@ def _codec_bytes(model_dir: Path, block_tokens: int, final: dict[str, Any]) -> d
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; exit 1 if a lossless variant's token differs from cold."""
+    if getattr(args, "docqa", False):  # vLLM runs in its servers (vLLM's own python)
+        return _docqa(_settle(args))
     if importlib.util.find_spec("vllm") is None:
         if getattr(args, "scenario", None) == "all":
             print(f"skipped: vLLM is not installed ({EXTRA_HINT})")
@@ -361,8 +364,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstrata bench vllm needs vLLM, which is not installed: {EXTRA_HINT}")
         return 2
     args = _settle(args)
-    if args.docqa:
-        return _docqa(args)
     report = measure(args)
     if args.json:
         _timing.print_json(report)
