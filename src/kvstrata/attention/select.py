@@ -12,7 +12,7 @@ own best pages within the budget, plus the sink pages and the newest keys, which
 head always attends. Only the chosen pages are read, from whichever tier holds them.
 
 Summaries live on the compute device in fp32: 2 x D values per page, layer and KV head
-with min/max (1/16 of the K and V bytes of fp32 pages of 16 tokens), D with the mean
+with min/max (1/PAGE_TOKENS of the K and V bytes of fp32 pages), D with the mean
 (bf16 summaries were measured slower to score on a CPU without bf16 arithmetic). They are
 computed from a prefill chunk's new keys as it is attended, or, for keys that did not
 pass through one (a prefix hit, decode steps, a chunk that starts inside a page), read
