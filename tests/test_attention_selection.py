@@ -158,7 +158,8 @@ def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
         staged_reads.clear()
     stats = store.runtime.selector.stats.as_dict()
     assert stats["layers"] == LAYERS and stats["attended_share"] < 0.35
-    scored = HISTORY // PAGE_TOKENS - 2  # pages before the newest keys
+    sink_end, recent_start, _ = store.runtime.selector.bounds(0, HISTORY + 1)
+    scored = recent_start // PAGE_TOKENS  # pages before the newest keys
     if attend_prefill:
         assert stats["pages_summarised_from_tiers"] == 0 and not summarising
     else:
@@ -222,12 +223,12 @@ def test_a_small_budget_selects_in_every_decode_and_reads_only_its_share():
     enable(model)
     cache = TieredCache(
         model.config, block_size=16, max_tokens=1024, resident_fraction=0.25,
-        host_budget="8MiB", attention_budget=0.25,
+        host_budget="8MiB", attention_budget=0.25, attention_dense_layers=1,
     )  # fmt: skip
     out = greedy_ids(model, seeded_ids(6, 640), cache, 8)
     assert out.shape[1] == 648
     stats = cache.store.runtime.selector.stats.as_dict()
-    layers = model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers - 1  # all but the dense first layer
     assert stats["layers"] == 7 * layers  # every decode step after the first forward
     assert 0.15 < stats["attended_share"] <= 0.26
     cache.close()
@@ -247,7 +248,8 @@ def test_budgets_read_as_tokens_or_fractions():
     assert CacheConfig(attention_budget=0.125).attention_budget == 0.125
     small = KeySelector(0.125, "minmax", 4, torch.device("cpu"))
     sink_end, recent_start, choose = small.bounds(0, 1024)
-    assert (sink_end, recent_start, choose) == (16, 992, (128 - 16 - 32) // PAGE_TOKENS)
+    page = PAGE_TOKENS
+    assert (sink_end, recent_start, choose) == (page, 992, (128 - page - 32) // page)
     assert KeySelector(512, "minmax", 4, torch.device("cpu")).bounds(0, 300) is None
 
 
@@ -271,3 +273,58 @@ def test_the_engine_selects_per_sequence_and_batching_does_not_change_its_tokens
     assert selected > 0
     for a, b in zip(together, solo, strict=True):
         assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_dense_layers_attend_every_key_exactly_and_never_select(placement, tmp_path, monkeypatch):
+    """attention_dense_layers=1: layer 0 attends all keys (no selection, no summaries),
+    layer 1 selects."""
+    store = _store(placement, tmp_path, attention_budget=96, attention_dense_layers=1)
+    seq, _ = store.add_sequence([])
+    kv = _history(3)
+    _prefill(store, seq, kv, attend=True)
+    _step(store, seq, kv, HISTORY, HISTORY + 1)
+    selector = store.runtime.selector
+    assert selector.dense_layers == 1
+    layers_selected = []
+    select = selector.select
+    monkeypatch.setattr(
+        selector, "select", lambda *a: layers_selected.append(a[3]) or select(*a)
+    )  # a[3]: the local layer
+    g = torch.Generator().manual_seed(5)
+    scale = 1 / math.sqrt(DIM)
+    for layer in range(LAYERS):
+        q = torch.randn(HEADS, 1, DIM, generator=g)
+        k, v = kv[layer]
+        out = store.runtime.attend(
+            layer, seq, q, k[:, HISTORY:], v[:, HISTORY:], scale, None, None, None, None
+        )
+        if layer == 0:
+            every = [[(0, HISTORY + 1)]] * KV_HEADS
+            ref = _reference(q, k, v, every, scale)
+            torch.testing.assert_close(out[:, 0].double(), ref, atol=1e-5, rtol=1e-5)
+    assert layers_selected == [1] and selector.stats.layers == 1
+    entry = next(iter(selector._seqs.values()))
+    assert entry.filled[0] == 0  # the dense layer's pages were never summarised
+    store.close()
+
+
+def test_dense_layers_covering_the_model_are_token_identical_to_dynamic_cache():
+    model = tiny_model("llama", initializer_range=0.3)
+    ids = seeded_ids(7, 300)
+    ref = greedy_ids(model, ids, DynamicCache(config=model.config), 10)
+    enable(model)
+    cache = TieredCache(
+        model.config, block_size=16, max_tokens=512, attention_budget=32,
+        attention_dense_layers=model.config.num_hidden_layers,
+    )  # fmt: skip
+    assert torch.equal(greedy_ids(model, ids, cache, 10), ref)
+    assert cache.store.runtime.selector.stats.layers == 0
+    cache.close()
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "2", None])
+def test_a_bad_dense_layer_count_is_one_line_naming_the_field(value):
+    with pytest.raises(ConfigError, match=r"^attention_dense_layers=.* is invalid: first layers"):
+        CacheConfig(attention_dense_layers=value)
+    assert CacheConfig().attention_dense_layers == 0

@@ -41,6 +41,7 @@ ATTENTION_BUDGET_HELP = (
     "None (exact attention), a token count such as 1024 or '1k', or a fraction of each "
     "sequence's context in (0, 1) such as 0.125 or '12.5%'"
 )
+DENSE_LAYERS_HELP = "first layers attended in full: an int >= 0 such as 2 (0: all select)"
 COLD_ATTENTION = ("auto", "local", "stage")
 # Tokens per block the cache accepts (generation through host and disk tiers with the
 # none/int8/fp8 codecs matches DynamicCache at 1, 3, 64 and 4096; int4 further needs a
@@ -115,6 +116,8 @@ class CacheConfig:
             attended, and only the chosen blocks are read. None: exact attention.
         attention_summary: the per-block key summary scored against the query:
             "minmax" (per-channel min and max, Quest's upper bound) or "mean".
+        attention_dense_layers: with a budget, the first this many model layers still
+            attend every key (as Quest's: their attention is spread too evenly to select).
     """
 
     block_size: int = 64
@@ -143,6 +146,7 @@ class CacheConfig:
     attention_budget: int | float | str | None = None
     attention_summary: str = "minmax"
     codec_calibration: str | None = None
+    attention_dense_layers: int = 0
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -212,6 +216,8 @@ class CacheConfig:
                 raise ConfigError.field(name, True, "set disk_dir (and disk_budget) to add a disk")
         put("attention_budget", _check_budget(self.attention_budget))
         _check_choice("attention_summary", self.attention_summary, ATTENTION_SUMMARIES)
+        if type(dense := self.attention_dense_layers) is not int or dense < 0:
+            raise ConfigError.field("attention_dense_layers", dense, DENSE_LAYERS_HELP)
         _bind_calibrated(self, put)
         _check_codecs(self)
         _check_remote(self, put)

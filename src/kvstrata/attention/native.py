@@ -193,6 +193,7 @@ class LayerDescs:
         layers = np.arange(num_layers, dtype=np.int64)[:, None]
         self._bufs[:, idx] = (p0 + layers * delta).astype(np.uint64)
         self._addr, self._stride = self._bufs.ctypes.data, self._bufs.strides[0]
+        self._heads: np.ndarray | None = None  # per_head's table, built on first use
 
     def at(self, layer: int) -> int:
         """Address of the `PartDesc` array of local layer `layer`."""
@@ -207,12 +208,17 @@ class LayerDescs:
         `offsets[i]` on, in head `heads[i]` only (entries sorted by head). A part's rows
         are arena rows row0 + t in every format, so a sub-part is the part with row0
         moved on; one head's is the part with its pointers moved to that head."""
-        per_part = ctypes.sizeof(PartDesc) // 8
-        rows = self._bufs[layer].reshape(self.num_parts, per_part)[parts]
+        if self._heads is None or self._heads.shape[1] != self.num_parts * num_heads:
+            # every (layer, part, head)'s descriptor, once per plan: [layers, P * H, words]
+            per_part = ctypes.sizeof(PartDesc) // 8
+            rows = self._bufs.reshape(-1, self.num_parts, 1, per_part).repeat(num_heads, 2)
+            ptrs = rows[..., self._WORDS]
+            h = np.arange(num_heads, dtype=np.uint64)[:, None]
+            moved = rows[..., self._PTR_STRIDES] * h
+            rows[..., self._WORDS] = np.where(ptrs != 0, ptrs + moved, 0)  # 0: a field it lacks
+            self._heads = rows.reshape(rows.shape[0], -1, per_part)
+        rows = self._heads[layer][np.asarray(parts) * num_heads + heads]
         rows[:, self._ROW0] += np.asarray(offsets, dtype=np.uint64)[:, None]
-        ptrs = rows[:, self._WORDS]
-        moved = rows[:, self._PTR_STRIDES] * np.asarray(heads, dtype=np.uint64)[:, None]
-        rows[:, self._WORDS] = np.where(ptrs != 0, ptrs + moved, 0)  # 0: a field it lacks
         rows[:, PartDesc.tokens.offset // 8] = tokens
         return HeadParts(rows, np.bincount(heads, minlength=num_heads))
 

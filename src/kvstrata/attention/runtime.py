@@ -162,11 +162,12 @@ class AttentionRuntime:
             else None
         )
         self.reads = ReadPlanner(mgr, layout, groups, self.local, self.native)
-        self.selector = (
-            None
-            if cc.attention_budget is None
-            else KeySelector(cc.attention_budget, cc.attention_summary, cc.sink_tokens, device)
-        )
+        self.selector: KeySelector | None = None
+        if cc.attention_budget is not None:
+            self.selector = KeySelector(
+                cc.attention_budget, cc.attention_summary, cc.sink_tokens, device,
+                cc.attention_dense_layers,
+            )  # fmt: skip
 
     @property
     def step_tokens(self) -> dict[int, int]:
@@ -268,7 +269,7 @@ class AttentionRuntime:
             return
         group, local = self.layer_map[layer + 1]
         for seq_id in sorted(seq_ids):
-            if self._selecting(seq_id, self.groups[group]):
+            if self._selecting(seq_id, self.groups[group], layer + 1):
                 continue  # it reads only the blocks the next layer's query chooses
             cold = self.reads.cold_history(seq_id, group)
             if cold:
@@ -294,7 +295,7 @@ class AttentionRuntime:
         native = bool(self.native) and qp.shape[1] <= NATIVE_MAX_ROWS
         group, local = self.layer_map[layer]
         plan = self.reads.read_plan(group, seq_id, start, end, native)
-        if select and self.selector is not None:
+        if select and self.selector is not None and layer >= self.selector.dense_layers:
             chosen = self.selector.select(
                 (seq_id, group), self.manager.tables[(seq_id, group)],
                 len(self.groups[group].layers), local, qp, start, end,
@@ -315,9 +316,13 @@ class AttentionRuntime:
             )
         return parts
 
-    def _selecting(self, seq_id: int, group: LayerGroup) -> bool:
-        """Whether this step's decode of `seq_id` selects blocks in `group`."""
-        if self.selector is None or group.window is not None or self.step_tokens.get(seq_id) != 1:
+    def _selecting(self, seq_id: int, group: LayerGroup, layer: int) -> bool:
+        """Whether this step's decode of `seq_id` selects blocks in model layer `layer`
+        (of `group`)."""
+        sel = self.selector
+        if sel is None or group.window is not None or self.step_tokens.get(seq_id) != 1:
+            return False
+        if layer < sel.dense_layers:
             return False
         return self.selector.bounds(0, self.manager.num_tokens((seq_id, 0))) is not None
 
@@ -361,13 +366,14 @@ class AttentionRuntime:
         gi, local = self.layer_map[layer]
         # once per step and group: the runs are fixed once the step's tokens are placed
         # (layer 0), and begin_step clears the plans
-        key = ("batch", gi, tuple(seq_ids))
+        dense = self.selector is None or layer < self.selector.dense_layers
+        key = ("batch", gi, tuple(seq_ids), dense)
         batch = self.reads.plans.get(key)
         if batch is None:
             done, descs, strides, nparts = [], [], [], []
             for i, sid in enumerate(seq_ids):
                 total = self.manager.num_tokens((sid, 0))
-                if self.step_tokens.get(sid) != 1 or self._selecting(sid, self.groups[gi]):
+                if self.step_tokens.get(sid) != 1 or self._selecting(sid, self.groups[gi], layer):
                     continue
                 start = total - sliding_window if sliding_window and sliding_window < total else 0
                 plan = self.reads.read_plan(gi, sid, start, total, native=True)
@@ -436,7 +442,8 @@ class AttentionRuntime:
         window = sliding_window if sliding_window and sliding_window < total else None
         dense = row_mask.dense if row_mask else None
         acc = None
-        if self.selector is not None and num_q > 1 and group.window is None:
+        sel = self.selector
+        if sel is not None and num_q > 1 and group.window is None and layer >= sel.dense_layers:
             gi, local = self.layer_map[layer]
             self.selector.observe(
                 (seq_id, gi), self.manager.tables[(seq_id, gi)], len(group.layers), local,

@@ -100,16 +100,15 @@ def selected_partials(
     hkv, rows, dim = qp.shape
     parts = []
     if plan.native is not None:
-        head, ranges = chosen[:, 0], chosen[:, 1:]
-        picks = []
-        for i, (s0, s1) in enumerate(plan.spans):
-            lo, hi = np.maximum(ranges[:, 0], s0), np.minimum(ranges[:, 1], s1)
-            ok = lo < hi
-            picks.append((head[ok], np.full(ok.sum(), i), lo[ok] - s0, hi[ok] - lo[ok]))
-        h_, i_, off, num = (np.concatenate(x) for x in zip(*picks, strict=True))
-        if len(h_):
-            order = np.argsort(h_, kind="stable")  # grouped by head
-            descs = plan.native.per_head(local, h_[order], i_[order], off[order], num[order], hkv)
+        spans = np.asarray(plan.spans, dtype=np.int64)  # [S, 2]
+        # every (range, span) pair at once, range-major: still grouped by head
+        lo = np.maximum(chosen[:, 1:2], spans[None, :, 0])
+        hi = np.minimum(chosen[:, 2:3], spans[None, :, 1])
+        r_, i_ = np.nonzero(lo < hi)
+        if len(r_):
+            lo, hi = lo[r_, i_], hi[r_, i_]
+            off, h_ = lo - spans[i_, 0], chosen[r_, 0]
+            descs = plan.native.per_head(local, h_, i_, off, hi - lo, hkv)
             out, lse = native_attention_batch(
                 qp.reshape(hkv, 1, rows, dim), descs.addresses, descs.counts,
                 rt.layout.dim_v, scale, softcap,
@@ -118,9 +117,12 @@ def selected_partials(
     if plan.pieces:
         pieces = _clip(plan.pieces, union(chosen))
         for t0, k, v in _views(rt, local, pieces):
-            pos = np.arange(t0, t0 + k.shape[1])
-            allowed = np.zeros((hkv, k.shape[1]), dtype=bool)
-            for h, a, b in chosen.tolist():
-                allowed[h] |= (pos >= a) & (pos < b)
-            parts.append(_masked_partial(qp, k, v, torch.from_numpy(allowed), scale, softcap))
+            n = k.shape[1]
+            # +1 where a head's range starts, -1 where it ends: the running sum is > 0
+            # inside its ranges (each head's are disjoint)
+            edges = np.zeros((hkv, n + 1), dtype=np.int32)
+            np.add.at(edges, (chosen[:, 0], np.clip(chosen[:, 1] - t0, 0, n)), 1)
+            np.add.at(edges, (chosen[:, 0], np.clip(chosen[:, 2] - t0, 0, n)), -1)
+            allowed = torch.from_numpy(np.cumsum(edges[:, :n], axis=1) > 0)
+            parts.append(_masked_partial(qp, k, v, allowed, scale, softcap))
     return parts

@@ -11,7 +11,8 @@ Per configuration, over the decoded tokens:
   ΔPPL % and top-1 agreement   against full attention over the same placement
   attended                     share of the (key, KV head) pairs full attention reads
   KV read / step               K and V bytes of the attended keys, all layers, plus the
-                               page summaries scored
+                               page summaries scored (which live on the compute device);
+                               then each as a share of full attention's K and V bytes
   decode ms / step             a whole forward (median over steps)
   attention ms / step          inside the store's attention, all layers (median)
 and the ratios to full attention. `--needle` adds passkey retrieval accuracy (depths
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget", default="0.125", help="comma-separated attention budgets (tokens or shares)"
     )
     parser.add_argument("--summary", default="minmax", help="page summary: minmax or mean")
+    parser.add_argument(
+        "--dense-layers", type=int, default=0, help="first layers attending every key"
+    )
     parser.add_argument("--resident", type=float, default=0.1, help="device share of the KV")
     parser.add_argument("--disk", action="store_true", help="the cold half of the KV on disk")
     parser.add_argument("--needle", action="store_true", help="also passkey retrieval accuracy")
@@ -72,6 +76,7 @@ def measure(
     scored: int = 64,
     windows: int = 1,
     summary: str = "minmax",
+    dense_layers: int = 0,
     resident: float = 0.1,
     disk: bool = False,
     block_size: int = 64,
@@ -95,7 +100,8 @@ def measure(
     byte_level = is_byte_tokenizer(tokenizer)
     texts = heldout_windows(model_name, context, windows, None if byte_level else tokenizer)
     names = [FULL] + [f"budget {b:g}" for b in budgets]
-    fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary}
+    fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary,
+                               "attention_dense_layers": dense_layers}
                           for n, b in zip(names[1:], budgets, strict=True)}  # fmt: skip
     acc = {n: {"nll": 0.0, "top1": 0, "steps": [], "attn": [], "kv": 0, "sum": 0} for n in names}
     heads = cfg.num_key_value_heads
@@ -158,13 +164,16 @@ def measure(
             "attended_share": a["chosen"] / a["pairs"] if a.get("pairs") else 1.0,
             "kv_bytes_per_step": a["kv"] / n,
             "summary_bytes_per_step": a["sum"] / n,
+            "kv_share": a["kv"] / full["kv"],
+            "summary_share": a["sum"] / full["kv"],
             "decode_ms": 1000 * step,
             "attention_ms": 1000 * attn,
             "decode_speedup": _timing.median(full["steps"]) / step,
             "attention_speedup": _timing.median(full["attn"]) / attn if attn else None,
         })  # fmt: skip
     result = {"model": model_name, "context": context, "scored": scored, "windows": windows,
-              "summary": summary, "resident": resident, "disk": disk, "rows": rows}  # fmt: skip
+              "summary": summary, "dense_layers": dense_layers, "resident": resident,
+              "disk": disk, "rows": rows}  # fmt: skip
     if needle:
         result["needle"] = _needle(model, tokenizer, context, fields, resident, block_size)
     return result
@@ -220,18 +229,19 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     result = measure(
         _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
-        summary=args.summary, resident=args.resident, disk=args.disk,
-        block_size=args.block_size, needle=args.needle,
+        summary=args.summary, dense_layers=args.dense_layers, resident=args.resident,
+        disk=args.disk, block_size=args.block_size, needle=args.needle,
     )  # fmt: skip
     if args.json:
         _timing.print_json(result)
         return 0
-    cols = ["config", "ΔPPL %", "top-1", "attended", "KV read/step", "decode ms", "attn ms",
-            "decode ×", "attn ×"]  # fmt: skip
+    cols = ["config", "ΔPPL %", "top-1", "attended", "KV read/step", "KV + summaries",
+            "decode ms", "attn ms", "decode ×", "attn ×"]  # fmt: skip
     rows = [
         [r["config"], f"{r['delta_ppl_pct']:+.2f}", f"{r['top1_agreement']:.1%}",
          f"{r['attended_share']:.1%}",
          f"{(r['kv_bytes_per_step'] + r['summary_bytes_per_step']) / 2**20:.1f} MiB",
+         f"{r['kv_share']:.1%} + {r['summary_share']:.1%}",
          f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}", f"{r['decode_speedup']:.2f}",
          f"{r['attention_speedup']:.2f}" if r["attention_speedup"] else "-"]
         for r in result["rows"]

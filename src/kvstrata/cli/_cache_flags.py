@@ -1,6 +1,7 @@
 """CacheConfig flags shared by every command that builds a store, beyond the placement
 flags of `generate.add_placement_flags`: the remote tier's (`--remote-*`) and query-aware
-key selection's (`--attention-budget`, `--attention-summary`)."""
+key selection's (`--attention-budget`, `--attention-summary`,
+`--attention-dense-layers`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvstrata.config import CacheConfig
 from kvstrata.core.units import parse_float, parse_int
 
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
-ATTENTION_FIELDS = ("attention_budget", "attention_summary")
+ATTENTION_FIELDS = ("attention_budget", "attention_summary", "attention_dense_layers")
 
 
 def add_cache_flags(g: argparse._ArgumentGroup) -> None:
@@ -22,6 +23,10 @@ def add_cache_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--attention-summary", default=None, help="page summary it scores: minmax or mean"
     )
+    g.add_argument(
+        "--attention-dense-layers", type=int, default=None,
+        help="with a budget: the first this many layers still attend every key",
+    )  # fmt: skip
     add_remote_flags(g)
 
 
