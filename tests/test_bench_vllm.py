@@ -56,6 +56,10 @@ def test_groups_follow_vllms_hybrid_allocator(tmp_path):
     # 2048 tokens in 32-token blocks: 64 blocks of the full group, the window's 3 + 1
     # of each sliding group
     assert bench._blocks_per_prompt(model, 64, 32) == 4 + 4 + 64
+    # Mistral v0.1: a window and no layer_types — every layer slides (one group)
+    mistral = _model(tmp_path / "mi", model_type="mistral", sliding_window=64)
+    assert bench._groups(mistral) == {"layers": [4], "sliding": [True], "window": 64}
+    assert bench._blocks_per_prompt(mistral, 64, 32) == 3
     plain = _model(tmp_path / "p")
     assert bench._groups(plain) == {"layers": [4], "sliding": [False], "window": None}
     assert bench._blocks_per_prompt(plain, 64, 32) == 64

@@ -223,6 +223,7 @@ class LayerDescs:
         return HeadParts(rows, np.bincount(heads, minlength=num_heads))
 
     def set_tokens(self, part: int, tokens: int) -> None:
-        """Set part `part`'s token count in every layer's array (a run that grew)."""
+        """Set part `part`'s token count in every layer's array (a run that grew).
+        per_head's table (`_heads`) needs no update: it sets each entry's count itself."""
         per_part = ctypes.sizeof(PartDesc) // 8
         self._bufs[:, part * per_part + PartDesc.tokens.offset // 8] = tokens

@@ -58,7 +58,9 @@ HEALTH_TIMEOUT_S = 300.0  # vLLM on a 2-core CPU takes 25-60 s to start, more wh
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 25
 VLLM_ENTRY = "vllm.entrypoints.openai.api_server"
-METRICS_PREFIX = "vllm:kvstrata_"  # kvstrata's counters in a vLLM server's /metrics
+# kvstrata's counters in a vLLM server's /metrics: integrations.vllm.stats.PREFIX (which
+# imports vLLM, absent here; a test in .venv-vllm checks they agree)
+METRICS_PREFIX = "vllm:kvstrata_"
 REQUEST_TIMEOUT_S = 1800.0
 
 
@@ -253,14 +255,18 @@ class Server:
         except (urllib.error.URLError, OSError):
             return False
 
-    def kvstrata_counters(self) -> dict[str, float]:
+    def kvstrata_counters(self) -> dict[str, float] | None:
         """kvstrata's counters in a vLLM server's `/metrics` (`vllm:kvstrata_*`, the
         backend variants), by name and label values: `hits{tier=disk}` etc.; {} for a
-        server without them."""
+        server without them, None when /metrics does not answer (a server that died:
+        its requests' errors are what the report shows)."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
-            text = resp.read().decode()
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
+                text = resp.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             if family.type != "counter" or not family.name.startswith(METRICS_PREFIX):

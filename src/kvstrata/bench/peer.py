@@ -272,10 +272,10 @@ def _measure_size(
                 backend = server.variant in srv.BACKEND_VARIANTS
                 for phase in phases:
                     _progress(f"{size}: repeat {r + 1}/{len(ctx.plans)} {server.variant} {phase}")
-                    before = server.kvstrata_counters() if backend else {}
+                    before = server.kvstrata_counters() if backend else None
                     result = srv.run_phase(server, phase, plan, ctx.o.workload, ctx.encode, f"r{r}")
-                    if backend:  # what kvstrata did in this round: hits by tier, reads
-                        after = server.kvstrata_counters()
+                    after = server.kvstrata_counters() if before is not None else None
+                    if before is not None and after is not None:  # kvstrata in this round
                         result["kvstrata"] = {k: v - before.get(k, 0) for k, v in after.items()}
                     rounds[server.variant][phase].append(result)
     finally:
@@ -346,14 +346,16 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_backend_counters(result: dict[str, Any]) -> None:
-    """Each backend variant's phase gets kvstrata's counters summed over its repeats."""
+    """Each backend variant's phase gets kvstrata's counters summed over its repeats
+    (those whose /metrics answered before and after)."""
     for variant, phases in result["rounds"].items():
         for phase, results in phases.items():
-            if "kvstrata" not in results[0]:
+            counted = [res["kvstrata"] for res in results if "kvstrata" in res]
+            if not counted:
                 continue
             total: dict[str, float] = {}
-            for res in results:
-                for key, value in res["kvstrata"].items():
+            for counters in counted:
+                for key, value in counters.items():
                     total[key] = total.get(key, 0.0) + value
             result["summary"]["variants"][variant][phase]["kvstrata"] = total
 

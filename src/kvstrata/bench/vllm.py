@@ -257,9 +257,8 @@ def _layout(model_dir: Path, block_tokens: int) -> Any:
     import torch
 
     from kvstrata.core.layout import BlockLayout
-    from kvstrata.integrations.vllm.plan import model_geometry
 
-    g = model_geometry(str(model_dir))
+    g = _geometry(model_dir)
     layers = max(_groups(model_dir)["layers"])  # kvstrata's blocks: one group's layers
     return BlockLayout(layers, g.num_kv_heads, g.head_dim, block_tokens, torch.float32)
 
@@ -293,28 +292,42 @@ def windowed_model(model_dir: Path, window: int, dest: Path) -> Path:
     return dest
 
 
+def _geometry(model_dir: Path) -> Any:
+    from kvstrata.model.geometry import KVGeometry
+    from kvstrata.model.hf_config import read_config_file
+
+    path, data = read_config_file(model_dir)
+    return KVGeometry.from_hf_config(data, name=str(path))
+
+
 def _groups(model_dir: Path) -> dict[str, Any]:
-    """The KV cache groups vLLM's hybrid allocator makes of the model's layers: groups of
-    the smallest kind's count, each kind's layers split into them (one group when every
-    layer is alike) — their layers and whether they slide."""
-    config = json.loads((model_dir / "config.json").read_text())
-    kinds = config.get("layer_types") or ["full_attention"] * int(config["num_hidden_layers"])
-    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    """The KV cache groups vLLM's hybrid allocator makes of the model's layers (which
+    slide as `KVGeometry` reads them: layer_types, max_window_layers, Mistral's all):
+    groups of the smaller kind's count, each kind's layers split into them (one group
+    when every layer is alike) — their layers and whether they slide."""
+    g = _geometry(model_dir)
+    sliding = set(g.sliding_layers)
+    kinds = [i in sliding for i in range(g.num_layers)]
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}  # layer 0's kind first
     size = min(counts.values())
-    layers, sliding = [], []
+    layers, slides = [], []
     for kind, count in counts.items():
         for start in range(0, count, size):
             layers.append(min(size, count - start))
-            sliding.append(kind == "sliding_attention")
-    return {"layers": layers, "sliding": sliding, "window": config.get("sliding_window")}
+            slides.append(kind)
+    return {"layers": layers, "sliding": slides, "window": g.sliding_window}
 
 
 def _blocks_per_prompt(model_dir: Path, num_blocks: int, block_tokens: int) -> int:
     """kvstrata blocks one prompt of `num_blocks` vLLM blocks stores: every block of a
-    full group, the window's (+ 1) of a sliding one."""
-    g = _groups(model_dir)
-    window = min(num_blocks, -(-int(g["window"] or 0) // block_tokens) + 1)
-    return sum(window if s else num_blocks for s in g["sliding"])
+    full group, those a sliding layer still sees of a sliding one (the store's own rule,
+    `KVGeometry.kv_tokens_for_layer`)."""
+    g = _geometry(model_dir)
+    context = num_blocks * block_tokens
+    kept = num_blocks
+    if g.sliding_layers:
+        kept = -(-g.kv_tokens_for_layer(g.sliding_layers[0], context, block_tokens) // block_tokens)
+    return sum(kept if s else num_blocks for s in _groups(model_dir)["sliding"])
 
 
 def _threads_bind(tp: int) -> str:
