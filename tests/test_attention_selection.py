@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +17,15 @@ from hf_models import greedy_ids, seeded_ids, tiny_model
 from kvstrata import CacheConfig, ConfigError, KVStore
 from kvstrata.attention import runtime as runtime_mod
 from kvstrata.attention import selected as selected_mod
-from kvstrata.attention.select import PAGE_TOKENS, KeySelector, page_scores, union
+from kvstrata.attention.select import (
+    PAGE_TOKENS,
+    KeySelector,
+    _ranges,
+    choose_pages,
+    page_scores,
+    union,
+)
+from kvstrata.platform import native as native_lib
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.model.geometry import KVGeometry
@@ -100,6 +109,37 @@ def _reference(q, k, v, ranges_per_head, scale):
     return out
 
 
+def _spy_ranges(monkeypatch, selector) -> list[tuple[str, np.ndarray]]:
+    """Record (path, rows (head, lo, hi)) of the keys each selecting attention attends:
+    "numpy" when the selector's ranges were attended piece by piece, "native" when one
+    native call chose and attended them (its chosen pages, which must be the pages the
+    numpy scoring chooses from the same summaries)."""
+    seen: list[tuple[str, np.ndarray]] = []
+    ranges = selector.ranges
+    monkeypatch.setattr(
+        selector, "ranges", lambda c, qp: seen.append(("numpy", ranges(c, qp))) or seen[-1][1]
+    )
+    native = selected_mod.native_select_attention
+
+    def spy(q, desc, n, starts, summaries, page, pages, keys, *rest):
+        c0, c1, choose = pages
+        chosen = np.empty((q.shape[0], choose), dtype=np.int64)
+        out = native(q, desc, n, starts, summaries, page, pages, keys, *rest, chosen=chosen)
+        # the same pages as numpy's scoring (equal scores may be chosen either way)
+        qs = q.float()
+        if summaries.shape[-1] != q.shape[-1]:
+            qs = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], dim=-1)
+        scores = (summaries[:, c0:c1].float() @ qs.sum(1, keepdim=True).transpose(1, 2))[..., 0]
+        want = choose_pages(summaries[:, c0:c1], q, choose)
+        got_s, want_s = (np.sort(np.take_along_axis(scores.numpy(), p, 1)) for p in (chosen, want))
+        np.testing.assert_allclose(got_s, want_s, rtol=1e-5, atol=1e-5)
+        seen.append(("native", _ranges(chosen, c0, *keys)))
+        return out
+
+    monkeypatch.setattr(selected_mod, "native_select_attention", spy)
+    return seen
+
+
 @pytest.mark.parametrize(("summary", "attend_prefill"), [("minmax", True), ("mean", False)])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
@@ -111,11 +151,8 @@ def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
     _prefill(store, seq, kv, attend_prefill)
     _step(store, seq, kv, HISTORY, HISTORY + 1)  # one decode token
 
-    chosen, staged_reads = [], []
-    select = store.runtime.selector.select
-    monkeypatch.setattr(
-        store.runtime.selector, "select", lambda *a: chosen.append(select(*a)) or chosen[-1]
-    )
+    staged_reads = []
+    chosen = _spy_ranges(monkeypatch, store.runtime.selector)
     views = selected_mod._views
 
     def spy_views(rt, local, pieces):
@@ -144,15 +181,18 @@ def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
         out = store.runtime.attend(
             layer, seq, q, k[:, HISTORY:], v[:, HISTORY:], scale, None, None, None, None
         )
-        assert chosen[-1] is not None
-        heads = [[(a, b) for h, a, b in chosen[-1].tolist() if h == kv] for kv in range(KV_HEADS)]
+        path, ranges_ = chosen[-1]
+        # the native kernel reads every in-place placement; staged pieces go through torch
+        in_place = native_lib.available() and placement not in ("host-staged", "disk")
+        assert path == ("native" if in_place else "numpy")
+        heads = [[(a, b) for h, a, b in ranges_.tolist() if h == kv] for kv in range(KV_HEADS)]
         for ranges in heads:
             assert sum(b - a for a, b in ranges) <= 96
             assert ranges[0][0] == 0 and ranges[-1][1] == HISTORY + 1  # sinks, newest
         ref = _reference(q, k, v, heads, scale)
         tol = 0.15 if lossy else 1e-5
         torch.testing.assert_close(out[:, 0].double(), ref, atol=tol, rtol=tol)
-        wanted = union(chosen[-1])
+        wanted = union(ranges_)
         for lo, hi in staged_reads:  # every key read (staged or in place) was chosen
             assert any(a <= lo and hi <= b for a, b in wanted), (lo, hi, wanted)
         staged_reads.clear()
@@ -168,7 +208,7 @@ def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
     store.close()
 
 
-def test_a_page_that_holds_the_querys_key_is_chosen_by_its_head(tmp_path):
+def test_a_page_that_holds_the_querys_key_is_chosen_by_its_head(tmp_path, monkeypatch):
     """A key far more aligned with the query than any other lies in one page of one head:
     that head chooses the page (its bound is the largest); the other head need not."""
     store = _store("host", tmp_path, attention_budget=64)
@@ -182,12 +222,10 @@ def test_a_page_that_holds_the_querys_key_is_chosen_by_its_head(tmp_path):
     _step(store, seq, kv, 0, HISTORY)
     store.step_done([seq])
     _step(store, seq, kv, HISTORY, HISTORY + 1)
-    heads = []
-    select = store.runtime.selector.select
-    store.runtime.selector.select = lambda *a: heads.append(select(*a)) or heads[-1]
+    heads = _spy_ranges(monkeypatch, store.runtime.selector)
     k, v = kv[0]
     store.runtime.attend(0, seq, q, k[:, HISTORY:], v[:, HISTORY:], 1.0, None, None, None, None)
-    assert any(h == 0 and a <= needle < b for h, a, b in heads[0].tolist())
+    assert any(h == 0 and a <= needle < b for h, a, b in heads[0][1].tolist())
     store.close()
 
 
@@ -287,9 +325,9 @@ def test_dense_layers_attend_every_key_exactly_and_never_select(placement, tmp_p
     selector = store.runtime.selector
     assert selector.dense_layers == 1
     layers_selected = []
-    select = selector.select
+    prepare = selector.prepare
     monkeypatch.setattr(
-        selector, "select", lambda *a: layers_selected.append(a[3]) or select(*a)
+        selector, "prepare", lambda *a: layers_selected.append(a[3]) or prepare(*a)
     )  # a[3]: the local layer
     g = torch.Generator().manual_seed(5)
     scale = 1 / math.sqrt(DIM)

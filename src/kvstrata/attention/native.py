@@ -139,6 +139,53 @@ def native_attention_batch(
     return out.to(q.device, q.dtype), lse.to(q.device)
 
 
+def native_select_attention(
+    q: torch.Tensor,
+    desc: int,
+    num_parts: int,
+    part_start: np.ndarray,
+    summaries: torch.Tensor,
+    page: int,
+    pages: tuple[int, int, int],
+    keys: tuple[int, int, int, int],
+    dim_v: int,
+    scale: float,
+    softcap: float | None,
+    chosen: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Query-aware decode attention of packed queries q [Hkv, M, D] in one native call
+    (platform/csrc/select.cpp): each KV head scores pages c0 .. c1 - 1 of its
+    `summaries` [Hkv, capacity, W] (fp32 or fp16, CPU, rows contiguous), chooses its
+    `choose` best and attends them with keys [start, sink_end) and [recent_start,
+    total), read from the `PartDesc` array at `desc` (parts back to back from key
+    part_start[p]). `pages` = (c0, c1, choose), `keys` = (start, sink_end,
+    recent_start, total); `chosen` [Hkv, choose] int64 receives the pages chosen.
+
+    Returns (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M], keys attended over
+    all heads). The caller checks the library is loaded and M, D, Dv are within
+    NATIVE_MAX_*."""
+    lib = load()
+    hkv, m, d = q.shape
+    qf = q.detach().to("cpu", torch.float32).contiguous()
+    out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
+    lse = torch.empty((hkv, m), dtype=torch.float32)
+    attended = np.zeros(hkv, dtype=np.int64)
+    starts = np.ascontiguousarray(part_start, dtype=np.int64)
+    c0, c1, choose = pages
+    if chosen is not None:
+        assert chosen.dtype == np.int64 and chosen.shape == (hkv, choose) and chosen.flags.c_contiguous
+    rc = lib.kv_attn_select_decode(
+        num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), starts.ctypes.data,
+        qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0,
+        summaries.data_ptr(), int(summaries.dtype == torch.float16), summaries.stride(0),
+        summaries.shape[-1], page, c0, c1, choose, *keys, attended.ctypes.data,
+        None if chosen is None else chosen.ctypes.data, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native query-aware decode attention failed with status {rc}")
+    return out.to(q.device, q.dtype), lse.to(q.device), int(attended.sum())
+
+
 class HeadParts:
     """`PartDesc` arrays of one layer, one per KV head (rows of uint64 words, grouped
     by head): `addresses` and `counts` for `native_attention_batch` with one head per

@@ -36,7 +36,7 @@ from kvstrata.attention.native import (
 from kvstrata.attention.partials import causal_new, partial_where_kv_lives
 from kvstrata.attention.reads import ReadPlan, ReadPlanner
 from kvstrata.attention.select import KeySelector
-from kvstrata.attention.selected import read_keys, selected_partials
+from kvstrata.attention.selected import native_selected, read_keys, selected_partials
 from kvstrata.attention.staging import Stager
 from kvstrata.blocks.manager import BlockManager, Run
 from kvstrata.config import CacheConfig
@@ -296,12 +296,16 @@ class AttentionRuntime:
         group, local = self.layer_map[layer]
         plan = self.reads.read_plan(group, seq_id, start, end, native)
         if select and self.selector is not None and layer >= self.selector.dense_layers:
-            chosen = self.selector.select(
+            choice = self.selector.prepare(
                 (seq_id, group), self.manager.tables[(seq_id, group)],
                 len(self.groups[group].layers), local, qp, start, end,
                 lambda lo, hi: read_keys(self, local, group, seq_id, lo, hi),
             )  # fmt: skip
-            if chosen is not None:
+            if choice is not None:
+                fused = native_selected(self, local, plan, choice, qp, scale, softcap)
+                if fused is not None:
+                    return [fused]
+                chosen = self.selector.ranges(choice, qp)
                 return selected_partials(self, local, plan, chosen, qp, scale, softcap)
         parts = [
             partial_where_kv_lives(qp, k, v, scale, softcap)

@@ -45,6 +45,22 @@ class _Summaries:
 
 
 @dataclass
+class Choice:
+    """One selecting decode attention's inputs: the layer's summaries [Hkv, capacity,
+    W], the pages c0 .. c1 - 1 it chooses `choose` of, the sinks [start, sink_end) and
+    the newest keys [recent_start, total)."""
+
+    summaries: torch.Tensor
+    c0: int
+    c1: int
+    choose: int
+    start: int
+    sink_end: int
+    recent_start: int
+    total: int
+
+
+@dataclass
 class SelectionStats:
     """What selection did, summed over the decode attentions it served."""
 
@@ -89,6 +105,24 @@ def page_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     if summaries.shape[-1] != q.shape[-1]:
         q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
     return summaries @ q.transpose(1, 2)
+
+
+def choose_pages(summaries: torch.Tensor, qp: torch.Tensor, choose: int) -> np.ndarray:
+    """Each KV head's `choose` best pages [Hkv, choose] (sorted) from its summaries
+    [Hkv, pages, W] and packed queries qp [Hkv, R, D], its query rows' scores summed."""
+    heads, _, dim = qp.shape
+    q = qp.detach().to(summaries.device, torch.float32)
+    if summaries.shape[-1] != dim:  # the scores are linear in (q+, q-): sum first
+        q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+    q = q.sum(dim=1, keepdim=True)
+    if choose == 0:
+        return np.empty((heads, 0), dtype=np.int64)
+    if summaries.device.type == "cpu":  # numpy: no torch dispatch per small op
+        scores = np.matmul(summaries.float().numpy(), q.numpy().transpose(0, 2, 1))[..., 0]
+        return np.sort(np.argpartition(scores, -choose, axis=-1)[:, -choose:], axis=-1)
+    scores = page_scores(q, summaries.float())[..., 0]
+    chosen = torch.topk(scores, choose, dim=-1, sorted=False).indices
+    return chosen.sort(dim=-1).values.cpu().numpy()
 
 
 def union(chosen: np.ndarray) -> list[tuple[int, int]]:
@@ -182,6 +216,54 @@ class KeySelector:
         if first * page >= past and end > first:
             self._put(entry, local, first, new_k[:, first * page - past : end * page - past])
 
+    def prepare(
+        self,
+        key: Hashable,
+        table: Any,
+        layers: int,
+        local: int,
+        qp: torch.Tensor,
+        start: int,
+        total: int,
+        read_keys: Callable[[int, int], torch.Tensor],
+    ) -> Choice | None:
+        """What the decode of packed queries qp [Hkv, R, D] over keys [start, total)
+        chooses from, with every page's summary in place; None when the budget covers
+        every key (exact attention). `read_keys(lo, hi)` returns stored keys
+        [Hkv, hi - lo, D] of pages that have no summary yet."""
+        bounds = self.bounds(start, total)
+        if bounds is None:
+            return None
+        sink_end, recent_start, choose = bounds
+        page = PAGE_TOKENS
+        c0, c1 = sink_end // page, recent_start // page
+        heads, _, dim = qp.shape
+        entry = self._entry(key, table, layers, heads, dim, c1)
+        filled = entry.filled[local]
+        if filled < c1:
+            self._put(entry, local, filled, read_keys(filled * page, c1 * page))
+            self.stats.pages_summarised_from_tiers += c1 - filled
+        return Choice(entry.data[local], c0, c1, choose, start, sink_end, recent_start, total)
+
+    def ranges(self, choice: Choice, qp: torch.Tensor) -> np.ndarray:
+        """The key ranges each KV head attends, as rows (head, lo, hi) grouped by head
+        (each head's sorted and disjoint)."""
+        c = choice
+        pages = choose_pages(c.summaries[:, c.c0 : c.c1], qp, c.choose)
+        out = _ranges(pages, c.c0, c.start, c.sink_end, c.recent_start, c.total)
+        self.record(c, qp.shape[0], int((out[:, 2] - out[:, 1]).sum()))
+        return out
+
+    def record(self, choice: Choice, heads: int, attended: int) -> None:
+        """Count one selecting decode attention that attended `attended` (key, KV head)
+        pairs."""
+        c = choice
+        self.stats.layers += 1
+        self.stats.keys_attended += attended
+        self.stats.keys_in_context += heads * (c.total - c.start)
+        summaries = c.summaries[:, c.c0 : c.c1]
+        self.stats.summary_bytes += summaries.numel() * summaries.element_size()
+
     def select(
         self,
         key: Hashable,
@@ -197,35 +279,5 @@ class KeySelector:
         [Hkv, R, D] over keys [start, total), as rows (head, lo, hi) grouped by head
         (each head's sorted and disjoint); None for all of them. `read_keys(lo, hi)`
         returns stored keys [Hkv, hi - lo, D] of pages that have no summary yet."""
-        bounds = self.bounds(start, total)
-        if bounds is None:
-            return None
-        sink_end, recent_start, choose = bounds
-        page = PAGE_TOKENS
-        c0, c1 = sink_end // page, recent_start // page
-        heads, _, dim = qp.shape
-        entry = self._entry(key, table, layers, heads, dim, c1)
-        filled = entry.filled[local]
-        if filled < c1:
-            self._put(entry, local, filled, read_keys(filled * page, c1 * page))
-            self.stats.pages_summarised_from_tiers += c1 - filled
-        summaries = entry.data[local, :, c0:c1]
-        q = qp.detach().to(self.device, torch.float32)
-        if summaries.shape[-1] != dim:  # the scores are linear in (q+, q-): sum first
-            q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-        q = q.sum(dim=1, keepdim=True)
-        if choose == 0:
-            pages = np.empty((heads, 0), dtype=np.int64)
-        elif summaries.device.type == "cpu":  # numpy: no torch dispatch per small op
-            scores = np.matmul(summaries.numpy(), q.numpy().transpose(0, 2, 1))[..., 0]
-            pages = np.sort(np.argpartition(scores, -choose, axis=-1)[:, -choose:], axis=-1)
-        else:
-            scores = page_scores(q, summaries)[..., 0]
-            chosen = torch.topk(scores, choose, dim=-1, sorted=False).indices
-            pages = chosen.sort(dim=-1).values.cpu().numpy()
-        out = _ranges(pages, c0, start, sink_end, recent_start, total)
-        self.stats.layers += 1
-        self.stats.keys_attended += int((out[:, 2] - out[:, 1]).sum())
-        self.stats.keys_in_context += heads * (total - start)
-        self.stats.summary_bytes += summaries.numel() * summaries.element_size()
-        return out
+        choice = self.prepare(key, table, layers, local, qp, start, total, read_keys)
+        return None if choice is None else self.ranges(choice, qp)

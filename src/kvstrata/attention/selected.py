@@ -1,7 +1,9 @@
 """Attention over the keys query-aware selection chose (`attention.select`), each KV head
 over its own ranges, reading nothing else.
 
-The runs the native CPU kernel reads in place become one descriptor array per KV head
+When the native kernel reads every key in place, one native call scores, chooses and
+attends (`native_selected`). Otherwise the runs the native CPU kernel reads in place
+become one descriptor array per KV head
 (the step's read plan's parts, moved to the chosen rows and to that head), attended in
 one batched native call with one head per "sequence". Other pieces (staged disk or
 lossy blocks, device arenas) are read for the union of the heads' ranges, chunk after
@@ -16,9 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstrata.attention.native import native_attention_batch
+from kvstrata.attention.native import (
+    NATIVE_MAX_DIM,
+    native_attention_batch,
+    native_select_attention,
+)
 from kvstrata.attention.reads import ReadPlan
-from kvstrata.attention.select import union
+from kvstrata.attention.select import PAGE_TOKENS, Choice, union
 
 
 def _clip(pieces: list[tuple[bool, Any, int, int]], ranges: list[tuple[int, int]]) -> list[tuple]:
@@ -83,6 +89,32 @@ def _masked_partial(
     probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
     out = torch.einsum("hrt,htd->hrd", probs, v.float())
     return out.to(qp.device, qp.dtype), lse.to(qp.device)
+
+
+def native_selected(
+    rt: Any, local: int, plan: ReadPlan, choice: Choice, qp: torch.Tensor, scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """The partial (out [Hkv, R, Dv], lse [Hkv, R]) of packed decode queries qp over
+    the keys each KV head chooses, scored, chosen and attended in one native call, when
+    the native kernel reads every key of the step's `plan` in place and the summaries
+    are on the CPU; else None."""
+    c = choice
+    if (
+        plan.native is None
+        or plan.pieces
+        or c.summaries.device.type != "cpu"
+        or max(qp.shape[-1], rt.layout.dim_v) > NATIVE_MAX_DIM
+    ):
+        return None
+    starts = np.fromiter((lo for lo, _ in plan.spans), dtype=np.int64, count=len(plan.spans))
+    out, lse, attended = native_select_attention(
+        qp, plan.native.at(local), plan.native.num_parts, starts, c.summaries, PAGE_TOKENS,
+        (c.c0, c.c1, c.choose), (c.start, c.sink_end, c.recent_start, c.total),
+        rt.layout.dim_v, scale, softcap,
+    )  # fmt: skip
+    rt.selector.record(c, qp.shape[0], attended)
+    return out, lse
 
 
 def selected_partials(

@@ -46,6 +46,7 @@ _SOURCES = {
     ],
     "pio.cpp": [],
     "attention.cpp": ["-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"],
+    "select.cpp": ["-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"],
     "linear.cpp": ["-fno-trapping-math", "-ffp-contract=off"],
 }
 
@@ -83,6 +84,14 @@ _SIGNATURES["kv_attn_decode"] = ([_ci, _parts, _vp, _vp, _vp] + [_i64] * 4 + [_f
 # H, M, D, Dv, scale, softcap, threads
 _SIGNATURES["kv_attn_decode_batch"] = (
     [_ci, _vp, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci],
+    _ci,
+)
+# nparts, parts, part_start, q, out, lse, H, M, D, Dv, scale, softcap, summ, summ_fp16,
+# summ_head_stride, W, page, c0, c1, choose, start, sink_end, recent_start, total,
+# attended, chosen (or None), threads
+_SIGNATURES["kv_attn_select_decode"] = (
+    [_ci, _parts] + [_vp] * 4 + [_i64] * 4 + [_f32, _f32, _vp, _ci] + [_i64] * 10 + [_vp] * 2
+    + [_ci],
     _ci,
 )
 # x, w, bias (or None), y, M, K, N, threads

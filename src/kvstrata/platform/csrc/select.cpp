@@ -1,0 +1,215 @@
+// kvstrata query-aware decode attention on the CPU (attention/select.py, lossy,
+// opt-in): one call per layer and sequence scores every page of keys from its summary,
+// chooses each KV head's best pages, and attends only those — plus the sinks and the
+// newest keys — reading them where they are stored, in any format the decode kernel
+// reads (attention.cpp). Python did the same in a dozen small numpy and torch calls
+// per layer and a descriptor per chosen page; here it is one pass with no allocation
+// per page.
+//
+// Summaries: [H, pages, W] per layer, fp32 or fp16, with W = 2D (per-channel max, then
+// min: a page's score is sum_d max(q_d max_d, q_d min_d) summed over the head's packed
+// query rows, which is linear in (sum of the rows' positive parts, sum of their
+// negative parts)) or W = D (the mean: q . mean summed over the rows).
+//
+// Each head's chosen keys — [start, sink_end), the `choose` best pages of [c0, c1)
+// (page p is keys [p * page, (p + 1) * page)), [recent_start, total) — are attended
+// in key order, TILE keys at a time: runs of at least a tile straight from the part
+// (as attention.cpp reads them), shorter ones gathered into a tile first, so 8-key
+// pages are attended at whole-tile cost.
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "attend.h"
+#include "parallel.h"
+
+namespace {
+
+struct Seg {  // n keys of part `part` from its key `off` on
+  int part;
+  i64 off, n;
+};
+
+struct Call {
+  int nparts;
+  const kv_part *parts;
+  const i64 *part_start;  // first key of each part (sorted, parts back to back)
+  Job j;
+};
+
+// Rows [off, off + n) of head h of field F as fp32 rows at dst [n, dim].
+void gather(const kv_field &F, i64 h, i64 off, i64 n, i64 dim, float *dst) {
+  i64 stride;
+  const float *r = rows(F, h, off, n, dim, dst, &stride);
+  if (r != dst)
+    for (i64 t = 0; t < n; t++) memcpy(dst + t * dim, r + t * stride, (size_t)dim * 4);
+}
+
+// Attend head h over keys [a, b) of its chosen segments (in their order) into st.
+void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, i64 b,
+                     State &st) {
+  const Job &J = C.j;
+  const i64 M = J.M, D = J.D, Dv = J.Dv;
+  reset_state(st, M, Dv);
+  const float *q = J.q + h * M * D;
+  std::vector<float> kvec((size_t)(TILE * D)), vvec((size_t)(TILE * Dv)), svec((size_t)(M * TILE));
+  float *kbuf = kvec.data(), *vbuf = vvec.data(), *s = svec.data();
+  i64 fill = 0, base = 0;
+  for (const Seg &g : segs) {
+    if (base >= b) break;
+    i64 lo = std::max<i64>(a - base, 0), hi = std::min<i64>(b - base, g.n);
+    base += g.n;
+    const kv_part &P = C.parts[g.part];
+    while (lo < hi) {
+      i64 n = std::min<i64>(TILE - fill, hi - lo);
+      if (fill == 0 && n == TILE) {  // a whole tile of one run: read it in place
+        i64 ks, vs;
+        const float *k = rows(P.k, h, g.off + lo, n, D, kbuf, &ks);
+        const float *v = rows(P.v, h, g.off + lo, n, Dv, vbuf, &vs);
+        attend_tile(J, q, k, ks, v, vs, n, st, s);
+      } else {
+        gather(P.k, h, g.off + lo, n, D, kbuf + fill * D);
+        gather(P.v, h, g.off + lo, n, Dv, vbuf + fill * Dv);
+        fill += n;
+        if (fill == TILE) {
+          attend_tile(J, q, kbuf, D, vbuf, Dv, fill, st, s);
+          fill = 0;
+        }
+      }
+      lo += n;
+    }
+  }
+  if (fill) attend_tile(J, q, kbuf, D, vbuf, Dv, fill, st, s);
+}
+
+}  // namespace
+
+// Query-aware decode attention of one sequence in one layer: packed queries q
+// [H, M, D] over the keys each KV head chooses (see the top of this file), read from
+// `nparts` parts covering keys [start, total) back to back (part p holds keys from
+// part_start[p]). Summaries: page p of head h at summ + (h * summ_head_stride + p * W)
+// elements (fp16 when summ_fp16). Writes out [H, M, Dv], lse [H, M], attended[h] (keys
+// head h attended) and, when `chosen` is not null, each head's chosen pages (relative
+// to c0, ascending) at chosen[h * choose ..]. Returns 0, or < 0: bad shapes (-1), a
+// field it cannot read (-2, -3), out of memory (-4), keys no part covers (-5).
+extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64 *part_start,
+                                     const float *q, float *out, float *lse, i64 H, i64 M, i64 D,
+                                     i64 Dv, float scale, float softcap, const void *summ,
+                                     int summ_fp16, i64 summ_head_stride, i64 W, i64 page, i64 c0,
+                                     i64 c1, i64 choose, i64 start, i64 sink_end,
+                                     i64 recent_start, i64 total, i64 *attended, i64 *chosen,
+                                     int nth) {
+  const i64 npages = c1 - c0;
+  if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1 ||
+      nparts < 1 || (W != D && W != 2 * D) || page < 1 || npages < 0 || choose < 0 ||
+      choose > npages || !(start <= sink_end && sink_end <= recent_start && recent_start <= total) ||
+      (npages > 0 && (c0 * page < start || c1 * page > recent_start)))
+    return -1;
+  for (int p = 0; p < nparts; p++) {
+    if (int rc = check_field(parts[p].k, D)) return rc;
+    if (int rc = check_field(parts[p].v, Dv)) return rc;
+  }
+  init_e4m3();
+  const bool fp16 = summ_fp16 != 0;
+  try {
+    // the rows' query folded into one vector per head: [H, W]
+    std::vector<float> qs((size_t)(H * W), 0.0f);
+    for (i64 h = 0; h < H; h++)
+      for (i64 m = 0; m < M; m++)
+        for (i64 d = 0; d < D; d++) {
+          float x = q[(h * M + m) * D + d];
+          if (W == D) {
+            qs[h * W + d] += x;
+          } else {
+            qs[h * W + d] += x > 0 ? x : 0.0f;
+            qs[h * W + D + d] += x < 0 ? x : 0.0f;
+          }
+        }
+    // scores [H, npages], chunks of pages over the threads
+    const i64 chunk = 256, nchunks = (npages + chunk - 1) / chunk;
+    std::vector<float> scores((size_t)(H * npages));
+    std::atomic<i64> next{0};
+    auto score = [&](int) {
+      std::vector<float> row((size_t)W);
+      for (i64 i = next++; i < H * nchunks; i = next++) {
+        i64 h = i / nchunks, p0 = (i % nchunks) * chunk, p1 = std::min(npages, p0 + chunk);
+        const float *qh = qs.data() + h * W;
+        for (i64 p = p0; p < p1; p++) {
+          i64 at = h * summ_head_stride + (c0 + p) * W;
+          float sc;
+          if (fp16) {
+            f16_to_f32((const f16 *)summ + at, row.data(), W);
+            sc = dot(qh, row.data(), W);
+          } else {
+            sc = dot(qh, (const float *)summ + at, W);
+          }
+          scores[h * npages + p] = sc != sc ? INFINITY : sc;  // NaN: chosen, it propagates
+        }
+      }
+    };
+    if (choose > 0) kv_parallel((int)std::min<i64>(nth, H * nchunks), score);
+    // each head's ranges in key order, then its segments of parts
+    std::vector<std::vector<Seg>> segs((size_t)H);
+    std::vector<i64> pick((size_t)npages);
+    i64 most = 0;
+    for (i64 h = 0; h < H; h++) {
+      const float *sh = scores.data() + h * npages;
+      for (i64 p = 0; p < npages; p++) pick[p] = p;
+      auto better = [sh](i64 x, i64 y) { return sh[x] > sh[y] || (sh[x] == sh[y] && x < y); };
+      if (choose > 0 && choose < npages)
+        std::nth_element(pick.begin(), pick.begin() + choose, pick.end(), better);
+      std::sort(pick.begin(), pick.begin() + choose);
+      if (chosen)
+        for (i64 i = 0; i < choose; i++) chosen[h * choose + i] = pick[i];
+      std::vector<std::pair<i64, i64>> ranges;
+      auto add = [&ranges](i64 lo, i64 hi) {
+        if (lo >= hi) return;
+        if (!ranges.empty() && lo <= ranges.back().second)
+          ranges.back().second = std::max(ranges.back().second, hi);
+        else
+          ranges.emplace_back(lo, hi);
+      };
+      add(start, sink_end);
+      for (i64 i = 0; i < choose; i++) add((c0 + pick[i]) * page, (c0 + pick[i] + 1) * page);
+      add(recent_start, total);
+      i64 count = 0;
+      for (auto [lo, hi] : ranges) {
+        int p = (int)(std::upper_bound(part_start, part_start + nparts, lo) - part_start) - 1;
+        while (lo < hi) {
+          if (p < 0 || p >= nparts || lo >= part_start[p] + parts[p].tokens) return -5;
+          i64 n = std::min(hi, part_start[p] + parts[p].tokens) - lo;
+          segs[h].push_back(Seg{p, lo - part_start[p], n});
+          lo += n, count += n, p++;
+        }
+      }
+      attended[h] = count;
+      most = std::max(most, count);
+    }
+    // attention: each head's keys split over the threads, merged per head
+    const i64 splits = num_splits(nth, H, most), per = (most + splits - 1) / splits;
+    std::vector<State> states((size_t)(H * splits));
+    const Call C{nparts, parts, part_start, Job{q, M, D, Dv, scale, softcap}};
+    std::atomic<i64> item{0};
+    std::atomic<bool> failed{false};
+    const i64 items = H * splits;
+    int workers = (int)std::min<i64>(nth, items);
+    if (most * H * D < (1 << 14)) workers = 1;
+    kv_parallel(workers, [&](int) {
+      try {
+        for (i64 i = item++; i < items; i = item++) {
+          i64 h = i / splits, sp = i % splits;
+          attend_segments(C, h, segs[h], sp * per, std::min(attended[h], (sp + 1) * per),
+                          states[(size_t)i]);
+        }
+      } catch (...) {  // out of memory: report, never unwind through OpenMP
+        failed = true;
+      }
+    });
+    if (failed) return -4;
+    merge_splits(states.data(), splits, H, M, Dv, out, lse);
+  } catch (...) {
+    return -4;
+  }
+  return 0;
+}
