@@ -158,8 +158,9 @@ def native_select_attention(
     `summaries` [Hkv, capacity, W] (fp32 or fp16, CPU, rows contiguous), chooses its
     `choose` best and attends them with keys [start, sink_end) and [recent_start,
     total), read from the `PartDesc` array at `desc` (parts back to back from key
-    part_start[p]). `pages` = (c0, c1, choose), `keys` = (start, sink_end,
-    recent_start, total); `chosen` [Hkv, choose] int64 receives the pages chosen.
+    part_start[p], int64). `pages` = (c0, c1, choose), `keys` = (start, sink_end,
+    recent_start, total); `chosen` [Hkv, choose] int64 receives the pages chosen
+    (relative to c0).
 
     Returns (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M], keys attended over
     all heads). The caller checks the library is loaded and M, D, Dv are within
@@ -170,12 +171,11 @@ def native_select_attention(
     out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
     lse = torch.empty((hkv, m), dtype=torch.float32)
     attended = np.zeros(hkv, dtype=np.int64)
-    starts = np.ascontiguousarray(part_start, dtype=np.int64)
     c0, c1, choose = pages
     if chosen is not None:
         assert chosen.dtype == np.int64 and chosen.shape == (hkv, choose) and chosen.flags.c_contiguous
     rc = lib.kv_attn_select_decode(
-        num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), starts.ctypes.data,
+        num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), part_start.ctypes.data,
         qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0,
         summaries.data_ptr(), int(summaries.dtype == torch.float16), summaries.stride(0),
         summaries.shape[-1], page, c0, c1, choose, *keys, attended.ctypes.data,

@@ -166,7 +166,7 @@ class AttentionRuntime:
         if cc.attention_budget is not None:
             self.selector = KeySelector(
                 cc.attention_budget, cc.attention_summary, cc.sink_tokens, device,
-                cc.attention_dense_layers,
+                cc.attention_dense_layers, half=device.type == "cpu" and bool(self.native),
             )  # fmt: skip
 
     @property

@@ -171,14 +171,16 @@ struct Job {
   float scale, softcap;
 };
 
-// One tile of n keys (k rows at stride ks, v rows at stride vs) into head h's running
-// softmax st; s is an [M, TILE] scratch. q: the head's packed queries [M, D].
-static inline void attend_tile(const Job &J, const float *q, const float *k, i64 ks,
-                               const float *v, i64 vs, i64 n, State &st, float *s) {
+// One tile of n keys into head h's running softmax st: key t's row at krow(t), its
+// value's at vrow(t) (strided rows of one run, or rows gathered from many); s is an
+// [M, TILE] scratch. q: the head's packed queries [M, D].
+template <class KRow, class VRow>
+static inline void attend_rows(const Job &J, const float *q, KRow krow, VRow vrow, i64 n,
+                               State &st, float *s) {
   const i64 M = J.M, D = J.D, Dv = J.Dv;
   for (i64 m = 0; m < M; m++) {
     float *sm = s + m * TILE;
-    for (i64 t = 0; t < n; t++) sm[t] = dot(q + m * D, k + t * ks, D) * J.scale;
+    for (i64 t = 0; t < n; t++) sm[t] = dot(q + m * D, krow(t), D) * J.scale;
     if (J.softcap > 0)
       for (i64 t = 0; t < n; t++) sm[t] = std::tanh(sm[t] / J.softcap) * J.softcap;
     float mx = vmax(sm, n, st.m[m]);
@@ -194,13 +196,20 @@ static inline void attend_tile(const Job &J, const float *q, const float *k, i64
     }
   }
   for (i64 t = 0; t < n; t++) {
-    const float *vt = v + t * vs;
+    const float *vt = vrow(t);
     for (i64 m = 0; m < M; m++) {
       float w = s[m * TILE + t];
       float *o = st.acc.data() + m * Dv;
       for (i64 d = 0; d < Dv; d++) o[d] += w * vt[d];
     }
   }
+}
+
+// attend_rows over n strided rows: k at stride ks, v at stride vs.
+static inline void attend_tile(const Job &J, const float *q, const float *k, i64 ks,
+                               const float *v, i64 vs, i64 n, State &st, float *s) {
+  attend_rows(J, q, [k, ks](i64 t) { return k + t * ks; }, [v, vs](i64 t) { return v + t * vs; },
+              n, st, s);
 }
 
 // An empty running softmax of M rows of Dv.

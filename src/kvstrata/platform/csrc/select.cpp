@@ -38,12 +38,23 @@ struct Call {
   Job j;
 };
 
-// Rows [off, off + n) of head h of field F as fp32 rows at dst [n, dim].
-void gather(const kv_field &F, i64 h, i64 off, i64 n, i64 dim, float *dst) {
+// Rows [off, off + n) of head h of field F as fp32 rows: their addresses into ptr[0..n)
+// (in place for raw fp32 rows, else decoded into buf [n, dim]).
+void gather(const kv_field &F, i64 h, i64 off, i64 n, i64 dim, float *buf, const float **ptr) {
   i64 stride;
-  const float *r = rows(F, h, off, n, dim, dst, &stride);
-  if (r != dst)
-    for (i64 t = 0; t < n; t++) memcpy(dst + t * dim, r + t * stride, (size_t)dim * 4);
+  const float *r = rows(F, h, off, n, dim, buf, &stride);
+  for (i64 t = 0; t < n; t++) ptr[t] = r + t * stride;
+}
+
+// Ask for the stored rows of n keys of part P from key `off` (K's and V's codes or raw
+// rows: what the read needs most) in head h: chosen pages lie apart, so the hardware
+// prefetcher cannot guess them.
+inline void prefetch(const kv_part &P, i64 h, i64 off, i64 n) {
+  for (const kv_field *F : {&P.k, &P.v}) {
+    const char *p = (const char *)F->data + h * F->data_head_stride + (F->row0 + off) * F->data_row_stride;
+    const i64 bytes = n * F->data_row_stride;
+    for (i64 b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  }
 }
 
 // Attend head h over keys [a, b) of its chosen segments (in their order) into st.
@@ -55,9 +66,20 @@ void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, 
   const float *q = J.q + h * M * D;
   std::vector<float> kvec((size_t)(TILE * D)), vvec((size_t)(TILE * Dv)), svec((size_t)(M * TILE));
   float *kbuf = kvec.data(), *vbuf = vvec.data(), *s = svec.data();
+  const float *kp[TILE], *vp[TILE];  // a gathered tile's rows
+  auto krow = [&kp](i64 t) { return kp[t]; };
+  auto vrow = [&vp](i64 t) { return vp[t]; };
   i64 fill = 0, base = 0;
-  for (const Seg &g : segs) {
+  const size_t ahead = 4;  // segments prefetched ahead of the one attended
+  size_t first = 0;
+  for (i64 skip = 0; first < segs.size() && skip + segs[first].n <= a; first++) skip += segs[first].n;
+  for (size_t i = first; i < first + ahead && i < segs.size(); i++)
+    prefetch(C.parts[segs[i].part], h, segs[i].off, segs[i].n);
+  for (size_t i = 0; i < segs.size(); i++) {
+    const Seg &g = segs[i];
     if (base >= b) break;
+    if (i >= first && i + ahead < segs.size() && g.n < TILE)
+      prefetch(C.parts[segs[i + ahead].part], h, segs[i + ahead].off, segs[i + ahead].n);
     i64 lo = std::max<i64>(a - base, 0), hi = std::min<i64>(b - base, g.n);
     base += g.n;
     const kv_part &P = C.parts[g.part];
@@ -69,18 +91,18 @@ void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, 
         const float *v = rows(P.v, h, g.off + lo, n, Dv, vbuf, &vs);
         attend_tile(J, q, k, ks, v, vs, n, st, s);
       } else {
-        gather(P.k, h, g.off + lo, n, D, kbuf + fill * D);
-        gather(P.v, h, g.off + lo, n, Dv, vbuf + fill * Dv);
+        gather(P.k, h, g.off + lo, n, D, kbuf + fill * D, kp + fill);
+        gather(P.v, h, g.off + lo, n, Dv, vbuf + fill * Dv, vp + fill);
         fill += n;
         if (fill == TILE) {
-          attend_tile(J, q, kbuf, D, vbuf, Dv, fill, st, s);
+          attend_rows(J, q, krow, vrow, fill, st, s);
           fill = 0;
         }
       }
       lo += n;
     }
   }
-  if (fill) attend_tile(J, q, kbuf, D, vbuf, Dv, fill, st, s);
+  if (fill) attend_rows(J, q, krow, vrow, fill, st, s);
 }
 
 }  // namespace
@@ -96,10 +118,9 @@ void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, 
 extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64 *part_start,
                                      const float *q, float *out, float *lse, i64 H, i64 M, i64 D,
                                      i64 Dv, float scale, float softcap, const void *summ,
-                                     int summ_fp16, i64 summ_head_stride, i64 W, i64 page, i64 c0,
-                                     i64 c1, i64 choose, i64 start, i64 sink_end,
-                                     i64 recent_start, i64 total, i64 *attended, i64 *chosen,
-                                     int nth) {
+                                     int summ_fp16, i64 summ_head_stride, i64 W, i64 page, i64 c0, i64 c1, i64 choose, i64 start,
+                                     i64 sink_end, i64 recent_start, i64 total, i64 *attended,
+                                     i64 *chosen, int nth) {
   const i64 npages = c1 - c0;
   if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1 ||
       nparts < 1 || (W != D && W != 2 * D) || page < 1 || npages < 0 || choose < 0 ||
@@ -126,40 +147,47 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
             qs[h * W + D + d] += x < 0 ? x : 0.0f;
           }
         }
-    // scores [H, npages], chunks of pages over the threads
-    const i64 chunk = 256, nchunks = (npages + chunk - 1) / chunk;
-    std::vector<float> scores((size_t)(H * npages));
-    std::atomic<i64> next{0};
-    auto score = [&](int) {
-      std::vector<float> row((size_t)W);
-      for (i64 i = next++; i < H * nchunks; i = next++) {
-        i64 h = i / nchunks, p0 = (i % nchunks) * chunk, p1 = std::min(npages, p0 + chunk);
-        const float *qh = qs.data() + h * W;
-        for (i64 p = p0; p < p1; p++) {
-          i64 at = h * summ_head_stride + (c0 + p) * W;
-          float sc;
-          if (fp16) {
-            f16_to_f32((const f16 *)summ + at, row.data(), W);
-            sc = dot(qh, row.data(), W);
-          } else {
-            sc = dot(qh, (const float *)summ + at, W);
-          }
-          scores[h * npages + p] = sc != sc ? INFINITY : sc;  // NaN: chosen, it propagates
-        }
+    // page p's score (p in [c0, c1)) from the row of W summary values at `at`
+    auto score_at = [&](const float *qh, const void *base, i64 at, float *row) {
+      float sc;
+      if (fp16) {
+        f16_to_f32((const f16 *)base + at, row, W);
+        sc = dot(qh, row, W);
+      } else {
+        sc = dot(qh, (const float *)base + at, W);
       }
+      return sc != sc ? INFINITY : sc;  // NaN: chosen, it propagates
     };
-    if (choose > 0) kv_parallel((int)std::min<i64>(nth, H * nchunks), score);
+    std::vector<std::vector<i64>> picks((size_t)H);
+    if (choose > 0) {
+      // every page's score [H, npages], chunks of pages over the threads
+      const i64 chunk = 256, nchunks = (npages + chunk - 1) / chunk;
+      std::vector<float> scores((size_t)(H * npages));
+      std::atomic<i64> next{0};
+      kv_parallel((int)std::min<i64>(nth, H * nchunks), [&](int) {
+        std::vector<float> row((size_t)W);
+        for (i64 i = next++; i < H * nchunks; i = next++) {
+          i64 h = i / nchunks, p0 = (i % nchunks) * chunk, p1 = std::min(npages, p0 + chunk);
+          for (i64 p = p0; p < p1; p++)
+            scores[h * npages + p] =
+                score_at(qs.data() + h * W, summ, h * summ_head_stride + (c0 + p) * W, row.data());
+        }
+      });
+      std::vector<i64> pick((size_t)npages);
+      for (i64 h = 0; h < H; h++) {
+        const float *sh = scores.data() + h * npages;
+        for (i64 p = 0; p < npages; p++) pick[p] = p;
+        auto better = [sh](i64 x, i64 y) { return sh[x] > sh[y] || (sh[x] == sh[y] && x < y); };
+        if (choose < npages) std::nth_element(pick.begin(), pick.begin() + choose, pick.end(), better);
+        picks[h].assign(pick.begin(), pick.begin() + choose);
+      }
+    }
     // each head's ranges in key order, then its segments of parts
     std::vector<std::vector<Seg>> segs((size_t)H);
-    std::vector<i64> pick((size_t)npages);
     i64 most = 0;
     for (i64 h = 0; h < H; h++) {
-      const float *sh = scores.data() + h * npages;
-      for (i64 p = 0; p < npages; p++) pick[p] = p;
-      auto better = [sh](i64 x, i64 y) { return sh[x] > sh[y] || (sh[x] == sh[y] && x < y); };
-      if (choose > 0 && choose < npages)
-        std::nth_element(pick.begin(), pick.begin() + choose, pick.end(), better);
-      std::sort(pick.begin(), pick.begin() + choose);
+      std::vector<i64> &pick = picks[h];
+      std::sort(pick.begin(), pick.end());
       if (chosen)
         for (i64 i = 0; i < choose; i++) chosen[h * choose + i] = pick[i];
       std::vector<std::pair<i64, i64>> ranges;
