@@ -25,10 +25,10 @@ from kvstrata.attention.select import (
     page_scores,
     union,
 )
-from kvstrata.platform import native as native_lib
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.model.geometry import KVGeometry
+from kvstrata.platform import native as native_lib
 
 HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 8, 2
 HISTORY = 320

@@ -173,7 +173,8 @@ def native_select_attention(
     attended = np.zeros(hkv, dtype=np.int64)
     c0, c1, choose = pages
     if chosen is not None:
-        assert chosen.dtype == np.int64 and chosen.shape == (hkv, choose) and chosen.flags.c_contiguous
+        assert chosen.dtype == np.int64 and chosen.shape == (hkv, choose)
+        assert chosen.flags.c_contiguous
     rc = lib.kv_attn_select_decode(
         num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), part_start.ctypes.data,
         qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0,

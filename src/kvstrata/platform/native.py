@@ -90,7 +90,12 @@ _SIGNATURES["kv_attn_decode_batch"] = (
 # summ_head_stride, W, page, c0, c1, choose, start, sink_end, recent_start, total,
 # attended, chosen (or None), threads
 _SIGNATURES["kv_attn_select_decode"] = (
-    [_ci, _parts] + [_vp] * 4 + [_i64] * 4 + [_f32, _f32, _vp, _ci] + [_i64] * 10 + [_vp] * 2
+    [_ci, _parts]
+    + [_vp] * 4
+    + [_i64] * 4
+    + [_f32, _f32, _vp, _ci]
+    + [_i64] * 10
+    + [_vp] * 2
     + [_ci],
     _ci,
 )
