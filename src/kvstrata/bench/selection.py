@@ -16,7 +16,9 @@ Per configuration, over the decoded tokens:
   decode ms / step             a whole forward (median over steps)
   attention ms / step          inside the store's attention, all layers (median)
 and the ratios to full attention. `--needle` adds passkey retrieval accuracy (depths
-10-90 %) at the context for every configuration (`kvstrata.quality.needle`).
+10-90 %) at the context for every configuration (`kvstrata.quality.needle`); `--engine N`
+adds greedy decoding of N tokens through the Engine (`_selection_engine`): decode and
+attention ms per token, their ratios to full attention, and greedy agreement.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resident", type=float, default=0.1, help="device share of the KV")
     parser.add_argument("--disk", action="store_true", help="the cold half of the KV on disk")
     parser.add_argument("--needle", action="store_true", help="also passkey retrieval accuracy")
+    parser.add_argument(
+        "--engine", type=int, default=0, metavar="N",
+        help="also decode N tokens greedily through the Engine, per configuration",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=2, help="engine decode repeats")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -81,6 +88,8 @@ def measure(
     disk: bool = False,
     block_size: int = 64,
     needle: bool = False,
+    engine_tokens: int = 0,
+    repeats: int = 2,
     progress: Any = None,
 ) -> dict[str, Any]:
     """Full attention and each budget over the same placement (see the module docstring).
@@ -176,6 +185,19 @@ def measure(
               "disk": disk, "rows": rows}  # fmt: skip
     if needle:
         result["needle"] = _needle(model, tokenizer, context, fields, resident, block_size)
+    if engine_tokens:
+        from kvstrata.bench._selection_engine import engine_decode
+
+        prompt = list(texts[0][: context - engine_tokens])
+        with tempfile.TemporaryDirectory(prefix="kvstrata-selection-") as tmp:
+            configs = {
+                name: {**placement(model, context, resident=resident, block_size=block_size,
+                                   disk_dir=f"{tmp}/{i}" if disk else None), **f}
+                for i, (name, f) in enumerate(fields.items())
+            }  # fmt: skip
+            result["engine"] = engine_decode(
+                model, tokenizer, prompt, configs, engine_tokens, repeats, progress
+            )
     return result
 
 
@@ -231,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
         summary=args.summary, dense_layers=args.dense_layers, resident=args.resident,
         disk=args.disk, block_size=args.block_size, needle=args.needle,
+        engine_tokens=args.engine, repeats=args.repeats,
     )  # fmt: skip
     if args.json:
         _timing.print_json(result)
@@ -249,4 +272,14 @@ def run(args: argparse.Namespace) -> int:
     _timing.print_table(f"Query-aware selection, {result['model']} @ {context} tokens", cols, rows)
     if "needle" in result:
         print("needle accuracy:", {k: f"{v:.0%}" for k, v in result["needle"].items()})
+    if "engine" in result:
+        cols = ["config", "decode ms/token", "attn ms/token", "decode ×", "attn ×", "greedy ="]
+        rows = [
+            [r["config"], f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}",
+             f"{r['decode_speedup']:.2f}", f"{r['attention_speedup']:.2f}",
+             f"{r['agreement']:.0%}"]
+            for r in result["engine"]
+        ]  # fmt: skip
+        title = f"Engine greedy decode, {args.engine} tokens after {context - args.engine}"
+        _timing.print_table(title, cols, rows)
     return 0
