@@ -366,3 +366,23 @@ def test_a_bad_dense_layer_count_is_one_line_naming_the_field(value):
     with pytest.raises(ConfigError, match=r"^attention_dense_layers=.* is invalid: first layers"):
         CacheConfig(attention_dense_layers=value)
     assert CacheConfig().attention_dense_layers == 0
+
+
+def test_bench_engine_decode_times_each_config_and_compares_its_tokens():
+    """`bench selection --engine`: one engine per configuration and repeat; a budget that
+    covers the context decodes full attention's tokens (agreement 1); ratios are to the
+    first configuration."""
+    from kvstrata.bench._selection_engine import engine_decode
+
+    model = tiny_model("llama", initializer_range=0.3)
+    ids = seeded_ids(8, 300).tolist()[0]
+    base = {"block_size": 16, "max_tokens": 512, "resident_fraction": 0.5, "host_budget": "8MiB"}
+    configs = {"full": base, "covering": {**base, "attention_budget": 512}}
+    calls = []
+    rows = engine_decode(model, None, ids, configs, tokens=6, repeats=2, progress=calls.append)
+    assert len(calls) == 4 and [r["config"] for r in rows] == ["full", "covering"]
+    full, covering = rows
+    assert full["decode_speedup"] == 1.0 and full["agreement"] == 1.0
+    assert covering["agreement"] == 1.0  # exact attention: the same greedy tokens
+    for r in rows:
+        assert r["decode_ms"] > r["attention_ms"] > 0 and r["attention_speedup"] > 0

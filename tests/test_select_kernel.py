@@ -1,0 +1,119 @@
+"""The native query-aware decode kernel (platform/csrc/select.cpp) on its own: it chooses
+the pages the numpy scoring chooses, attends exactly those keys with the sinks and the
+newest ones — across part boundaries, with fp32 and fp16 summaries, on one thread and on
+several — and refuses what it cannot do. (Quantized parts: test_attention_selection's
+host-int8 placement goes through this kernel.)"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.attention.native import native_select_attention, raw_field
+from kvstrata.attention.select import _ranges, choose_pages
+from kvstrata.core.formats import PartDesc
+from kvstrata.platform.native import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="the native library did not build")
+
+HKV, M, D, PAGE = 3, 4, 16, 8
+
+
+def _summaries(k: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    pages = k.reshape(HKV, -1, PAGE, D)
+    minmax = torch.cat([pages.amax(2), pages.amin(2)], dim=-1)
+    return (minmax if kind == "minmax" else pages.mean(2)).to(dtype).contiguous()
+
+
+def _reference(q, k, v, rows, scale):
+    """fp64 attention of each KV head's packed queries over its ranges (rows head, lo, hi)."""
+    out = torch.empty(HKV, M, D, dtype=torch.float64)
+    for h in range(HKV):
+        idx = torch.cat([torch.arange(a, b) for hh, a, b in rows.tolist() if hh == h])
+        logits = q[h].double() @ k[h, idx].double().T * scale
+        out[h] = torch.softmax(logits, -1) @ v[h, idx].double()
+    return out
+
+
+def _parts(k, v, cuts):
+    """Raw parts of keys [cuts[i], cuts[i + 1]) as a PartDesc array and its first keys."""
+    parts = [
+        (b - a, raw_field(k[:, a:b]), raw_field(v[:, a:b]))
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    return (PartDesc * len(parts))(*parts), np.array(cuts[:-1], dtype=np.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
+def test_it_attends_the_pages_numpy_chooses_with_the_sinks_and_the_newest(kind, dtype, threads):
+    g = torch.Generator().manual_seed(1)
+    total = 1000
+    k = torch.randn(HKV, total, D, generator=g) * 2
+    v = torch.randn(HKV, total, D, generator=g)
+    q = torch.randn(HKV, M, D, generator=g)
+    summ = _summaries(k[:, : total // PAGE * PAGE], kind, dtype)
+    desc, starts = _parts(k, v, [0, 37, 512, 513, 900, total])  # cuts inside pages
+    sink_end, recent_start = 8, 936
+    c0, c1, choose = 1, recent_start // PAGE, 20
+    chosen = np.empty((HKV, choose), dtype=np.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse, attended = native_select_attention(
+            q, ctypes.addressof(desc), len(starts), starts, summ, PAGE, (c0, c1, choose),
+            (0, sink_end, recent_start, total), D, 0.25, None, chosen=chosen,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    want = choose_pages(summ[:, c0:c1], q, choose)
+    np.testing.assert_array_equal(chosen, want)  # random scores: no ties
+    rows = _ranges(chosen, c0, 0, sink_end, recent_start, total)
+    assert attended == HKV * (sink_end + choose * PAGE + total - recent_start)
+    ref = _reference(q, k, v, rows, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    assert lse.shape == (HKV, M) and torch.isfinite(lse).all()
+
+
+def test_its_limits_choose_every_page_or_none():
+    """choose = every page: all keys (exact attention); choose = 0: sinks and newest only."""
+    g = torch.Generator().manual_seed(2)
+    total = 256
+    k, v = torch.randn(HKV, total, D, generator=g), torch.randn(HKV, total, D, generator=g)
+    q = torch.randn(HKV, M, D, generator=g)
+    summ = _summaries(k, "minmax", torch.float16)
+    desc, starts = _parts(k, v, [0, total])
+    for choose, rows in [
+        (30, np.array([[h, 0, total] for h in range(HKV)])),
+        (0, np.array([[h, a, b] for h in range(HKV) for a, b in ((0, 8), (248, total))])),
+    ]:
+        out, _, attended = native_select_attention(
+            q, ctypes.addressof(desc), 1, starts, summ, PAGE, (1, 31, choose), (0, 8, 248, total),
+            D, 0.25, None,
+        )  # fmt: skip
+        assert attended == int((rows[:, 2] - rows[:, 1]).sum())
+        torch.testing.assert_close(
+            out.double(), _reference(q, k, v, rows, 0.25), atol=2e-5, rtol=2e-5
+        )
+
+
+def test_keys_no_part_covers_and_bad_shapes_are_errors():
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(HKV, 128, D, generator=g), torch.randn(HKV, 128, D, generator=g)
+    q = torch.randn(HKV, M, D, generator=g)
+    summ = _summaries(k, "minmax", torch.float32)
+    desc, starts = _parts(k, v, [0, 128])
+    with pytest.raises(RuntimeError, match="status -5"):  # keys up to 200: no part has them
+        native_select_attention(
+            q, ctypes.addressof(desc), 1, starts, summ, PAGE, (1, 15, 4), (0, 8, 120, 200), D,
+            0.25, None,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="status -1"):  # more pages chosen than scored
+        native_select_attention(
+            q, ctypes.addressof(desc), 1, starts, summ, PAGE, (1, 15, 20), (0, 8, 120, 128), D,
+            0.25, None,
+        )  # fmt: skip
