@@ -386,3 +386,24 @@ def test_bench_engine_decode_times_each_config_and_compares_its_tokens():
     assert covering["agreement"] == 1.0  # exact attention: the same greedy tokens
     for r in rows:
         assert r["decode_ms"] > r["attention_ms"] > 0 and r["attention_speedup"] > 0
+
+
+def test_bench_selection_span_errors_and_longer_positions():
+    """`bench selection`: a context past the model's positions, --positions below the
+    context and --windows 0 with nothing else to measure are one-line errors naming the
+    field; --positions P raises the model's limit to P."""
+    from types import SimpleNamespace
+
+    from kvstrata.bench.selection import _check_span
+
+    cfg = SimpleNamespace(max_position_embeddings=8192)
+    with pytest.raises(ConfigError, match=r"^context=32768 is invalid: at most .*\(8192\)"):
+        _check_span(cfg, 32768, 1, 0, 0)
+    with pytest.raises(ConfigError, match=r"^positions=16384 is invalid: at least the context"):
+        _check_span(cfg, 32768, 0, 16384, 8)
+    with pytest.raises(ConfigError, match=r"^windows=0 is invalid: .*--engine N or --needle"):
+        _check_span(cfg, 4096, 0, 0, 0)
+    _check_span(cfg, 8192, 1, 0, 0)
+    assert cfg.max_position_embeddings == 8192
+    _check_span(cfg, 32768, 0, 32768, 8)
+    assert cfg.max_position_embeddings == 32768

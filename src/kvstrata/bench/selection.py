@@ -18,7 +18,11 @@ Per configuration, over the decoded tokens:
 and the ratios to full attention. `--needle` adds passkey retrieval accuracy (depths
 10-90 %) at the context for every configuration (`kvstrata.quality.needle`); `--engine N`
 adds greedy decoding of N tokens through the Engine (`_selection_engine`): decode and
-attention ms per token, their ratios to full attention, and greedy agreement.
+attention ms per token, their ratios to full attention, and greedy agreement;
+`--windows 0` leaves the teacher-forced rows out (speed only). `--positions P` runs the
+model with max_position_embeddings raised to P, its weights unchanged: a model of the same
+shape with longer positions, for speed at contexts beyond its own (RoPE past its trained
+range: its ΔPPL and agreement there say nothing about the model's quality).
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="auto", help="auto (smollm2 if installed), or a name")
     parser.add_argument("--context", default="8k", help="tokens per window (default 8k)")
     parser.add_argument("--scored", type=int, default=64, help="decoded tokens per window")
-    parser.add_argument("--windows", type=int, default=1, help="held-out windows")
+    parser.add_argument(
+        "--windows", type=int, default=1, help="held-out windows (0: speed rows only)"
+    )
     parser.add_argument(
         "--budget", default="0.125", help="comma-separated attention budgets (tokens or shares)"
     )
@@ -56,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also decode N tokens greedily through the Engine, per configuration",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, help="engine decode repeats")
+    parser.add_argument(
+        "--positions", type=int, default=0, metavar="P",
+        help="raise the model's max_position_embeddings to P (same weights; speed only)",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -90,6 +100,7 @@ def measure(
     needle: bool = False,
     engine_tokens: int = 0,
     repeats: int = 2,
+    positions: int = 0,
     progress: Any = None,
 ) -> dict[str, Any]:
     """Full attention and each budget over the same placement (see the module docstring).
@@ -104,10 +115,12 @@ def measure(
     model, tokenizer = load_model(model_name)
     enable(model)
     cfg = model.config
+    _check_span(cfg, context, windows, positions, engine_tokens or needle)
     from kvstrata.model.zoo import is_byte_tokenizer
 
     byte_level = is_byte_tokenizer(tokenizer)
-    texts = heldout_windows(model_name, context, windows, None if byte_level else tokenizer)
+    texts = heldout_windows(model_name, context, max(windows, 1), None if byte_level else tokenizer)
+    windowed = texts[:windows]
     names = [FULL] + [f"budget {b:g}" for b in budgets]
     fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary,
                                "attention_dense_layers": dense_layers}
@@ -117,7 +130,7 @@ def measure(
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_key = 2 * dim * 4  # fp32 K and V of one key in one KV head and layer
     with tempfile.TemporaryDirectory(prefix="kvstrata-selection-") as tmp:
-        for w, ids in enumerate(texts):
+        for w, ids in enumerate(windowed):
             ids = torch.tensor(ids)
             caches, timers = {}, {}
             for i, name in enumerate(names):
@@ -162,7 +175,7 @@ def measure(
     n = windows * (scored - 1)
     full = acc[FULL]
     rows = []
-    for name in names:
+    for name in names if windows else []:
         a = acc[name]
         step, attn = _timing.median(a["steps"]), _timing.median(a["attn"])
         rows.append({
@@ -182,7 +195,8 @@ def measure(
         })  # fmt: skip
     result = {"model": model_name, "context": context, "scored": scored, "windows": windows,
               "summary": summary, "dense_layers": dense_layers, "resident": resident,
-              "disk": disk, "rows": rows}  # fmt: skip
+              "disk": disk, "rows": rows,
+              "positions": getattr(cfg, "max_position_embeddings", None)}  # fmt: skip
     if needle:
         result["needle"] = _needle(model, tokenizer, context, fields, resident, block_size)
     if engine_tokens:
@@ -199,6 +213,27 @@ def measure(
                 model, tokenizer, prompt, configs, engine_tokens, repeats, progress
             )
     return result
+
+
+def _check_span(cfg: Any, context: int, windows: int, positions: int, other: Any) -> None:
+    """ConfigError unless there is something to measure and the context fits the model's
+    positions; `positions` (> 0) raises the model's max_position_embeddings first."""
+    from kvstrata.core.errors import ConfigError
+
+    if windows < 0 or (windows == 0 and not other):
+        raise ConfigError.field(
+            "windows", windows, "at least 1 held-out window, or 0 with --engine N or --needle"
+        )
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if positions:
+        if positions < context:
+            raise ConfigError.field("positions", positions, f"at least the context ({context})")
+        cfg.max_position_embeddings = limit = positions
+    if limit is not None and context > limit:
+        raise ConfigError.field(
+            "context", context, f"at most the model's max_position_embeddings ({limit}); "
+            "--positions P runs it with longer positions (speed only)",
+        )  # fmt: skip
 
 
 def _attention_timer(cache: Any) -> list[float]:
@@ -253,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
         summary=args.summary, dense_layers=args.dense_layers, resident=args.resident,
         disk=args.disk, block_size=args.block_size, needle=args.needle,
-        engine_tokens=args.engine, repeats=args.repeats,
+        engine_tokens=args.engine, repeats=args.repeats, positions=args.positions,
     )  # fmt: skip
     if args.json:
         _timing.print_json(result)
@@ -269,7 +304,9 @@ def run(args: argparse.Namespace) -> int:
          f"{r['attention_speedup']:.2f}" if r["attention_speedup"] else "-"]
         for r in result["rows"]
     ]  # fmt: skip
-    _timing.print_table(f"Query-aware selection, {result['model']} @ {context} tokens", cols, rows)
+    if rows:
+        title = f"Query-aware selection, {result['model']} @ {context} tokens"
+        _timing.print_table(title, cols, rows)
     if "needle" in result:
         print("needle accuracy:", {k: f"{v:.0%}" for k, v in result["needle"].items()})
     if "engine" in result:
