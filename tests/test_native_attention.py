@@ -46,8 +46,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("dim", [36, 64, 80, 96, 128, 256])  # 36: not a multiple of 8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])  # register blocks of 3 rows and their tails
 def test_raw_parts_match_torch(dtype, dim, rows, threads):
     g = torch.Generator().manual_seed(dim + rows)
     h, lengths = 2, [1, 300, 17, 2100]

@@ -171,16 +171,127 @@ struct Job {
   float scale, softcap;
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KV_SIMD 1
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// Scores of MB query rows (q, q + D, ...) with the 4 keys k[0..3] into s[j * TILE + u]
+// (D % 8 == 0): each key row is loaded once for all MB rows, the 4 * MB sums are
+// independent chains, and one reduction gives a row's 4 scores.
+template <int MB>
+static inline void qk_block(const float *q, i64 D, const float *const *k, float *s) {
+  __m256 acc[MB][4];
+  for (int j = 0; j < MB; j++)
+    for (int u = 0; u < 4; u++) acc[j][u] = _mm256_setzero_ps();
+  for (i64 d = 0; d < D; d += 8) {
+    __m256 qv[MB];
+    for (int j = 0; j < MB; j++) qv[j] = _mm256_loadu_ps(q + j * D + d);
+    for (int u = 0; u < 4; u++) {
+      __m256 kv = _mm256_loadu_ps(k[u] + d);
+      for (int j = 0; j < MB; j++) acc[j][u] = _mm256_fmadd_ps(qv[j], kv, acc[j][u]);
+    }
+  }
+  for (int j = 0; j < MB; j++)
+    _mm_storeu_ps(s + j * TILE, hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+
+// o[j * Dv + c * 8 ..] += sum over t < n of w[j * TILE + t] * v(t)[c * 8 ..] for MB rows
+// and C chunks of 8 channels at v's offset d0, accumulated in registers over the tile.
+template <int MB, int C, class VRow>
+static inline void pv_block(const float *w, VRow vrow, i64 n, i64 d0, float *o, i64 Dv) {
+  __m256 acc[MB][C];
+  for (int j = 0; j < MB; j++)
+    for (int c = 0; c < C; c++) acc[j][c] = _mm256_loadu_ps(o + j * Dv + d0 + c * 8);
+  for (i64 t = 0; t < n; t++) {
+    const float *v = vrow(t) + d0;
+    __m256 wt[MB];
+    for (int j = 0; j < MB; j++) wt[j] = _mm256_broadcast_ss(w + j * TILE + t);
+    for (int c = 0; c < C; c++) {
+      __m256 vv = _mm256_loadu_ps(v + c * 8);
+      for (int j = 0; j < MB; j++) acc[j][c] = _mm256_fmadd_ps(wt[j], vv, acc[j][c]);
+    }
+  }
+  for (int j = 0; j < MB; j++)
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(o + j * Dv + d0 + c * 8, acc[j][c]);
+}
+
+// Scores s[m * TILE + t] = q_m . k_t of a tile (D % 8 == 0), rows in blocks of 3.
+template <class KRow>
+static inline void qk_tile(const float *q, i64 M, i64 D, KRow krow, i64 n, float *s) {
+  float tmp[3 * TILE];
+  for (i64 t = 0; t < n; t += 4) {
+    const float *k[4];
+    for (int u = 0; u < 4; u++) k[u] = krow(t + u < n ? t + u : n - 1);  // tail: repeats
+    for (i64 m = 0; m < M; m += 3) {
+      i64 mb = std::min<i64>(3, M - m);
+      float *dst = t + 4 <= n ? s + m * TILE + t : tmp;  // a tail's 4 go to scratch
+      if (mb == 3)
+        qk_block<3>(q + m * D, D, k, dst);
+      else if (mb == 2)
+        qk_block<2>(q + m * D, D, k, dst);
+      else
+        qk_block<1>(q + m * D, D, k, dst);
+      if (dst == tmp)
+        for (i64 j = 0; j < mb; j++)
+          for (i64 u = t; u < n; u++) s[(m + j) * TILE + u] = tmp[j * TILE + u - t];
+    }
+  }
+}
+
+// acc[m] += sum_t s[m * TILE + t] * v_t for every row m (Dv % 8 == 0).
+template <class VRow>
+static inline void pv_tile(const float *s, i64 M, i64 Dv, VRow vrow, i64 n, float *acc) {
+  for (i64 m = 0; m < M; m += 3) {
+    i64 mb = std::min<i64>(3, M - m);
+    const float *w = s + m * TILE;
+    float *o = acc + m * Dv;
+    i64 d0 = 0;
+    for (; d0 + 32 <= Dv; d0 += 32) {
+      if (mb == 3)
+        pv_block<3, 4>(w, vrow, n, d0, o, Dv);
+      else if (mb == 2)
+        pv_block<2, 4>(w, vrow, n, d0, o, Dv);
+      else
+        pv_block<1, 4>(w, vrow, n, d0, o, Dv);
+    }
+    for (; d0 < Dv; d0 += 8) {
+      if (mb == 3)
+        pv_block<3, 1>(w, vrow, n, d0, o, Dv);
+      else if (mb == 2)
+        pv_block<2, 1>(w, vrow, n, d0, o, Dv);
+      else
+        pv_block<1, 1>(w, vrow, n, d0, o, Dv);
+    }
+  }
+}
+#endif
+
 // One tile of n keys into head h's running softmax st: key t's row at krow(t), its
 // value's at vrow(t) (strided rows of one run, or rows gathered from many); s is an
-// [M, TILE] scratch. q: the head's packed queries [M, D].
+// [M, TILE] scratch. q: the head's packed queries [M, D]. With AVX2 and FMA (and head
+// dims that are multiples of 8) the scores and the weighted values are computed in
+// register blocks of 3 query rows (qk_tile / pv_tile); otherwise in plain loops.
 template <class KRow, class VRow>
 static inline void attend_rows(const Job &J, const float *q, KRow krow, VRow vrow, i64 n,
                                State &st, float *s) {
   const i64 M = J.M, D = J.D, Dv = J.Dv;
+#ifdef KV_SIMD
+  const bool simd = D % 8 == 0 && Dv % 8 == 0;
+  if (simd) qk_tile(q, M, D, krow, n, s);
+#else
+  const bool simd = false;
+#endif
   for (i64 m = 0; m < M; m++) {
     float *sm = s + m * TILE;
-    for (i64 t = 0; t < n; t++) sm[t] = dot(q + m * D, krow(t), D) * J.scale;
+    if (!simd)
+      for (i64 t = 0; t < n; t++) sm[t] = dot(q + m * D, krow(t), D);
+    for (i64 t = 0; t < n; t++) sm[t] *= J.scale;
     if (J.softcap > 0)
       for (i64 t = 0; t < n; t++) sm[t] = std::tanh(sm[t] / J.softcap) * J.softcap;
     float mx = vmax(sm, n, st.m[m]);
@@ -195,6 +306,12 @@ static inline void attend_rows(const Job &J, const float *q, KRow krow, VRow vro
       for (i64 d = 0; d < Dv; d++) o[d] *= alpha;
     }
   }
+#ifdef KV_SIMD
+  if (simd) {
+    pv_tile(s, M, Dv, vrow, n, st.acc.data());
+    return;
+  }
+#endif
   for (i64 t = 0; t < n; t++) {
     const float *vt = vrow(t);
     for (i64 m = 0; m < M; m++) {
