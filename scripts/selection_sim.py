@@ -8,7 +8,8 @@ smollm2 at 8k it reproduced `kvstrata bench selection` within 0.3 points.
 usage: PYTHONPATH=src python scripts/selection_sim.py 8192 2 \
     '[{"budget": 0.125}, {"budget": 0.125, "reduce": "sum", "page": 8}]'
 config keys: budget (share), summary (minmax|mean), page, recent (share of the budget),
-reduce (max|sum|softmax over a KV head's query heads), dense (first layers exact)."""
+reduce (max|sum|softmax over a KV head's query heads), dense (first layers exact), sink
+(tokens always attended at the start)."""
 
 import json
 import math
@@ -77,7 +78,7 @@ def quest_attention(module, query, key, value, attention_mask, scaling, dropout=
             sc = torch.softmax(sc * scaling, -1).sum(1)
         for i in range(t):
             total = past + i + 1
-            b = bounds(total, cfg["budget"], page, cfg.get("recent", 0.25))
+            b = bounds(total, cfg["budget"], page, cfg.get("recent", 0.25), cfg.get("sink", 4))
             STATS["ctx"] += hkv * total
             if b is None:
                 STATS["att"] += hkv * total

@@ -121,31 +121,41 @@ def _spy_ranges(monkeypatch, selector) -> list[tuple[str, np.ndarray]]:
     )
     native = selected_mod.native_select_attention
 
-    def spy(q, desc, n, starts, summaries, page, pages, keys, *rest):
+    def spy(q, desc, n, starts, summaries, page, pages, keys, *rest, score):
+        assert (page, score) == (selector.page, selector.score)
         c0, c1, choose = pages
         chosen = np.empty((q.shape[0], choose), dtype=np.int64)
-        out = native(q, desc, n, starts, summaries, page, pages, keys, *rest, chosen=chosen)
+        out = native(
+            q, desc, n, starts, summaries, page, pages, keys, *rest, chosen=chosen, score=score
+        )
         # the same pages as numpy's scoring (equal scores may be chosen either way)
         qs = q.float()
         if summaries.shape[-1] != q.shape[-1]:
             qs = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], dim=-1)
-        scores = (summaries[:, c0:c1].float() @ qs.sum(1, keepdim=True).transpose(1, 2))[..., 0]
-        want = choose_pages(summaries[:, c0:c1], q, choose)
+        rows = summaries[:, c0:c1].float() @ qs.transpose(1, 2)  # [Hkv, pages, R]
+        scores = rows.amax(-1) if score == "max" else rows.sum(-1)
+        want = choose_pages(summaries[:, c0:c1], q, choose, score)
         got_s, want_s = (np.sort(np.take_along_axis(scores.numpy(), p, 1)) for p in (chosen, want))
         np.testing.assert_allclose(got_s, want_s, rtol=1e-5, atol=1e-5)
-        seen.append(("native", _ranges(chosen, c0, *keys)))
+        seen.append(("native", _ranges(chosen, c0, *keys, page)))
         return out
 
     monkeypatch.setattr(selected_mod, "native_select_attention", spy)
     return seen
 
 
-@pytest.mark.parametrize(("summary", "attend_prefill"), [("minmax", True), ("mean", False)])
+@pytest.mark.parametrize(
+    ("summary", "attend_prefill", "page", "score"),
+    [("minmax", True, 4, "max"), ("mean", False, 4, "max"), ("minmax", False, 8, "sum")],
+)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
-    placement, summary, attend_prefill, tmp_path, monkeypatch
+    placement, summary, attend_prefill, page, score, tmp_path, monkeypatch
 ):
-    store = _store(placement, tmp_path, attention_budget=96, attention_summary=summary)
+    store = _store(
+        placement, tmp_path, attention_budget=96, attention_summary=summary,
+        attention_page=page, attention_score=score,
+    )  # fmt: skip
     seq, _ = store.add_sequence([])
     kv = _history(1)
     _prefill(store, seq, kv, attend_prefill)
@@ -199,12 +209,12 @@ def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
     stats = store.runtime.selector.stats.as_dict()
     assert stats["layers"] == LAYERS and stats["attended_share"] < 0.35
     sink_end, recent_start, _ = store.runtime.selector.bounds(0, HISTORY + 1)
-    scored = recent_start // PAGE_TOKENS  # pages before the newest keys
+    scored = recent_start // page  # pages before the newest keys
     if attend_prefill:
         assert stats["pages_summarised_from_tiers"] == 0 and not summarising
     else:
         assert stats["pages_summarised_from_tiers"] == scored * LAYERS
-        assert summarising == [(0, scored * PAGE_TOKENS)] * LAYERS
+        assert summarising == [(0, scored * page)] * LAYERS
     store.close()
 
 
@@ -407,3 +417,35 @@ def test_bench_selection_span_errors_and_longer_positions():
     assert cfg.max_position_embeddings == 8192
     _check_span(cfg, 32768, 0, 32768, 8)
     assert cfg.max_position_embeddings == 32768
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("attention_page", 0), ("attention_page", 257), ("attention_page", True),
+     ("attention_page", 4.0), ("attention_page", "4"), ("attention_score", "mean"),
+     ("attention_score", None)],
+)  # fmt: skip
+def test_a_bad_page_or_score_is_one_line_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid: (keys per|one of max)"):
+        CacheConfig(**{field: value})
+
+
+def test_page_and_score_limits_and_defaults():
+    """Pages of 1 and 256 keys are accepted; the defaults are the measured best (4, max)."""
+    assert CacheConfig(attention_page=1).attention_page == 1
+    assert CacheConfig(attention_page=256, attention_score="sum").attention_score == "sum"
+    assert (CacheConfig().attention_page, CacheConfig().attention_score) == (PAGE_TOKENS, "max")
+    sel = KeySelector(0.125, "minmax", 4, torch.device("cpu"), page=16)
+    assert sel.bounds(0, 1024) == (16, 992, (128 - 16 - 32) // 16)
+
+
+def test_max_and_sum_scores_choose_by_the_best_row_or_the_rows_summed():
+    """A page one query row scores far above the rest wins under "max"; under "sum" a
+    page every row scores moderately wins (the rows' other scores cancel it)."""
+    dim = 4
+    q = torch.tensor([[[10.0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]])  # [1 head, 3 rows, D]
+    mean = torch.zeros(1, 2, dim)
+    mean[0, 0] = torch.tensor([1.0, -4, -4, 0])  # row 0: 10, rows 1-2: -4 each -> sum 2
+    mean[0, 1] = torch.tensor([0.5, 1, 1, 0])  # 5, 1, 1 -> sum 7
+    assert choose_pages(mean, q, 1, "max").tolist() == [[0]]
+    assert choose_pages(mean, q, 1, "sum").tolist() == [[1]]

@@ -1,7 +1,8 @@
 """The native query-aware decode kernel (platform/csrc/select.cpp) on its own: it chooses
 the pages the numpy scoring chooses, attends exactly those keys with the sinks and the
-newest ones — across part boundaries, with fp32 and fp16 summaries, on one thread and on
-several — and refuses what it cannot do. (Quantized parts: test_attention_selection's
+newest ones — across part boundaries, with fp32 and fp16 summaries, a page scored by its
+best query row or by their sum, on one thread and on several — and refuses what it
+cannot do. (Quantized parts: test_attention_selection's
 host-int8 placement goes through this kernel.)"""
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def _parts(k, v, cuts):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", ["minmax", "mean"])
-def test_it_attends_the_pages_numpy_chooses_with_the_sinks_and_the_newest(kind, dtype, threads):
+@pytest.mark.parametrize("score", ["max", "sum"])
+def test_it_attends_the_pages_numpy_chooses_with_the_sinks_and_the_newest(
+    score, kind, dtype, threads
+):
     g = torch.Generator().manual_seed(1)
     total = 1000
     k = torch.randn(HKV, total, D, generator=g) * 2
@@ -66,13 +70,15 @@ def test_it_attends_the_pages_numpy_chooses_with_the_sinks_and_the_newest(kind, 
     try:
         out, lse, attended = native_select_attention(
             q, ctypes.addressof(desc), len(starts), starts, summ, PAGE, (c0, c1, choose),
-            (0, sink_end, recent_start, total), D, 0.25, None, chosen=chosen,
+            (0, sink_end, recent_start, total), D, 0.25, None, chosen=chosen, score=score,
         )  # fmt: skip
     finally:
         torch.set_num_threads(before)
-    want = choose_pages(summ[:, c0:c1], q, choose)
+    want = choose_pages(summ[:, c0:c1], q, choose, score)
     np.testing.assert_array_equal(chosen, want)  # random scores: no ties
-    rows = _ranges(chosen, c0, 0, sink_end, recent_start, total)
+    other = choose_pages(summ[:, c0:c1], q, choose, "sum" if score == "max" else "max")
+    assert (other != want).any()  # the two scores choose differently here
+    rows = _ranges(chosen, c0, 0, sink_end, recent_start, total, PAGE)
     assert attended == HKV * (sink_end + choose * PAGE + total - recent_start)
     ref = _reference(q, k, v, rows, 0.25)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

@@ -24,6 +24,7 @@ import torch
 from kvstrata.codecs.calibration import FIELD, FIX, load_calibration, split_name
 from kvstrata.codecs.registry import get_codec, is_calibrated
 from kvstrata.core.errors import ConfigError
+from kvstrata.core.selection import check_budget, check_choice, check_selection
 from kvstrata.core.units import (
     MAX_TOKENS,
     format_bytes,
@@ -36,12 +37,6 @@ from kvstrata.core.units import (
 from kvstrata.platform.hardware import device_memory, machine_ram
 
 POLICIES = ("window", "lru", "lfu")
-ATTENTION_SUMMARIES = ("minmax", "mean")
-ATTENTION_BUDGET_HELP = (
-    "None (exact attention), a token count such as 1024 or '1k', or a fraction of each "
-    "sequence's context in (0, 1) such as 0.125 or '12.5%'"
-)
-DENSE_LAYERS_HELP = "first layers attended in full: an int >= 0 such as 2 (0: all select)"
 COLD_ATTENTION = ("auto", "local", "stage")
 # Tokens per block the cache accepts (generation through host and disk tiers with the
 # none/int8/fp8 codecs matches DynamicCache at 1, 3, 64 and 4096; int4 further needs a
@@ -118,6 +113,10 @@ class CacheConfig:
             "minmax" (per-channel min and max, Quest's upper bound) or "mean".
         attention_dense_layers: with a budget, the first this many model layers still
             attend every key (as Quest's: their attention is spread too evenly to select).
+        attention_page: keys per summary (a page): fewer choose more precisely for
+            more summary bytes scored per step.
+        attention_score: how a KV head scores a page from its query heads' scores —
+            "max" (its best query head's) or "sum".
     """
 
     block_size: int = 64
@@ -147,6 +146,8 @@ class CacheConfig:
     attention_summary: str = "minmax"
     codec_calibration: str | None = None
     attention_dense_layers: int = 0
+    attention_page: int = 4
+    attention_score: str = "max"
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -195,8 +196,8 @@ class CacheConfig:
         for name in ("residual_tokens", "sink_tokens"):
             put(name, parse_tokens(getattr(self, name), name, allow_zero=True))
         put("staging_tokens", parse_tokens(self.staging_tokens, "staging_tokens"))
-        _check_choice("policy", self.policy, POLICIES)
-        _check_choice("cold_attention", self.cold_attention, COLD_ATTENTION)
+        check_choice("policy", self.policy, POLICIES)
+        check_choice("cold_attention", self.cold_attention, COLD_ATTENTION)
         put("device", _check_device(self.device))
         for name in ("disk_compress", "disk_delta", "disk_o_direct"):
             if not isinstance(getattr(self, name), bool):
@@ -214,10 +215,9 @@ class CacheConfig:
         for name in ("disk_compress", "disk_o_direct"):
             if getattr(self, name) and self.disk_dir is None:
                 raise ConfigError.field(name, True, "set disk_dir (and disk_budget) to add a disk")
-        put("attention_budget", _check_budget(self.attention_budget))
-        _check_choice("attention_summary", self.attention_summary, ATTENTION_SUMMARIES)
-        if type(dense := self.attention_dense_layers) is not int or dense < 0:
-            raise ConfigError.field("attention_dense_layers", dense, DENSE_LAYERS_HELP)
+        put("attention_budget", check_budget(self.attention_budget))
+        check_selection(self.attention_summary, self.attention_score, self.attention_page,
+                        self.attention_dense_layers)  # fmt: skip
         _bind_calibrated(self, put)
         _check_codecs(self)
         _check_remote(self, put)
@@ -277,28 +277,6 @@ def _init_checking_names(self: CacheConfig, *args: Any, **kwargs: Any) -> None:
 
 
 CacheConfig.__init__ = _init_checking_names  # type: ignore[method-assign]
-
-
-def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError.field(field, value, f"one of {', '.join(choices)}")
-
-
-def _check_budget(value: Any) -> int | float | None:
-    """attention_budget as tokens (int >= 1) or a fraction (float in (0, 1)), or None."""
-    if value is None:
-        return None
-    text = value.strip() if isinstance(value, str) else ""
-    try:
-        if isinstance(value, float) or text.endswith("%") or "." in text:
-            frac = parse_fraction(value, "attention_budget")
-            if frac < 1:
-                return frac
-        else:
-            return parse_tokens(value, "attention_budget")
-    except ConfigError:
-        pass
-    raise ConfigError.field("attention_budget", value, ATTENTION_BUDGET_HELP)
 
 
 def check_disk_dir(value: Any) -> str:

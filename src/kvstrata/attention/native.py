@@ -152,6 +152,7 @@ def native_select_attention(
     scale: float,
     softcap: float | None,
     chosen: np.ndarray | None = None,
+    score: str = "max",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Query-aware decode attention of packed queries q [Hkv, M, D] in one native call
     (platform/csrc/select.cpp): each KV head scores pages c0 .. c1 - 1 of its
@@ -160,7 +161,8 @@ def native_select_attention(
     total), read from the `PartDesc` array at `desc` (parts back to back from key
     part_start[p], int64). `pages` = (c0, c1, choose), `keys` = (start, sink_end,
     recent_start, total); `chosen` [Hkv, choose] int64 receives the pages chosen
-    (relative to c0).
+    (relative to c0). A page's score is its best query row's (`score` "max") or their
+    sum ("sum").
 
     Returns (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M], keys attended over
     all heads). The caller checks the library is loaded and M, D, Dv are within
@@ -178,8 +180,8 @@ def native_select_attention(
     rc = lib.kv_attn_select_decode(
         num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), part_start.ctypes.data,
         qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0,
-        summaries.data_ptr(), int(summaries.dtype == torch.float16), summaries.stride(0),
-        summaries.shape[-1], page, c0, c1, choose, *keys, attended.ctypes.data,
+        summaries.data_ptr(), int(summaries.dtype == torch.float16), int(score == "max"),
+        summaries.stride(0), summaries.shape[-1], page, c0, c1, choose, *keys, attended.ctypes.data,
         None if chosen is None else chosen.ctypes.data, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

@@ -167,6 +167,7 @@ class AttentionRuntime:
             self.selector = KeySelector(
                 cc.attention_budget, cc.attention_summary, cc.sink_tokens, device,
                 cc.attention_dense_layers, half=device.type == "cpu" and bool(self.native),
+                page=cc.attention_page, score=cc.attention_score,
             )  # fmt: skip
 
     @property

@@ -2,17 +2,19 @@
 Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024) — lossy,
 opt-in (`CacheConfig.attention_budget`).
 
-Keys are summarised per page of PAGE_TOKENS tokens, per layer and KV head: the
-per-channel min and max (Quest's), or the mean. A decode step scores each page of a
-sequence from the query — with min/max sum_d max(q_d min_d, q_d max_d), an upper bound
-of any of the page's logits; with the mean q . mean, an estimate of their average —
-summing for a KV head the scores of its query heads (on smollm2 at 8k with a budget of
-1/8, ΔPPL +1.9 % against +4.4 % taking their maximum), and each KV head attends its
-own best pages within the budget, plus the sink pages and the newest keys, which every
-head always attends. Only the chosen pages are read, from whichever tier holds them.
+Keys are summarised per page of `page` tokens (`CacheConfig.attention_page`), per layer
+and KV head: the per-channel min and max (Quest's), or the mean. A decode step scores
+each page of a sequence from the query — with min/max sum_d max(q_d min_d, q_d max_d),
+an upper bound of any of the page's logits; with the mean q . mean, an estimate of their
+average — a KV head taking its query heads' best score for a page, or their sum
+(`attention_score`), and each KV head attends its own best pages within the budget,
+plus the sink pages and the newest keys, which every head always attends. Only the
+chosen pages are read, from whichever tier holds them. On smollm2 at 8k with a budget
+of 1/8 (8 windows, 1,008 tokens, `scripts/selection_sim.py`): ΔPPL +0.82 % with 4-token
+pages and the best head's score, +1.80 % summing; +1.96 % / +2.89 % with 8-token pages.
 
 Summaries live on the compute device in fp32: 2 x D values per page, layer and KV head
-with min/max (1/PAGE_TOKENS of the K and V bytes of fp32 pages), D with the mean
+with min/max (1/page of the K and V bytes of fp32 pages), D with the mean
 (bf16 summaries were measured slower to score on a CPU without bf16 arithmetic). They are
 computed from a prefill chunk's new keys as it is attended, or, for keys that did not
 pass through one (a prefix hit, decode steps, a chunk that starts inside a page), read
@@ -28,9 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-# keys per summary: Quest's pages are 16; on smollm2 at 8k with a budget of 1/8, 8 gives
-# ΔPPL +0.02 % against +1.9 % with 16 (summing query heads), for twice the summary bytes
-PAGE_TOKENS = 8
+from kvstrata.config import CacheConfig
+
+# keys per summary by default (CacheConfig.attention_page): Quest's pages are 16; see the
+# module docstring for what 4 and 8 measured
+PAGE_TOKENS = CacheConfig.attention_page
 RECENT_SHARE = 0.25  # the newest keys always attended: this share of the budget
 
 
@@ -78,17 +82,24 @@ class SelectionStats:
 
 
 def _ranges(
-    pages: np.ndarray, c0: int, start: int, sink_end: int, recent_start: int, total: int
+    pages: np.ndarray,
+    c0: int,
+    start: int,
+    sink_end: int,
+    recent_start: int,
+    total: int,
+    page: int = PAGE_TOKENS,
 ) -> np.ndarray:
     """Every head's key ranges as rows (head, lo, hi), grouped by head, each head's
     sorted and disjoint with touching ones merged: the sinks [start, sink_end), its
-    chosen pages (`pages[h]`, sorted, relative to page c0), the newest keys."""
+    chosen pages of `page` keys (`pages[h]`, sorted, relative to page c0), the newest
+    keys."""
     heads, n = pages.shape
     lo = np.empty((heads, n + 2), dtype=np.int64)
     hi = np.empty_like(lo)
     lo[:, 0], hi[:, 0], lo[:, -1], hi[:, -1] = start, sink_end, recent_start, total
-    lo[:, 1:-1] = (c0 + pages) * PAGE_TOKENS
-    hi[:, 1:-1] = lo[:, 1:-1] + PAGE_TOKENS
+    lo[:, 1:-1] = (c0 + pages) * page
+    hi[:, 1:-1] = lo[:, 1:-1] + page
     first = np.ones(lo.shape, dtype=bool)
     first[:, 1:] = lo[:, 1:] != hi[:, :-1]
     last = np.ones(lo.shape, dtype=bool)
@@ -107,20 +118,24 @@ def page_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     return summaries @ q.transpose(1, 2)
 
 
-def choose_pages(summaries: torch.Tensor, qp: torch.Tensor, choose: int) -> np.ndarray:
+def choose_pages(
+    summaries: torch.Tensor, qp: torch.Tensor, choose: int, score: str = "max"
+) -> np.ndarray:
     """Each KV head's `choose` best pages [Hkv, choose] (sorted) from its summaries
-    [Hkv, pages, W] and packed queries qp [Hkv, R, D], its query rows' scores summed."""
+    [Hkv, pages, W] and packed queries qp [Hkv, R, D], a page scored by its best query
+    row's score (`score` "max") or their sum ("sum"). A NaN score is chosen first."""
     heads, _, dim = qp.shape
     q = qp.detach().to(summaries.device, torch.float32)
-    if summaries.shape[-1] != dim:  # the scores are linear in (q+, q-): sum first
+    if summaries.shape[-1] != dim:
         q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-    q = q.sum(dim=1, keepdim=True)
+    if score == "sum":  # the scores are linear in (q+, q-): sum the rows first
+        q = q.sum(dim=1, keepdim=True)
     if choose == 0:
         return np.empty((heads, 0), dtype=np.int64)
     if summaries.device.type == "cpu":  # numpy: no torch dispatch per small op
-        scores = np.matmul(summaries.float().numpy(), q.numpy().transpose(0, 2, 1))[..., 0]
+        scores = np.matmul(summaries.float().numpy(), q.numpy().transpose(0, 2, 1)).max(-1)
         return np.sort(np.argpartition(scores, -choose, axis=-1)[:, -choose:], axis=-1)
-    scores = page_scores(q, summaries.float())[..., 0]
+    scores = page_scores(q, summaries.float()).amax(dim=-1)
     chosen = torch.topk(scores, choose, dim=-1, sorted=False).indices
     return chosen.sort(dim=-1).values.cpu().numpy()
 
@@ -144,6 +159,8 @@ class KeySelector:
         budget: keys attended per head and step: a count, or a fraction (< 1) of the
             sequence's context.
         summary: "minmax" or "mean".
+        page: keys per summary.
+        score: a page's score for a KV head: its query heads' best ("max") or sum.
         sink_tokens: first keys always attended (rounded up to whole pages).
         device: where summaries are kept and scored.
         dense_layers: the first model layers, which attend every key (the runtime
@@ -159,13 +176,15 @@ class KeySelector:
     device: torch.device
     dense_layers: int = 0
     half: bool = False
+    page: int = PAGE_TOKENS
+    score: str = "max"
     stats: SelectionStats = field(default_factory=SelectionStats)
     _seqs: dict[Hashable, _Summaries] = field(default_factory=dict)
 
     def bounds(self, start: int, total: int) -> tuple[int, int, int] | None:
         """(sink_end, recent_start, pages to choose) when a decode over keys [start,
         total) selects; None when the budget covers them all (exact attention)."""
-        page, context = PAGE_TOKENS, total - start
+        page, context = self.page, total - start
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * context)
         if budget >= context:
             return None
@@ -197,9 +216,9 @@ class KeySelector:
         return entry
 
     def _put(self, entry: _Summaries, local: int, first: int, keys: torch.Tensor) -> None:
-        """Summarise whole pages first, first + 1, ... from keys [Hkv, n * PAGE, D]."""
+        """Summarise whole pages first, first + 1, ... from keys [Hkv, n * page, D]."""
         heads, n, dim = keys.shape
-        pages = keys.reshape(heads, n // PAGE_TOKENS, PAGE_TOKENS, dim).float()
+        pages = keys.reshape(heads, n // self.page, self.page, dim).float()
         if self.half:  # beyond fp16's range: its largest finite value, not inf
             pages = pages.clamp(-65504.0, 65504.0)
         end = first + pages.shape[1]
@@ -215,7 +234,7 @@ class KeySelector:
     ) -> None:
         """A prefill chunk's new keys new_k [Hkv, Q, D] at positions [past, past + Q):
         summarise the whole pages they complete when every earlier page is done."""
-        page = PAGE_TOKENS
+        page = self.page
         heads, num, dim = new_k.shape
         end = (past + num) // page
         entry = self._entry(key, table, layers, heads, dim, end)
@@ -242,7 +261,7 @@ class KeySelector:
         if bounds is None:
             return None
         sink_end, recent_start, choose = bounds
-        page = PAGE_TOKENS
+        page = self.page
         c0, c1 = sink_end // page, recent_start // page
         heads, _, dim = qp.shape
         entry = self._entry(key, table, layers, heads, dim, c1)
@@ -256,8 +275,8 @@ class KeySelector:
         """The key ranges each KV head attends, as rows (head, lo, hi) grouped by head
         (each head's sorted and disjoint)."""
         c = choice
-        pages = choose_pages(c.summaries[:, c.c0 : c.c1], qp, c.choose)
-        out = _ranges(pages, c.c0, c.start, c.sink_end, c.recent_start, c.total)
+        pages = choose_pages(c.summaries[:, c.c0 : c.c1], qp, c.choose, self.score)
+        out = _ranges(pages, c.c0, c.start, c.sink_end, c.recent_start, c.total, self.page)
         self.record(c, qp.shape[0], int((out[:, 2] - out[:, 1]).sum()))
         return out
 

@@ -24,7 +24,7 @@ from kvstrata.attention.native import (
     native_select_attention,
 )
 from kvstrata.attention.reads import ReadPlan
-from kvstrata.attention.select import PAGE_TOKENS, Choice, union
+from kvstrata.attention.select import Choice, union
 
 
 def _clip(pieces: list[tuple[bool, Any, int, int]], ranges: list[tuple[int, int]]) -> list[tuple]:
@@ -109,9 +109,9 @@ def native_selected(
         return None
     starts = np.fromiter((lo for lo, _ in plan.spans), dtype=np.int64, count=len(plan.spans))
     out, lse, attended = native_select_attention(
-        qp, plan.native.at(local), plan.native.num_parts, starts, c.summaries, PAGE_TOKENS,
-        (c.c0, c.c1, c.choose), (c.start, c.sink_end, c.recent_start, c.total),
-        rt.layout.dim_v, scale, softcap,
+        qp, plan.native.at(local), plan.native.num_parts, starts, c.summaries,
+        rt.selector.page, (c.c0, c.c1, c.choose), (c.start, c.sink_end, c.recent_start, c.total),
+        rt.layout.dim_v, scale, softcap, score=rt.selector.score,
     )  # fmt: skip
     rt.selector.record(c, qp.shape[0], attended)
     return out, lse

@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget", default="0.125", help="comma-separated attention budgets (tokens or shares)"
     )
     parser.add_argument("--summary", default="minmax", help="page summary: minmax or mean")
+    parser.add_argument("--page", type=int, default=None, help="keys per page (config's: 4)")
+    parser.add_argument(
+        "--score", default=None, help="a page's score for a KV head: max or sum of its heads'"
+    )
     parser.add_argument(
         "--dense-layers", type=int, default=0, help="first layers attending every key"
     )
@@ -93,6 +97,8 @@ def measure(
     scored: int = 64,
     windows: int = 1,
     summary: str = "minmax",
+    page: int | None = None,
+    score: str | None = None,
     dense_layers: int = 0,
     resident: float = 0.1,
     disk: bool = False,
@@ -122,7 +128,12 @@ def measure(
     texts = heldout_windows(model_name, context, max(windows, 1), None if byte_level else tokenizer)
     windowed = texts[:windows]
     names = [FULL] + [f"budget {b:g}" for b in budgets]
+    from kvstrata.config import CacheConfig
+
+    page = CacheConfig.attention_page if page is None else page
+    score = CacheConfig.attention_score if score is None else score
     fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary,
+                               "attention_page": page, "attention_score": score,
                                "attention_dense_layers": dense_layers}
                           for n, b in zip(names[1:], budgets, strict=True)}  # fmt: skip
     acc = {n: {"nll": 0.0, "top1": 0, "steps": [], "attn": [], "kv": 0, "sum": 0} for n in names}
@@ -194,7 +205,8 @@ def measure(
             "attention_speedup": _timing.median(full["attn"]) / attn if attn else None,
         })  # fmt: skip
     result = {"model": model_name, "context": context, "scored": scored, "windows": windows,
-              "summary": summary, "dense_layers": dense_layers, "resident": resident,
+              "summary": summary, "page": page, "score": score,
+              "dense_layers": dense_layers, "resident": resident,
               "disk": disk, "rows": rows,
               "positions": getattr(cfg, "max_position_embeddings", None)}  # fmt: skip
     if needle:
@@ -283,10 +295,13 @@ def run(args: argparse.Namespace) -> int:
         for v in args.budget.split(",")
         if v.strip()
     ]
+    chosen = {"attention_page": args.page, "attention_score": args.score}
+    CacheConfig(**{k: v for k, v in chosen.items() if v is not None})  # one-line errors first
     torch.set_num_threads(args.threads)
     result = measure(
         _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
-        summary=args.summary, dense_layers=args.dense_layers, resident=args.resident,
+        summary=args.summary, page=args.page, score=args.score,
+        dense_layers=args.dense_layers, resident=args.resident,
         disk=args.disk, block_size=args.block_size, needle=args.needle,
         engine_tokens=args.engine, repeats=args.repeats, positions=args.positions,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """CacheConfig flags shared by every command that builds a store, beyond the placement
 flags of `generate.add_placement_flags`: the remote tier's (`--remote-*`) and query-aware
-key selection's (`--attention-budget`, `--attention-summary`,
-`--attention-dense-layers`)."""
+key selection's (`--attention-budget`, `--attention-summary`, `--attention-page`,
+`--attention-score`, `--attention-dense-layers`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from kvstrata.config import CacheConfig
 from kvstrata.core.units import parse_float, parse_int
 
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
-ATTENTION_FIELDS = ("attention_budget", "attention_summary", "attention_dense_layers")
+ATTENTION_FIELDS = (
+    "attention_budget", "attention_summary", "attention_page", "attention_score",
+    "attention_dense_layers",
+)  # fmt: skip
 
 
 def add_cache_flags(g: argparse._ArgumentGroup) -> None:
@@ -23,6 +26,14 @@ def add_cache_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--attention-summary", default=None, help="page summary it scores: minmax or mean"
     )
+    g.add_argument(
+        "--attention-page", type=int, default=None,
+        help="keys per scored page (4): fewer choose more precisely, for more summary bytes",
+    )  # fmt: skip
+    g.add_argument(
+        "--attention-score", default=None,
+        help="a page's score for a KV head: its query heads' best (max) or their sum",
+    )  # fmt: skip
     g.add_argument(
         "--attention-dense-layers", type=int, default=None,
         help="with a budget: the first this many layers still attend every key",

@@ -93,7 +93,7 @@ _SIGNATURES["kv_attn_select_decode"] = (
     [_ci, _parts]
     + [_vp] * 4
     + [_i64] * 4
-    + [_f32, _f32, _vp, _ci]
+    + [_f32, _f32, _vp, _ci, _ci]
     + [_i64] * 10
     + [_vp] * 2
     + [_ci],

@@ -7,9 +7,10 @@
 // per page.
 //
 // Summaries: [H, pages, W] per layer, fp32 or fp16, with W = 2D (per-channel max, then
-// min: a page's score is sum_d max(q_d max_d, q_d min_d) summed over the head's packed
-// query rows, which is linear in (sum of the rows' positive parts, sum of their
-// negative parts)) or W = D (the mean: q . mean summed over the rows).
+// min: a query row's score is sum_d max(q_d max_d, q_d min_d), linear in the row's
+// positive and negative parts) or W = D (the mean: q . mean). A page's score for a head
+// is the best of its packed query rows' scores (row_max) or their sum (one product with
+// the rows' parts summed first).
 //
 // Each head's chosen keys — [start, sink_end), the `choose` best pages of [c0, c1)
 // (page p is keys [p * page, (p + 1) * page)), [recent_start, total) — are attended
@@ -111,14 +112,15 @@ void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, 
 // [H, M, D] over the keys each KV head chooses (see the top of this file), read from
 // `nparts` parts covering keys [start, total) back to back (part p holds keys from
 // part_start[p]). Summaries: page p of head h at summ + (h * summ_head_stride + p * W)
-// elements (fp16 when summ_fp16). Writes out [H, M, Dv], lse [H, M], attended[h] (keys
+// elements (fp16 when summ_fp16); a page scores its rows' best score when row_max, else
+// their sum. Writes out [H, M, Dv], lse [H, M], attended[h] (keys
 // head h attended) and, when `chosen` is not null, each head's chosen pages (relative
 // to c0, ascending) at chosen[h * choose ..]. Returns 0, or < 0: bad shapes (-1), a
 // field it cannot read (-2, -3), out of memory (-4), keys no part covers (-5).
 extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64 *part_start,
                                      const float *q, float *out, float *lse, i64 H, i64 M, i64 D,
                                      i64 Dv, float scale, float softcap, const void *summ,
-                                     int summ_fp16, i64 summ_head_stride, i64 W, i64 page, i64 c0, i64 c1, i64 choose, i64 start,
+                                     int summ_fp16, int row_max, i64 summ_head_stride, i64 W, i64 page, i64 c0, i64 c1, i64 choose, i64 start,
                                      i64 sink_end, i64 recent_start, i64 total, i64 *attended,
                                      i64 *chosen, int nth) {
   const i64 npages = c1 - c0;
@@ -134,27 +136,32 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
   init_e4m3();
   const bool fp16 = summ_fp16 != 0;
   try {
-    // the rows' query folded into one vector per head: [H, W]
-    std::vector<float> qs((size_t)(H * W), 0.0f);
+    // each head's scoring vectors [H, R, W]: every query row's (row_max), or one with
+    // the rows summed
+    const i64 R = row_max ? M : 1;
+    std::vector<float> qs((size_t)(H * R * W), 0.0f);
     for (i64 h = 0; h < H; h++)
       for (i64 m = 0; m < M; m++)
         for (i64 d = 0; d < D; d++) {
-          float x = q[(h * M + m) * D + d];
+          float x = q[(h * M + m) * D + d], *qr = qs.data() + (h * R + (row_max ? m : 0)) * W;
           if (W == D) {
-            qs[h * W + d] += x;
+            qr[d] += x;
           } else {
-            qs[h * W + d] += x > 0 ? x : 0.0f;
-            qs[h * W + D + d] += x < 0 ? x : 0.0f;
+            qr[d] += x > 0 ? x : 0.0f;
+            qr[D + d] += x < 0 ? x : 0.0f;
           }
         }
     // page p's score (p in [c0, c1)) from the row of W summary values at `at`
     auto score_at = [&](const float *qh, const void *base, i64 at, float *row) {
-      float sc;
+      const float *sv = (const float *)base + at;
       if (fp16) {
         f16_to_f32((const f16 *)base + at, row, W);
-        sc = dot(qh, row, W);
-      } else {
-        sc = dot(qh, (const float *)base + at, W);
+        sv = row;
+      }
+      float sc = dot(qh, sv, W);
+      for (i64 r = 1; r < R; r++) {
+        float x = dot(qh + r * W, sv, W);
+        sc = x > sc || x != x ? x : sc;
       }
       return sc != sc ? INFINITY : sc;  // NaN: chosen, it propagates
     };
@@ -170,7 +177,7 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
           i64 h = i / nchunks, p0 = (i % nchunks) * chunk, p1 = std::min(npages, p0 + chunk);
           for (i64 p = p0; p < p1; p++)
             scores[h * npages + p] =
-                score_at(qs.data() + h * W, summ, h * summ_head_stride + (c0 + p) * W, row.data());
+                score_at(qs.data() + h * R * W, summ, h * summ_head_stride + (c0 + p) * W, row.data());
         }
       });
       std::vector<i64> pick((size_t)npages);
