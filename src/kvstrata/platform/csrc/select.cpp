@@ -106,6 +106,61 @@ void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, 
   if (fill) attend_rows(J, q, krow, vrow, fill, st, s);
 }
 
+#ifdef KV_SIMD
+// The scores of 4 pages (their W summary values at rows[u], fp16 or fp32) against RB
+// scoring vectors qr[j * W ..] into out[j * 4 + u] (W % 8 == 0), as attend.h's qk_block.
+template <int RB, bool F16>
+inline void score4(const float *qr, i64 W, const void *const *rows, float *out) {
+  __m256 acc[RB][4];
+  for (int j = 0; j < RB; j++)
+    for (int u = 0; u < 4; u++) acc[j][u] = _mm256_setzero_ps();
+  for (i64 d = 0; d < W; d += 8) {
+    __m256 qv[RB];
+    for (int j = 0; j < RB; j++) qv[j] = _mm256_loadu_ps(qr + j * W + d);
+    for (int u = 0; u < 4; u++) {
+      __m256 sv = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const f16 *)rows[u] + d)))
+                      : _mm256_loadu_ps((const float *)rows[u] + d);
+      for (int j = 0; j < RB; j++) acc[j][u] = _mm256_fmadd_ps(qv[j], sv, acc[j][u]);
+    }
+  }
+  for (int j = 0; j < RB; j++)
+    _mm_storeu_ps(out + j * 4, hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+
+// Scores of pages [p0, p1) (summary rows of W at base + (first + p) * W) against R
+// scoring vectors qh [R, W] into sc[p]: the best row's (R > 1) or the one row's, NaN
+// as +inf (chosen, it propagates).
+template <bool F16>
+void score_pages(const float *qh, i64 R, i64 W, const void *base, i64 first, i64 p0, i64 p1,
+                 float *sc) {
+  const i64 esize = F16 ? 2 : 4;
+  float part[3 * 4];
+  for (i64 p = p0; p < p1; p += 4) {
+    const void *rows[4];
+    for (int u = 0; u < 4; u++)
+      rows[u] = (const char *)base + (first + std::min(p + u, p1 - 1)) * W * esize;
+    float best[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    bool nan[4] = {false, false, false, false};
+    for (i64 r = 0; r < R; r += 3) {
+      i64 rb = std::min<i64>(3, R - r);
+      if (rb == 3)
+        score4<3, F16>(qh + r * W, W, rows, part);
+      else if (rb == 2)
+        score4<2, F16>(qh + r * W, W, rows, part);
+      else
+        score4<1, F16>(qh + r * W, W, rows, part);
+      for (i64 j = 0; j < rb; j++)
+        for (int u = 0; u < 4; u++) {
+          float x = part[j * 4 + u];
+          nan[u] |= x != x;
+          best[u] = x > best[u] ? x : best[u];
+        }
+    }
+    for (int u = 0; u < 4 && p + u < p1; u++) sc[p + u] = nan[u] ? INFINITY : best[u];
+  }
+}
+#endif
+
 }  // namespace
 
 // Query-aware decode attention of one sequence in one layer: packed queries q
@@ -175,6 +230,19 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
         std::vector<float> row((size_t)W);
         for (i64 i = next++; i < H * nchunks; i = next++) {
           i64 h = i / nchunks, p0 = (i % nchunks) * chunk, p1 = std::min(npages, p0 + chunk);
+#ifdef KV_SIMD
+          if (W % 8 == 0) {
+            const float *qh = qs.data() + h * R * W;
+            const void *base = fp16 ? (const void *)((const f16 *)summ + h * summ_head_stride)
+                                    : (const void *)((const float *)summ + h * summ_head_stride);
+            float *out = scores.data() + h * npages;
+            if (fp16)
+              score_pages<true>(qh, R, W, base, c0, p0, p1, out);
+            else
+              score_pages<false>(qh, R, W, base, c0, p0, p1, out);
+            continue;
+          }
+#endif
           for (i64 p = p0; p < p1; p++)
             scores[h * npages + p] =
                 score_at(qs.data() + h * R * W, summ, h * summ_head_stride + (c0 + p) * W, row.data());
