@@ -123,3 +123,25 @@ def test_keys_no_part_covers_and_bad_shapes_are_errors():
             q, ctypes.addressof(desc), 1, starts, summ, PAGE, (1, 15, 20), (0, 8, 120, 128), D,
             0.25, None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("score", ["max", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_page_whose_summary_is_nan_is_chosen_as_numpy_chooses_it(score, dtype):
+    """A NaN summary (what a NaN key gives) scores above every page, in the kernel as in
+    numpy: its keys are attended, so a NaN reaches the output instead of being skipped."""
+    g = torch.Generator().manual_seed(5)
+    total = 512
+    k, v = torch.randn(HKV, total, D, generator=g), torch.randn(HKV, total, D, generator=g)
+    q = torch.randn(HKV, M, D, generator=g)
+    summ = _summaries(k, "minmax", dtype)
+    summ[1, 9, 3] = float("nan")
+    desc, starts = _parts(k, v, [0, total])
+    c0, c1, choose = 1, 60, 4
+    chosen = np.empty((HKV, choose), dtype=np.int64)
+    native_select_attention(
+        q, ctypes.addressof(desc), 1, starts, summ, PAGE, (c0, c1, choose), (0, 8, 480, total),
+        D, 0.25, None, chosen=chosen, score=score,
+    )  # fmt: skip
+    assert 9 - c0 in chosen[1].tolist()
+    np.testing.assert_array_equal(chosen, choose_pages(summ[:, c0:c1], q, choose, score))
