@@ -9,7 +9,10 @@ usage: PYTHONPATH=src python scripts/selection_sim.py 8192 2 \
     '[{"budget": 0.125}, {"budget": 0.125, "reduce": "sum", "page": 8}]'
 config keys: budget (share), summary (minmax|mean), page, recent (share of the budget),
 reduce (max|sum|softmax over a KV head's query heads), dense (first layers exact), sink
-(tokens always attended at the start)."""
+(tokens always attended at the start), group (two-level scoring: coarse summaries of this
+many pages; 0: one level) with refine (pages of the best ceil(refine * choose / group)
+coarse groups are scored and chosen from), channels (score with each query row's this
+many largest-|q| channels only, SparQ-style; 0: all)."""
 
 import json
 import math
@@ -44,6 +47,28 @@ def bounds(total, budget_share, page, recent_share, sink=4):
 STATS = {"att": 0, "ctx": 0}
 
 
+def _refined(row, crow, c0, c1, group, choose, refine):
+    """Fine scores row [hkv, c1 - c0] with every page outside the best groups set to
+    -inf: of the groups wholly inside [c0, c1) (coarse scores crow [hkv, groups]), the
+    best ceil(refine * choose / group); pages of groups cut by c0 or c1 stay."""
+    g0, g1 = -(-c0 // group), c1 // group
+    if g1 <= g0:
+        return row
+    n = min(g1 - g0, max(1, math.ceil(refine * choose / group)))
+    best = torch.topk(crow[:, g0:g1], n, dim=-1).indices + g0  # [hkv, n]
+    keep = torch.zeros(row.shape[0], g1, dtype=torch.bool)
+    keep.scatter_(1, best, True)
+    fine = torch.ones_like(row, dtype=torch.bool)
+    idx = torch.arange(c0, c1)
+    inside = (idx >= g0 * group) & (idx < g1 * group)
+    fine[:, inside] = keep[:, idx[inside] // group]
+    # how many groups an exact refinement would open: bound >= the k-th best page
+    kth = torch.topk(row, choose, dim=-1).values[:, -1:]
+    STATS["need"] = STATS.get("need", 0) + int((crow[:, g0:g1] >= kth).sum())
+    STATS["groups"] = STATS.get("groups", 0) + row.shape[0] * (g1 - g0)
+    return row.masked_fill(~fine, float("-inf"))
+
+
 def quest_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
     # query [1, Hq, T, D], key/value [1, Hkv, S, D]
     _, hq, t, d = query.shape
@@ -62,12 +87,17 @@ def quest_attention(module, query, key, value, attention_mask, scaling, dropout=
         page = cfg.get("page", 16)
         npages = s // page
         kp = k[:, : npages * page].reshape(hkv, npages, page, d)
+        qs = q
+        top = cfg.get("channels", 0)
+        if top:  # score with each query row's `top` largest |q_d| channels only (SparQ)
+            kth = q.abs().topk(top, dim=-1).values[..., -1:]
+            qs = q * (q.abs() >= kth)
         if cfg.get("summary", "minmax") == "minmax":
             summ = torch.cat([kp.amax(2), kp.amin(2)], -1)  # [hkv, P, 2D]
-            qq = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1)
+            qq = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], -1)
         else:
             summ = kp.mean(2)
-            qq = q
+            qq = qs
         sc = torch.einsum("hrtd,hpd->hrtp", qq, summ)  # [hkv, r, t, P]
         red = cfg.get("reduce", "max")
         if red == "max":
@@ -76,6 +106,16 @@ def quest_attention(module, query, key, value, attention_mask, scaling, dropout=
             sc = sc.sum(1)
         elif red == "softmax":  # normalise per query head over pages, then sum
             sc = torch.softmax(sc * scaling, -1).sum(1)
+        group = cfg.get("group", 0)
+        if group:  # coarse summaries of `group` pages: a bound of each of their pages'
+            ng = npages // group
+            kg = k[:, : ng * group * page].reshape(hkv, ng, group * page, d)
+            if cfg.get("summary", "minmax") == "minmax":
+                cs = torch.cat([kg.amax(2), kg.amin(2)], -1)
+            else:
+                cs = kg.mean(2)
+            csc = torch.einsum("hrtd,hpd->hrtp", qq, cs)
+            csc = csc.amax(1) if red == "max" else csc.sum(1)
         for i in range(t):
             total = past + i + 1
             b = bounds(total, cfg["budget"], page, cfg.get("recent", 0.25), cfg.get("sink", 4))
@@ -86,6 +126,9 @@ def quest_attention(module, query, key, value, attention_mask, scaling, dropout=
             sink_end, recent_start, choose = b
             c0, c1 = sink_end // page, recent_start // page
             row = sc[:, i, c0:c1]
+            group = cfg.get("group", 0)
+            if group and choose:  # two levels: refine only the best groups' pages
+                row = _refined(row, csc[:, i], c0, c1, group, choose, cfg.get("refine", 2.0))
             chosen = torch.topk(row, choose, dim=-1).indices + c0  # [hkv, choose]
             m = torch.zeros(hkv, s, dtype=torch.bool)
             m[:, :sink_end] = True
@@ -113,7 +156,7 @@ def main(configs):
     model.eval()
     texts = heldout_windows("smollm2", CTX, WINDOWS, tok)
     res = {json.dumps(c, sort_keys=True): 0.0 for c in configs}
-    shares = {k: [0, 0] for k in res}
+    shares = {k: [0, 0, 0, 0] for k in res}
     ref = 0.0
     for wi, ids in enumerate(texts):
         ids = torch.tensor(ids)[None]
@@ -139,7 +182,7 @@ def main(configs):
         def nll(cfg, chunk=chunk, cache=cache, pre=pre, target=target):
             CFG.clear()
             CFG.update(cfg)
-            STATS.update(att=0, ctx=0)
+            STATS.update(att=0, ctx=0, need=0, groups=0)
             with torch.inference_mode():
                 out = model(chunk, past_key_values=cache, use_cache=True)
             cache.crop(-(CTX - 1 - pre))
@@ -152,10 +195,18 @@ def main(configs):
             res[k] += nll(c)
             shares[k][0] += STATS["att"]
             shares[k][1] += STATS["ctx"]
+            shares[k][2] += STATS["need"]
+            shares[k][3] += STATS["groups"]
     n = len(texts) * (SCORED - 1)
     for k, v in res.items():
         d = 100 * (math.exp((v - ref) / n) - 1)
-        print(f"{k}: dPPL {d:+.2f} %  attended {shares[k][0] / shares[k][1]:.3f}", flush=True)
+        extra = ""
+        if shares[k][3]:
+            extra = f"  exact refinement opens {shares[k][2] / shares[k][3]:.3f} of the groups"
+        print(
+            f"{k}: dPPL {d:+.2f} %  attended {shares[k][0] / shares[k][1]:.3f}{extra}",
+            flush=True,
+        )
     print(f"ref ppl {math.exp(ref / n):.4f}", flush=True)
 
 

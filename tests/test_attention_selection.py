@@ -17,11 +17,13 @@ from hf_models import greedy_ids, seeded_ids, tiny_model
 from kvstrata import CacheConfig, ConfigError, KVStore
 from kvstrata.attention import runtime as runtime_mod
 from kvstrata.attention import selected as selected_mod
+from kvstrata.attention.runtime import AttentionRuntime
 from kvstrata.attention.select import (
     PAGE_TOKENS,
     KeySelector,
     _ranges,
     choose_pages,
+    choose_two_level,
     page_scores,
     union,
 )
@@ -121,20 +123,26 @@ def _spy_ranges(monkeypatch, selector) -> list[tuple[str, np.ndarray]]:
     )
     native = selected_mod.native_select_attention
 
-    def spy(q, desc, n, starts, summaries, page, pages, keys, *rest, score):
+    def spy(q, desc, n, starts, summaries, page, pages, keys, *rest, score, coarse):
         assert (page, score) == (selector.page, selector.score)
         c0, c1, choose = pages
         chosen = np.empty((q.shape[0], choose), dtype=np.int64)
         out = native(
-            q, desc, n, starts, summaries, page, pages, keys, *rest, chosen=chosen, score=score
-        )
+            q, desc, n, starts, summaries, page, pages, keys, *rest, chosen=chosen, score=score,
+            coarse=coarse,
+        )  # fmt: skip
         # the same pages as numpy's scoring (equal scores may be chosen either way)
         qs = q.float()
         if summaries.shape[-1] != q.shape[-1]:
             qs = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], dim=-1)
         rows = summaries[:, c0:c1].float() @ qs.transpose(1, 2)  # [Hkv, pages, R]
         scores = rows.amax(-1) if score == "max" else rows.sum(-1)
-        want = choose_pages(summaries[:, c0:c1], q, choose, score)
+        if coarse is None:
+            want = choose_pages(summaries[:, c0:c1], q, choose, score)
+        else:
+            groups, group, refine = coarse
+            assert group == selector.coarse
+            want, _ = choose_two_level(summaries, groups, q, c0, c1, choose, group, refine, score)
         got_s, want_s = (np.sort(np.take_along_axis(scores.numpy(), p, 1)) for p in (chosen, want))
         np.testing.assert_allclose(got_s, want_s, rtol=1e-5, atol=1e-5)
         seen.append(("native", _ranges(chosen, c0, *keys, page)))
@@ -208,13 +216,15 @@ def test_each_head_attends_exactly_its_chosen_keys_and_nothing_else_is_read(
         staged_reads.clear()
     stats = store.runtime.selector.stats.as_dict()
     assert stats["layers"] == LAYERS and stats["attended_share"] < 0.35
-    sink_end, recent_start, _ = store.runtime.selector.bounds(0, HISTORY + 1)
-    scored = recent_start // page  # pages before the newest keys
+    # pages with no summary are read once: every whole page stored (those among the
+    # newest keys too, so the next read waits until they leave the newest)
+    whole = (HISTORY + 1) // page
+    assert whole > store.runtime.selector.bounds(0, HISTORY + 1)[1] // page
     if attend_prefill:
         assert stats["pages_summarised_from_tiers"] == 0 and not summarising
     else:
-        assert stats["pages_summarised_from_tiers"] == scored * LAYERS
-        assert summarising == [(0, scored * page)] * LAYERS
+        assert stats["pages_summarised_from_tiers"] == whole * LAYERS
+        assert summarising == [(0, whole * page)] * LAYERS
     store.close()
 
 
@@ -379,23 +389,40 @@ def test_a_bad_dense_layer_count_is_one_line_naming_the_field(value):
 
 
 def test_bench_engine_decode_times_each_config_and_compares_its_tokens():
-    """`bench selection --engine`: one engine per configuration and repeat; a budget that
-    covers the context decodes full attention's tokens (agreement 1); ratios are to the
-    first configuration."""
+    """`bench selection --engine`: one engine computes the prompt once, then each
+    configuration decodes from it cached; a budget that covers the context decodes full
+    attention's tokens (agreement 1) and a small one selects; ratios are to the first
+    configuration."""
     from kvstrata.bench._selection_engine import engine_decode
 
     model = tiny_model("llama", initializer_range=0.3)
     ids = seeded_ids(8, 300).tolist()[0]
     base = {"block_size": 16, "max_tokens": 512, "resident_fraction": 0.5, "host_budget": "8MiB"}
-    configs = {"full": base, "covering": {**base, "attention_budget": 512}}
+    configs = {
+        "full": base,
+        "covering": {**base, "attention_budget": 512},
+        "small": {**base, "attention_budget": 64},
+    }
     calls = []
-    rows = engine_decode(model, None, ids, configs, tokens=6, repeats=2, progress=calls.append)
-    assert len(calls) == 4 and [r["config"] for r in rows] == ["full", "covering"]
-    full, covering = rows
+    selected = []
+    set_selection = AttentionRuntime.set_selection
+
+    def spy(self, cc):
+        set_selection(self, cc)
+        selected.append(None if self.selector is None else self.selector.budget)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AttentionRuntime, "set_selection", spy)
+        rows = engine_decode(model, None, ids, configs, tokens=6, repeats=2, progress=calls.append)
+    assert len(calls) == 6 and [r["config"] for r in rows] == ["full", "covering", "small"]
+    # the store's construction, then each request's configuration in turn
+    assert selected == [None, None, 512, 64, None, 512, 64]
+    full, covering, small = rows
     assert full["decode_speedup"] == 1.0 and full["agreement"] == 1.0
     assert covering["agreement"] == 1.0  # exact attention: the same greedy tokens
     for r in rows:
         assert r["decode_ms"] > r["attention_ms"] > 0 and r["attention_speedup"] > 0
+        assert r["cached_tokens"] == len(ids) // 16 * 16  # the prompt's full blocks, cached
 
 
 def test_bench_selection_span_errors_and_longer_positions():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvstrata.attention.native import native_select_attention, raw_field
-from kvstrata.attention.select import _ranges, choose_pages
+from kvstrata.attention.select import _ranges, choose_pages, choose_two_level
 from kvstrata.core.formats import PartDesc
 from kvstrata.platform.native import available
 
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(not available(), reason="the native library did 
 HKV, M, D, PAGE = 3, 4, 16, 8
 
 
-def _summaries(k: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    pages = k.reshape(HKV, -1, PAGE, D)
+def _summaries(k: torch.Tensor, kind: str, dtype: torch.dtype, page: int = PAGE) -> torch.Tensor:
+    pages = k.reshape(HKV, -1, page, D)
     minmax = torch.cat([pages.amax(2), pages.amin(2)], dim=-1)
     return (minmax if kind == "minmax" else pages.mean(2)).to(dtype).contiguous()
 
@@ -68,7 +68,7 @@ def test_it_attends_the_pages_numpy_chooses_with_the_sinks_and_the_newest(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse, attended = native_select_attention(
+        out, lse, attended, scored = native_select_attention(
             q, ctypes.addressof(desc), len(starts), starts, summ, PAGE, (c0, c1, choose),
             (0, sink_end, recent_start, total), D, 0.25, None, chosen=chosen, score=score,
         )  # fmt: skip
@@ -80,6 +80,7 @@ def test_it_attends_the_pages_numpy_chooses_with_the_sinks_and_the_newest(
     assert (other != want).any()  # the two scores choose differently here
     rows = _ranges(chosen, c0, 0, sink_end, recent_start, total, PAGE)
     assert attended == HKV * (sink_end + choose * PAGE + total - recent_start)
+    assert scored == HKV * (c1 - c0)
     ref = _reference(q, k, v, rows, 0.25)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
     assert lse.shape == (HKV, M) and torch.isfinite(lse).all()
@@ -97,7 +98,7 @@ def test_its_limits_choose_every_page_or_none():
         (30, np.array([[h, 0, total] for h in range(HKV)])),
         (0, np.array([[h, a, b] for h in range(HKV) for a, b in ((0, 8), (248, total))])),
     ]:
-        out, _, attended = native_select_attention(
+        out, _, attended, _ = native_select_attention(
             q, ctypes.addressof(desc), 1, starts, summ, PAGE, (1, 31, choose), (0, 8, 248, total),
             D, 0.25, None,
         )  # fmt: skip
@@ -145,3 +146,78 @@ def test_a_page_whose_summary_is_nan_is_chosen_as_numpy_chooses_it(score, dtype)
     )  # fmt: skip
     assert 9 - c0 in chosen[1].tolist()
     np.testing.assert_array_equal(chosen, choose_pages(summ[:, c0:c1], q, choose, score))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
+@pytest.mark.parametrize("score", ["max", "sum"])
+def test_two_levels_choose_as_numpy_among_the_best_groups_pages(score, kind, dtype, threads):
+    """Two levels: each head scores the groups inside [c0, c1), refines its best and
+    chooses among their pages and those of the groups c0 and c1 cut — the pages
+    `choose_two_level` chooses, fewer summary rows scored than one level."""
+    g = torch.Generator().manual_seed(6)
+    total, group, refine = 2000, 4, 6
+    k = torch.randn(HKV, total, D, generator=g) * 2
+    v = torch.randn(HKV, total, D, generator=g)
+    q = torch.randn(HKV, M, D, generator=g)
+    usable = total // (PAGE * group) * PAGE * group
+    summ = _summaries(k[:, : total // PAGE * PAGE], kind, dtype)
+    groups = _summaries(k[:, :usable], kind, dtype, PAGE * group)
+    desc, starts = _parts(k, v, [0, 37, 1024, total])
+    sink_end, recent_start = 8, 1936
+    c0, c1, choose = 1, 242, 20  # c0 and c1 cut groups 0 and 60
+    chosen = np.empty((HKV, choose), dtype=np.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, _, attended, scored = native_select_attention(
+            q, ctypes.addressof(desc), len(starts), starts, summ, PAGE, (c0, c1, choose),
+            (0, sink_end, recent_start, total), D, 0.25, None, chosen=chosen, score=score,
+            coarse=(groups, group, refine),
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    want, rows = choose_two_level(summ, groups, q, c0, c1, choose, group, refine, score)
+    np.testing.assert_array_equal(chosen, want)
+    g0, g1 = 1, 60
+    assert rows == (g1 - g0) + (g0 * group - c0) + refine * group + (c1 - g1 * group)
+    assert scored == HKV * rows < HKV * (c1 - c0)
+    # every chosen page lies in a group cut by c0 or c1 or in one of the head's best
+    # groups by their summaries; and that is not one level's choice
+    best = choose_pages(groups[:, g0:g1], q, refine, score) + g0
+    for h in range(HKV):
+        for p in (chosen[h] + c0).tolist():
+            assert p < g0 * group or p >= g1 * group or p // group in best[h].tolist()
+    assert (chosen != choose_pages(summ[:, c0:c1], q, choose, score)).any()
+    rows_ = _ranges(chosen, c0, 0, sink_end, recent_start, total, PAGE)
+    assert attended == int((rows_[:, 2] - rows_[:, 1]).sum())
+    torch.testing.assert_close(out.double(), _reference(q, k, v, rows_, 0.25), atol=2e-5, rtol=2e-5)
+
+
+def test_two_levels_with_few_groups_inside_score_every_page():
+    """No more groups inside [c0, c1) than are refined: every page is scored, the choice is
+    one level's."""
+    g = torch.Generator().manual_seed(7)
+    total, group = 512, 4
+    k, v = torch.randn(HKV, total, D, generator=g), torch.randn(HKV, total, D, generator=g)
+    q = torch.randn(HKV, M, D, generator=g)
+    summ = _summaries(k, "minmax", torch.float32)
+    groups = _summaries(k, "minmax", torch.float32, PAGE * group)
+    desc, starts = _parts(k, v, [0, total])
+    c0, c1, choose = 1, 60, 4  # 14 groups inside: refining 14 of them is all
+    chosen = np.empty((HKV, choose), dtype=np.int64)
+    _, _, _, scored = native_select_attention(
+        q, ctypes.addressof(desc), 1, starts, summ, PAGE, (c0, c1, choose), (0, 8, 480, total),
+        D, 0.25, None, chosen=chosen, coarse=(groups, group, 14),
+    )  # fmt: skip
+    assert scored == HKV * (c1 - c0)
+    np.testing.assert_array_equal(chosen, choose_pages(summ[:, c0:c1], q, choose, "max"))
+    want, rows = choose_two_level(summ, groups, q, c0, c1, choose, group, 14)
+    np.testing.assert_array_equal(chosen, want)
+    assert rows == c1 - c0
+    with pytest.raises(RuntimeError, match="status -1"):  # fewer candidates than chosen
+        native_select_attention(
+            q, ctypes.addressof(desc), 1, starts, summ, PAGE, (c0, c1, 30), (0, 8, 480, total),
+            D, 0.25, None, coarse=(groups, group, 1),
+        )  # fmt: skip

@@ -24,7 +24,12 @@ import torch
 from kvstrata.codecs.calibration import FIELD, FIX, load_calibration, split_name
 from kvstrata.codecs.registry import get_codec, is_calibrated
 from kvstrata.core.errors import ConfigError
-from kvstrata.core.selection import check_budget, check_choice, check_selection
+from kvstrata.core.selection import (
+    check_budget,
+    check_choice,
+    check_selection,
+    check_two_level,
+)
 from kvstrata.core.units import (
     MAX_TOKENS,
     format_bytes,
@@ -117,6 +122,11 @@ class CacheConfig:
             more summary bytes scored per step.
         attention_score: how a KV head scores a page from its query heads' scores —
             "max" (its best query head's) or "sum".
+        attention_coarse: pages per group summary — two-level scoring: a KV head
+            scores the groups' summaries first, then only the pages of its best
+            groups (fewer summary bytes a step); 0 scores every page.
+        attention_refine: with attention_coarse, the groups a head refines, as a
+            multiple of the pages it chooses (>= 1; ceil(refine * chosen / coarse)).
     """
 
     block_size: int = 64
@@ -148,6 +158,8 @@ class CacheConfig:
     attention_dense_layers: int = 0
     attention_page: int = 4
     attention_score: str = "max"
+    attention_coarse: int = 0
+    attention_refine: float = 2.0
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -218,6 +230,7 @@ class CacheConfig:
         put("attention_budget", check_budget(self.attention_budget))
         check_selection(self.attention_summary, self.attention_score, self.attention_page,
                         self.attention_dense_layers)  # fmt: skip
+        put("attention_refine", check_two_level(self.attention_coarse, self.attention_refine))
         _bind_calibrated(self, put)
         _check_codecs(self)
         _check_remote(self, put)

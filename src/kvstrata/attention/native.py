@@ -96,16 +96,31 @@ def native_attention_desc(
     hkv, m, d = q.shape
     if lib is None or not num_parts or m > NATIVE_MAX_ROWS or max(d, dim_v) > NATIVE_MAX_DIM:
         return None
-    qf = q.detach().to("cpu", torch.float32).contiguous()
+    qf = _cpu_f32(q)
     out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
     lse = torch.empty((hkv, m), dtype=torch.float32)
     rc = lib.kv_attn_decode(
-        num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), qf.data_ptr(), out.data_ptr(),
-        lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
+        num_parts, desc, qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d, dim_v,
+        scale, softcap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native decode attention failed with status {rc}")
-    return out.to(q.device, q.dtype), lse.to(q.device)
+    return _back(out, q), _back(lse, q, torch.float32)
+
+
+def _cpu_f32(q: torch.Tensor) -> torch.Tensor:
+    """q as a contiguous fp32 CPU tensor (itself when it is one: no dispatch per call)."""
+    if q.dtype is torch.float32 and q.device.type == "cpu" and q.is_contiguous():
+        return q.detach()
+    return q.detach().to("cpu", torch.float32).contiguous()
+
+
+def _back(x: torch.Tensor, q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A native result x (fp32, CPU) on q's device, in `dtype` (q's by default)."""
+    dtype = q.dtype if dtype is None else dtype
+    if q.device.type == "cpu" and dtype is torch.float32:
+        return x
+    return x.to(q.device, dtype)
 
 
 def native_attention_batch(
@@ -143,7 +158,7 @@ def native_select_attention(
     q: torch.Tensor,
     desc: int,
     num_parts: int,
-    part_start: np.ndarray,
+    part_start: np.ndarray | ctypes.Array,
     summaries: torch.Tensor,
     page: int,
     pages: tuple[int, int, int],
@@ -153,40 +168,51 @@ def native_select_attention(
     softcap: float | None,
     chosen: np.ndarray | None = None,
     score: str = "max",
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+    coarse: tuple[torch.Tensor, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Query-aware decode attention of packed queries q [Hkv, M, D] in one native call
     (platform/csrc/select.cpp): each KV head scores pages c0 .. c1 - 1 of its
     `summaries` [Hkv, capacity, W] (fp32 or fp16, CPU, rows contiguous), chooses its
     `choose` best and attends them with keys [start, sink_end) and [recent_start,
     total), read from the `PartDesc` array at `desc` (parts back to back from key
-    part_start[p], int64). `pages` = (c0, c1, choose), `keys` = (start, sink_end,
-    recent_start, total); `chosen` [Hkv, choose] int64 receives the pages chosen
+    part_start[p]: an int64 array, numpy or ctypes). `pages` = (c0, c1, choose), `keys` =
+    (start, sink_end, recent_start, total); `chosen` [Hkv, choose] int64 receives the pages chosen
     (relative to c0). A page's score is its best query row's (`score` "max") or their
-    sum ("sum").
+    sum ("sum"). `coarse` = (summaries of groups of pages [Hkv, groups, W] as
+    `summaries`, pages per group, groups refined): two-level scoring (select.cpp).
 
     Returns (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M], keys attended over
-    all heads). The caller checks the library is loaded and M, D, Dv are within
-    NATIVE_MAX_*."""
+    all heads, summary rows scored over all heads). The caller checks the library is
+    loaded and M, D, Dv are within NATIVE_MAX_*."""
     lib = load()
     hkv, m, d = q.shape
-    qf = q.detach().to("cpu", torch.float32).contiguous()
+    if isinstance(part_start, np.ndarray):
+        assert part_start.dtype == np.int64 and part_start.flags.c_contiguous
+        part_start = part_start.ctypes.data
+    qf = _cpu_f32(q)
     out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
     lse = torch.empty((hkv, m), dtype=torch.float32)
-    attended = np.zeros(hkv, dtype=np.int64)
+    attended, scored = (ctypes.c_int64 * hkv)(), (ctypes.c_int64 * hkv)()
     c0, c1, choose = pages
     if chosen is not None:
         assert chosen.dtype == np.int64 and chosen.shape == (hkv, choose)
         assert chosen.flags.c_contiguous
+    if coarse is not None:
+        groups, group, nref = coarse
+        assert groups.dtype == summaries.dtype and groups.stride(-1) == 1
+        two = (groups.data_ptr(), groups.stride(0), group, nref)
+    else:
+        two = (None, 0, 0, 0)
     rc = lib.kv_attn_select_decode(
-        num_parts, ctypes.cast(desc, ctypes.POINTER(PartDesc)), part_start.ctypes.data,
-        qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0,
-        summaries.data_ptr(), int(summaries.dtype == torch.float16), int(score == "max"),
-        summaries.stride(0), summaries.shape[-1], page, c0, c1, choose, *keys, attended.ctypes.data,
-        None if chosen is None else chosen.ctypes.data, torch.get_num_threads(),
+        num_parts, desc, part_start, qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d,
+        dim_v, scale, softcap or 0.0, summaries.data_ptr(), summaries.dtype == torch.float16,
+        score == "max", summaries.stride(0), summaries.shape[-1], page, c0, c1, choose, *keys,
+        attended, None if chosen is None else chosen.ctypes.data, *two, scored,
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native query-aware decode attention failed with status {rc}")
-    return out.to(q.device, q.dtype), lse.to(q.device), int(attended.sum())
+    return _back(out, q), _back(lse, q, torch.float32), sum(attended), sum(scored)
 
 
 class HeadParts:

@@ -163,11 +163,20 @@ class AttentionRuntime:
         )
         self.reads = ReadPlanner(mgr, layout, groups, self.local, self.native)
         self.selector: KeySelector | None = None
+        self.set_selection(cc)
+
+    def set_selection(self, cc: CacheConfig) -> None:
+        """Query-aware key selection as `cc`'s attention_* fields give it (None: exact
+        attention) from the next step on; between steps only (the benchmarks compare
+        settings over one store's placement and cached prompt this way)."""
+        self.selector = None
         if cc.attention_budget is not None:
             self.selector = KeySelector(
-                cc.attention_budget, cc.attention_summary, cc.sink_tokens, device,
-                cc.attention_dense_layers, half=device.type == "cpu" and bool(self.native),
+                cc.attention_budget, cc.attention_summary, cc.sink_tokens, self.device,
+                cc.attention_dense_layers,
+                half=self.device.type == "cpu" and bool(self.native),
                 page=cc.attention_page, score=cc.attention_score,
+                coarse=cc.attention_coarse, refine=cc.attention_refine,
             )  # fmt: skip
 
     @property

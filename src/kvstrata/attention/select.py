@@ -13,9 +13,10 @@ chosen pages are read, from whichever tier holds them. On smollm2 at 8k with a b
 of 1/8 (8 windows, 1,008 tokens, `scripts/selection_sim.py`): ΔPPL +0.82 % with 4-token
 pages and the best head's score, +1.80 % summing; +1.96 % / +2.89 % with 8-token pages.
 
-Summaries live on the compute device in fp32: 2 x D values per page, layer and KV head
-with min/max (1/page of the K and V bytes of fp32 pages), D with the mean
-(bf16 summaries were measured slower to score on a CPU without bf16 arithmetic). They are
+Summaries live on the compute device in fp32 (fp16 on a CPU whose native kernel scores
+them): 2 x D values per page, layer and KV head with min/max (1/page of the K and V bytes
+of fp32 pages), D with the mean (bf16 summaries were measured slower to score on a CPU
+without bf16 arithmetic). They are
 computed from a prefill chunk's new keys as it is attended, or, for keys that did not
 pass through one (a prefix hit, decode steps, a chunk that starts inside a page), read
 once from the tier holding them.
@@ -46,6 +47,9 @@ class _Summaries:
     # [layers, Hkv, capacity, W] fp32: per-channel max then min (W = 2D), or mean (W = D)
     data: torch.Tensor
     filled: list[int]  # per local layer: pages 0 .. filled - 1 are summarised
+    # [layers, Hkv, capacity // group, W]: each group of `group` pages' summary (two
+    # levels), or None
+    groups: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,6 +66,8 @@ class Choice:
     sink_end: int
     recent_start: int
     total: int
+    groups: torch.Tensor | None = None  # the layer's group summaries (two levels)
+    refine: int = 0  # groups each head refines (two levels)
 
 
 @dataclass
@@ -118,26 +124,68 @@ def page_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     return summaries @ q.transpose(1, 2)
 
 
+def _scoring(qp: torch.Tensor, width: int, score: str, device: torch.device) -> torch.Tensor:
+    """Packed queries qp [Hkv, R, D] as the vectors summaries of `width` are scored with
+    [Hkv, R', width]: (q+, q-) for min/max, the rows summed first for "sum" (the scores
+    are linear in them)."""
+    q = qp.detach().to(device, torch.float32)
+    if width != q.shape[-1]:
+        q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+    return q.sum(dim=1, keepdim=True) if score == "sum" else q
+
+
+def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k best indices of scores [Hkv, n] (NaN first), ascending."""
+    return torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
 def choose_pages(
     summaries: torch.Tensor, qp: torch.Tensor, choose: int, score: str = "max"
 ) -> np.ndarray:
     """Each KV head's `choose` best pages [Hkv, choose] (sorted) from its summaries
     [Hkv, pages, W] and packed queries qp [Hkv, R, D], a page scored by its best query
     row's score (`score` "max") or their sum ("sum"). A NaN score is chosen first."""
-    heads, _, dim = qp.shape
-    q = qp.detach().to(summaries.device, torch.float32)
-    if summaries.shape[-1] != dim:
-        q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-    if score == "sum":  # the scores are linear in (q+, q-): sum the rows first
-        q = q.sum(dim=1, keepdim=True)
+    heads = qp.shape[0]
+    q = _scoring(qp, summaries.shape[-1], score, summaries.device)
     if choose == 0:
         return np.empty((heads, 0), dtype=np.int64)
     if summaries.device.type == "cpu":  # numpy: no torch dispatch per small op
         scores = np.matmul(summaries.float().numpy(), q.numpy().transpose(0, 2, 1)).max(-1)
         return np.sort(np.argpartition(scores, -choose, axis=-1)[:, -choose:], axis=-1)
-    scores = page_scores(q, summaries.float()).amax(dim=-1)
-    chosen = torch.topk(scores, choose, dim=-1, sorted=False).indices
-    return chosen.sort(dim=-1).values.cpu().numpy()
+    return _best(page_scores(q, summaries.float()).amax(dim=-1), choose).cpu().numpy()
+
+
+def choose_two_level(
+    summaries: torch.Tensor,
+    groups: torch.Tensor,
+    qp: torch.Tensor,
+    c0: int,
+    c1: int,
+    choose: int,
+    group: int,
+    refine: int,
+    score: str = "max",
+) -> tuple[np.ndarray, int]:
+    """(each KV head's `choose` best pages of [c0, c1), relative to c0 [Hkv, choose]
+    sorted; summary rows scored per head) with two levels: a layer's page summaries
+    [Hkv, capacity, W] and group summaries [Hkv, capacity // group, W] (group g of
+    pages [g * group, (g + 1) * group)). Each head scores the groups wholly inside
+    [c0, c1), keeps its `refine` best, and chooses among their pages and the pages of
+    the groups c0 or c1 cut — every page when no more than `refine` groups lie inside
+    (then it is `choose_pages`). As the native kernel (select.cpp) chooses."""
+    g0, g1 = -(-c0 // group), c1 // group
+    if choose == 0 or g1 - g0 <= refine:
+        return choose_pages(summaries[:, c0:c1], qp, choose, score), c1 - c0
+    heads, dev = qp.shape[0], summaries.device
+    q = _scoring(qp, summaries.shape[-1], score, dev)
+    kept = _best(page_scores(q, groups[:, g0:g1].float()).amax(dim=-1), refine) + g0
+    inner = (kept[..., None] * group + torch.arange(group, device=dev)).reshape(heads, -1)
+    left = torch.arange(c0, g0 * group, device=dev).expand(heads, -1)
+    right = torch.arange(g1 * group, c1, device=dev).expand(heads, -1)
+    cand = torch.cat([left, inner, right], dim=1)  # [Hkv, candidates], ascending
+    rows = summaries[torch.arange(heads, device=dev)[:, None], cand].float()
+    pick = _best(page_scores(q, rows).amax(dim=-1), choose)
+    return (cand.gather(1, pick) - c0).cpu().numpy(), (g1 - g0) + cand.shape[1]
 
 
 def union(chosen: np.ndarray) -> list[tuple[int, int]]:
@@ -168,6 +216,10 @@ class KeySelector:
         half: keep summaries in fp16 (half the bytes each step scores; the native CPU
             kernel's path, which converts them with F16C). A max or min rounded to
             fp16 moves a page's bound by at most 1 part in 2048.
+        coarse: pages per group summary (two levels: a head scores the groups, then
+            only the pages of its best); 0 for one level.
+        refine: with two levels, the groups each head refines per page it chooses
+            (at least a whole group's worth: ceil(refine * choose / coarse)).
     """
 
     budget: int | float
@@ -178,6 +230,8 @@ class KeySelector:
     half: bool = False
     page: int = PAGE_TOKENS
     score: str = "max"
+    coarse: int = 0
+    refine: float = 2.0
     stats: SelectionStats = field(default_factory=SelectionStats)
     _seqs: dict[Hashable, _Summaries] = field(default_factory=dict)
 
@@ -209,11 +263,21 @@ class KeySelector:
             width = 2 * dim if self.summary == "minmax" else dim
             dtype = torch.float16 if self.half else torch.float32
             data = torch.empty((layers, heads, cap, width), dtype=dtype, device=self.device)
+            groups = None
+            if self.coarse:
+                shape = (layers, heads, cap // self.coarse, width)
+                groups = torch.empty(shape, dtype=dtype, device=self.device)
             if entry is not None:
                 data[:, :, :old] = entry.data
-            entry = _Summaries(table, data, entry.filled if entry else [0] * layers)
+                if groups is not None:
+                    groups[:, :, : entry.groups.shape[2]] = entry.groups
+            entry = _Summaries(table, data, entry.filled if entry else [0] * layers, groups)
             self._seqs[key] = entry
         return entry
+
+    def refined(self, choose: int) -> int:
+        """Groups each head refines when it chooses `choose` pages (two levels)."""
+        return max(-(-int(self.refine * choose) // self.coarse), -(-choose // self.coarse), 1)
 
     def _put(self, entry: _Summaries, local: int, first: int, keys: torch.Tensor) -> None:
         """Summarise whole pages first, first + 1, ... from keys [Hkv, n * page, D]."""
@@ -228,6 +292,17 @@ class KeySelector:
         else:
             entry.data[local, :, first:end] = pages.mean(dim=2).to(self.device)
         entry.filled[local] = end
+        group = self.coarse
+        if group and end // group > first // group:  # the groups these pages complete
+            ga, gb = first // group, end // group
+            fine = entry.data[local, :, ga * group : gb * group].float()
+            fine = fine.reshape(heads, gb - ga, group, fine.shape[-1])
+            out = entry.groups[local, :, ga:gb]
+            if self.summary == "minmax":  # the bound of every page's bound
+                out[..., :dim] = fine[..., :dim].amax(dim=2)
+                out[..., dim:] = fine[..., dim:].amin(dim=2)
+            else:
+                out[:] = fine.mean(dim=2)
 
     def observe(
         self, key: Hashable, table: Any, layers: int, local: int, new_k: torch.Tensor, past: int
@@ -264,32 +339,47 @@ class KeySelector:
         page = self.page
         c0, c1 = sink_end // page, recent_start // page
         heads, _, dim = qp.shape
-        entry = self._entry(key, table, layers, heads, dim, c1)
+        entry = self._entry(key, table, layers, heads, dim, total // page)
         filled = entry.filled[local]
-        if filled < c1:
-            self._put(entry, local, filled, read_keys(filled * page, c1 * page))
-            self.stats.pages_summarised_from_tiers += c1 - filled
-        return Choice(entry.data[local], c0, c1, choose, start, sink_end, recent_start, total)
+        if filled < c1:  # every whole page stored: the next read is a window's pages away
+            upto = total // page
+            self._put(entry, local, filled, read_keys(filled * page, upto * page))
+            self.stats.pages_summarised_from_tiers += upto - filled
+        groups = entry.groups[local] if entry.groups is not None else None
+        refine = self.refined(choose) if groups is not None else 0
+        return Choice(
+            entry.data[local], c0, c1, choose, start, sink_end, recent_start, total, groups,
+            refine,
+        )  # fmt: skip
 
     def ranges(self, choice: Choice, qp: torch.Tensor) -> np.ndarray:
         """The key ranges each KV head attends, as rows (head, lo, hi) grouped by head
         (each head's sorted and disjoint)."""
         c = choice
-        pages = choose_pages(c.summaries[:, c.c0 : c.c1], qp, c.choose, self.score)
+        if c.groups is not None:
+            pages, rows = choose_two_level(
+                c.summaries, c.groups, qp, c.c0, c.c1, c.choose, self.coarse, c.refine,
+                self.score,
+            )  # fmt: skip
+        else:
+            pages = choose_pages(c.summaries[:, c.c0 : c.c1], qp, c.choose, self.score)
+            rows = c.c1 - c.c0
         out = _ranges(pages, c.c0, c.start, c.sink_end, c.recent_start, c.total, self.page)
-        self.record(c, qp.shape[0], int((out[:, 2] - out[:, 1]).sum()))
+        heads = qp.shape[0]
+        self.record(c, heads, int((out[:, 2] - out[:, 1]).sum()), heads * rows)
         return out
 
-    def record(self, choice: Choice, heads: int, attended: int) -> None:
+    def record(self, choice: Choice, heads: int, attended: int, scored: int) -> None:
         """Count one selecting decode attention that attended `attended` (key, KV head)
-        pairs (and scored every page's summary, when it chose any page)."""
+        pairs and scored `scored` summary rows (over its heads; none when it chose no
+        page)."""
         c = choice
         self.stats.layers += 1
         self.stats.keys_attended += attended
         self.stats.keys_in_context += heads * (c.total - c.start)
         if c.choose:
             row = c.summaries.shape[-1] * c.summaries.element_size()
-            self.stats.summary_bytes += heads * (c.c1 - c.c0) * row
+            self.stats.summary_bytes += scored * row
 
     def select(
         self,

@@ -12,6 +12,7 @@ chunk with the next one loading behind, and each head's partial is masked to its
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,13 +108,16 @@ def native_selected(
         or max(qp.shape[-1], rt.layout.dim_v) > NATIVE_MAX_DIM
     ):
         return None
-    starts = np.fromiter((lo for lo, _ in plan.spans), dtype=np.int64, count=len(plan.spans))
-    out, lse, attended = native_select_attention(
+    spans = plan.spans
+    starts = (ctypes.c_int64 * len(spans))(*[lo for lo, _ in spans])
+    sel = rt.selector
+    coarse = (c.groups, sel.coarse, c.refine) if c.groups is not None else None
+    out, lse, attended, scored = native_select_attention(
         qp, plan.native.at(local), plan.native.num_parts, starts, c.summaries,
-        rt.selector.page, (c.c0, c.c1, c.choose), (c.start, c.sink_end, c.recent_start, c.total),
-        rt.layout.dim_v, scale, softcap, score=rt.selector.score,
+        sel.page, (c.c0, c.c1, c.choose), (c.start, c.sink_end, c.recent_start, c.total),
+        rt.layout.dim_v, scale, softcap, score=sel.score, coarse=coarse,
     )  # fmt: skip
-    rt.selector.record(c, qp.shape[0], attended)
+    sel.record(c, qp.shape[0], attended, scored)
     return out, lse
 
 

@@ -2,13 +2,16 @@
 user meets it — the engine's greedy generation (its lean forward and native decode
 projections), full attention and each budget over the same placement.
 
-Per configuration and repeat, one Engine (no prefix cache) computes the prompt (the
-window's first context - `tokens` tokens) and decodes `tokens` tokens greedily; the
-configurations alternate within each repeat. Reported per configuration: decode ms per
-token (median of the gaps between outputs, over repeats), attention ms per decode step
-(inside the store's attention, all layers, median), both as ratios to full attention,
-and the share of decoded tokens equal to full attention's (greedy agreement: the first
-token that differs changes every later input, so this is a prefix).
+One Engine (with the first configuration's placement and prefix caching) computes the
+prompt (the window's first context - `tokens` tokens) once; then each configuration in
+turn, per repeat, decodes `tokens` tokens greedily from the cached prompt — its
+attention_* fields set on the store between requests (`set_selection`), so every
+configuration reads the same blocks where they lie. Reported per configuration: decode
+ms per token (median of the gaps between outputs, over repeats), attention ms per decode
+step (inside the store's attention, all layers, median), both as ratios to full
+attention, the share of decoded tokens equal to full attention's (greedy agreement: the
+first token that differs changes every later input, so this is a prefix) and the prompt
+tokens the request found cached.
 """
 
 from __future__ import annotations
@@ -19,38 +22,38 @@ import time
 from typing import Any
 
 
-def _one(model: Any, tokenizer: Any, ids: list[int], fields: dict, tokens: int) -> dict:
-    """One engine's greedy decode of `tokens` tokens after prompt `ids`."""
-    from kvstrata.engine import Engine, EngineConfig, SamplingParams
+def _one(engine: Any, ids: list[int], tokens: int) -> dict:
+    """One greedy decode of `tokens` tokens after prompt `ids` through `engine`."""
+    from kvstrata.engine import SamplingParams
 
-    config = EngineConfig(max_num_seqs=1)  # one request: the device holds one open block
-    engine = Engine(model, tokenizer, config=config, prefix_caching=False, **fields)
+    runtime = engine.store.runtime
+    spent = [0.0]
+    inner = runtime.attend
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    runtime.attend = timed
+    outs: list[tuple[float, float, list[int]]] = []
+    cached = [0]
+    done = threading.Event()
+
+    def on_output(out: Any) -> None:
+        outs.append((time.perf_counter(), spent[0], list(out.token_ids)))
+        cached[0] = max(cached[0], int(getattr(out, "cached_tokens", 0) or 0))
+        if out.finished:
+            done.set()
+
     try:
-        runtime = engine.store.runtime
-        spent = [0.0]
-        inner = runtime.attend
-
-        def timed(*args: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*args)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        runtime.attend = timed
-        outs: list[tuple[float, float, list[int]]] = []
-        done = threading.Event()
-
-        def on_output(out: Any) -> None:
-            outs.append((time.perf_counter(), spent[0], list(out.token_ids)))
-            if out.finished:
-                done.set()
-
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         engine.submit(ids, params, on_output=on_output, first_output=True)
         done.wait()
     finally:
-        engine.shutdown()
+        runtime.attend = inner
     # outs[0]: the prompt's first token; each later output: the tokens of its steps
     steps = [
         (b[0] - a[0], b[1] - a[1], len(b[2])) for a, b in zip(outs, outs[1:], strict=False) if b[2]
@@ -59,6 +62,7 @@ def _one(model: Any, tokenizer: Any, ids: list[int], fields: dict, tokens: int) 
         "token_ids": [t for _, _, new in outs for t in new],
         "step_s": [d / n for d, _, n in steps],
         "attention_s": [a / n for _, a, n in steps],
+        "cached": cached[0],
     }
 
 
@@ -72,14 +76,27 @@ def engine_decode(
     progress: Any = None,
 ) -> list[dict[str, Any]]:
     """Rows (config, decode_ms, attention_ms, decode_speedup, attention_speedup,
-    agreement) of greedy decoding through the Engine; the first config is the
-    baseline. `configs` maps a name to the CacheConfig fields of its store."""
+    agreement, cached_tokens) of greedy decoding through one Engine; the first config
+    is the baseline. `configs` maps a name to CacheConfig fields: every config's must
+    give the first's placement (only the attention_* fields may differ)."""
+    from kvstrata.config import CacheConfig
+    from kvstrata.engine import Engine, EngineConfig
+
     runs: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, fields in configs.items():
-            runs[name].append(_one(model, tokenizer, ids, fields, tokens))
-            if progress:
-                progress(1)
+    first = next(iter(configs.values()))
+    config = EngineConfig(max_num_seqs=1)  # one request: the device holds one open block
+    engine = Engine(model, tokenizer, config=config, prefix_caching=True, **first)
+    try:
+        runtime = engine.store.runtime
+        _one(engine, ids, 1)  # the prompt, computed once (then cached)
+        for _ in range(repeats):
+            for name, fields in configs.items():
+                runtime.set_selection(CacheConfig(**fields))
+                runs[name].append(_one(engine, ids, tokens))
+                if progress:
+                    progress(1)
+    finally:
+        engine.shutdown()
     base = next(iter(configs))
     ref = runs[base][0]["token_ids"]
 
@@ -101,5 +118,6 @@ def engine_decode(
             "decode_speedup": med(base, "step_s") / step,
             "attention_speedup": med(base, "attention_s") / attn if attn else None,
             "agreement": same / max(1, len(ref)),
+            "cached_tokens": min(run["cached"] for run in runs[name]),
         })  # fmt: skip
     return rows

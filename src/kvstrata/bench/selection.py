@@ -17,8 +17,9 @@ Per configuration, over the decoded tokens:
   attention ms / step          inside the store's attention, all layers (median)
 and the ratios to full attention. `--needle` adds passkey retrieval accuracy (depths
 10-90 %) at the context for every configuration (`kvstrata.quality.needle`); `--engine N`
-adds greedy decoding of N tokens through the Engine (`_selection_engine`): decode and
-attention ms per token, their ratios to full attention, and greedy agreement;
+adds greedy decoding of N tokens through one Engine that computes the prompt once
+(`_selection_engine`): decode and attention ms per token, their ratios to full
+attention, and greedy agreement;
 `--windows 0` leaves the teacher-forced rows out (speed only). `--positions P` runs the
 model with max_position_embeddings raised to P, its weights unchanged: a model of the same
 shape with longer positions, for speed at contexts beyond its own (RoPE past its trained
@@ -54,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page", type=int, default=None, help="keys per page (config's: 4)")
     parser.add_argument(
         "--score", default=None, help="a page's score for a KV head: max or sum of its heads'"
+    )
+    parser.add_argument(
+        "--coarse",
+        type=int,
+        default=None,
+        help="pages per group summary (0, one level: the default)",
+    )
+    parser.add_argument(
+        "--refine", type=float, default=None, help="groups refined per page chosen (config's: 2)"
     )
     parser.add_argument(
         "--dense-layers", type=int, default=0, help="first layers attending every key"
@@ -99,6 +109,8 @@ def measure(
     summary: str = "minmax",
     page: int | None = None,
     score: str | None = None,
+    coarse: int | None = None,
+    refine: float | None = None,
     dense_layers: int = 0,
     resident: float = 0.1,
     disk: bool = False,
@@ -132,8 +144,11 @@ def measure(
 
     page = CacheConfig.attention_page if page is None else page
     score = CacheConfig.attention_score if score is None else score
+    coarse = CacheConfig.attention_coarse if coarse is None else coarse
+    refine = CacheConfig.attention_refine if refine is None else refine
     fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary,
                                "attention_page": page, "attention_score": score,
+                               "attention_coarse": coarse, "attention_refine": refine,
                                "attention_dense_layers": dense_layers}
                           for n, b in zip(names[1:], budgets, strict=True)}  # fmt: skip
     acc = {n: {"nll": 0.0, "top1": 0, "steps": [], "attn": [], "kv": 0, "sum": 0} for n in names}
@@ -205,7 +220,8 @@ def measure(
             "attention_speedup": _timing.median(full["attn"]) / attn if attn else None,
         })  # fmt: skip
     result = {"model": model_name, "context": context, "scored": scored, "windows": windows,
-              "summary": summary, "page": page, "score": score,
+              "summary": summary, "page": page, "score": score, "coarse": coarse,
+              "refine": refine,
               "dense_layers": dense_layers, "resident": resident,
               "disk": disk, "rows": rows,
               "positions": getattr(cfg, "max_position_embeddings", None)}  # fmt: skip
@@ -216,11 +232,9 @@ def measure(
 
         prompt = list(texts[0][: context - engine_tokens])
         with tempfile.TemporaryDirectory(prefix="kvstrata-selection-") as tmp:
-            configs = {
-                name: {**placement(model, context, resident=resident, block_size=block_size,
-                                   disk_dir=f"{tmp}/{i}" if disk else None), **f}
-                for i, (name, f) in enumerate(fields.items())
-            }  # fmt: skip
+            place = placement(model, context, resident=resident, block_size=block_size,
+                              disk_dir=tmp if disk else None)  # fmt: skip
+            configs = {name: {**place, **f} for name, f in fields.items()}
             result["engine"] = engine_decode(
                 model, tokenizer, prompt, configs, engine_tokens, repeats, progress
             )
@@ -295,12 +309,14 @@ def run(args: argparse.Namespace) -> int:
         for v in args.budget.split(",")
         if v.strip()
     ]
-    chosen = {"attention_page": args.page, "attention_score": args.score}
+    chosen = {"attention_page": args.page, "attention_score": args.score,
+              "attention_coarse": args.coarse, "attention_refine": args.refine}  # fmt: skip
     CacheConfig(**{k: v for k, v in chosen.items() if v is not None})  # one-line errors first
     torch.set_num_threads(args.threads)
     result = measure(
         _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
-        summary=args.summary, page=args.page, score=args.score,
+        summary=args.summary, page=args.page, score=args.score, coarse=args.coarse,
+        refine=args.refine,
         dense_layers=args.dense_layers, resident=args.resident,
         disk=args.disk, block_size=args.block_size, needle=args.needle,
         engine_tokens=args.engine, repeats=args.repeats, positions=args.positions,
@@ -325,11 +341,12 @@ def run(args: argparse.Namespace) -> int:
     if "needle" in result:
         print("needle accuracy:", {k: f"{v:.0%}" for k, v in result["needle"].items()})
     if "engine" in result:
-        cols = ["config", "decode ms/token", "attn ms/token", "decode ×", "attn ×", "greedy ="]
+        cols = ["config", "decode ms/token", "attn ms/token", "decode ×", "attn ×", "greedy =",
+                "prompt cached"]  # fmt: skip
         rows = [
             [r["config"], f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}",
              f"{r['decode_speedup']:.2f}", f"{r['attention_speedup']:.2f}",
-             f"{r['agreement']:.0%}"]
+             f"{r['agreement']:.0%}", str(r["cached_tokens"])]
             for r in result["engine"]
         ]  # fmt: skip
         title = f"Engine greedy decode, {args.engine} tokens after {context - args.engine}"

@@ -1,7 +1,8 @@
 """CacheConfig flags shared by every command that builds a store, beyond the placement
 flags of `generate.add_placement_flags`: the remote tier's (`--remote-*`) and query-aware
 key selection's (`--attention-budget`, `--attention-summary`, `--attention-page`,
-`--attention-score`, `--attention-dense-layers`)."""
+`--attention-score`, `--attention-dense-layers`, `--attention-coarse`,
+`--attention-refine`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kvstrata.core.units import parse_float, parse_int
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
 ATTENTION_FIELDS = (
     "attention_budget", "attention_summary", "attention_page", "attention_score",
-    "attention_dense_layers",
+    "attention_dense_layers", "attention_coarse", "attention_refine",
 )  # fmt: skip
 
 
@@ -37,6 +38,15 @@ def add_cache_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--attention-dense-layers", type=int, default=None,
         help="with a budget: the first this many layers still attend every key",
+    )  # fmt: skip
+    g.add_argument(
+        "--attention-coarse", type=int, default=None,
+        help="pages per group summary (e.g. 16): a head scores groups, then its best "
+        "groups' pages; 0 (the default) scores every page",
+    )  # fmt: skip
+    g.add_argument(
+        "--attention-refine", type=float, default=None,
+        help="with --attention-coarse: groups refined per page chosen (2)",
     )  # fmt: skip
     add_remote_flags(g)
 

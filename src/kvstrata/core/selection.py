@@ -18,6 +18,11 @@ ATTENTION_BUDGET_HELP = (
 )
 DENSE_LAYERS_HELP = "first layers attended in full: an int >= 0 such as 2 (0: all select)"
 PAGE_HELP = f"keys per scored page: an int from 1 to {ATTENTION_PAGE_MAX} such as 4 or 8"
+COARSE_HELP = (
+    f"pages per group summary: 0 (score every page) or an int from 2 to {ATTENTION_PAGE_MAX} "
+    "such as 8"
+)
+REFINE_HELP = "groups refined per page chosen: a number >= 1 such as 2"
 
 
 def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -51,3 +56,14 @@ def check_selection(summary: Any, score: Any, page: Any, dense: Any) -> None:
         raise ConfigError.field("attention_page", page, PAGE_HELP)
     if type(dense) is not int or dense < 0:
         raise ConfigError.field("attention_dense_layers", dense, DENSE_LAYERS_HELP)
+
+
+def check_two_level(coarse: Any, refine: Any) -> float:
+    """attention_refine as a float; ConfigError for a bad attention_coarse or
+    attention_refine."""
+    if type(coarse) is not int or coarse == 1 or not 0 <= coarse <= ATTENTION_PAGE_MAX:
+        raise ConfigError.field("attention_coarse", coarse, COARSE_HELP)
+    ok = isinstance(refine, int | float) and not isinstance(refine, bool)
+    if not ok or not 1 <= refine < float("inf"):  # NaN fails the comparison too
+        raise ConfigError.field("attention_refine", refine, REFINE_HELP)
+    return float(refine)

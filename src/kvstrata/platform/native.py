@@ -27,8 +27,6 @@ import threading
 import warnings
 from pathlib import Path
 
-from kvstrata.core.formats import PartDesc
-
 __all__ = ["available", "load", "load_pio"]
 
 _DIR = Path(__file__).with_name("csrc")
@@ -78,8 +76,9 @@ for _name in ("int8", "int4v", "int4k", "fp8"):
     _dec = [_ci, _vp, _i64, _vp, _i64, _vp, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _ci]
     _SIGNATURES[f"kv_{_name}_dec"] = (_dec, _ci)
 # nparts, parts (kv_part array), q, out, lse, H, M, D, Dv, scale, softcap, threads
-_parts = ctypes.POINTER(PartDesc)
-_SIGNATURES["kv_attn_decode"] = ([_ci, _parts, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
+# (parts as an address: callers hold PartDesc arrays by address, and an int passes as a
+# void pointer with no cast per call)
+_SIGNATURES["kv_attn_decode"] = ([_ci, _vp, _vp, _vp, _vp] + [_i64] * 4 + [_f32, _f32, _ci], _ci)
 # S, nparts (int per sequence), parts (kv_part array address per sequence), q, out, lse,
 # H, M, D, Dv, scale, softcap, threads
 _SIGNATURES["kv_attn_decode_batch"] = (
@@ -87,16 +86,18 @@ _SIGNATURES["kv_attn_decode_batch"] = (
     _ci,
 )
 # nparts, parts, part_start, q, out, lse, H, M, D, Dv, scale, softcap, summ, summ_fp16,
-# summ_head_stride, W, page, c0, c1, choose, start, sink_end, recent_start, total,
-# attended, chosen (or None), threads
+# row_max, summ_head_stride, W, page, c0, c1, choose, start, sink_end, recent_start, total,
+# attended, chosen (or None), coarse (or None), coarse_head_stride, group, nref, scored
+# (or None), threads
 _SIGNATURES["kv_attn_select_decode"] = (
-    [_ci, _parts]
+    [_ci, _vp]
     + [_vp] * 4
     + [_i64] * 4
     + [_f32, _f32, _vp, _ci, _ci]
     + [_i64] * 10
-    + [_vp] * 2
-    + [_ci],
+    + [_vp] * 3
+    + [_i64] * 3
+    + [_vp, _ci],
     _ci,
 )
 # x, w, bias (or None), y, M, K, N, threads

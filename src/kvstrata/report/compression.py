@@ -224,7 +224,9 @@ def render_selection(d: dict[str, Any]) -> str:
         "(teacher-forced), full attention and each budget interleaved step by step; ΔPPL "
         "and top-1 agreement over the decoded tokens against full attention over the same "
         f"placement. Budgets are shares of the context; page summaries: {run['summary']} "
-        "(their bytes are in the KV read). Lossy: the default stays exact attention.\n"
+        f"of {run.get('page', '?')}-key pages, a KV head scoring a page by its query heads' "
+        f"{run.get('score', '?')} (their bytes are in the KV read). Lossy: the default "
+        "stays exact attention.\n"
     )
 
 

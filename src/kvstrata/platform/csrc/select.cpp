@@ -10,7 +10,10 @@
 // min: a query row's score is sum_d max(q_d max_d, q_d min_d), linear in the row's
 // positive and negative parts) or W = D (the mean: q . mean). A page's score for a head
 // is the best of its packed query rows' scores (row_max) or their sum (one product with
-// the rows' parts summed first).
+// the rows' parts summed first). With two levels, a head first scores coarse summaries
+// (one per group of pages, a bound of each of its pages' bounds with min/max) and then
+// only the pages of its best groups: fewer summary bytes read per step than one score
+// per page.
 //
 // Each head's chosen keys — [start, sink_end), the `choose` best pages of [c0, c1)
 // (page p is keys [p * page, (p + 1) * page)), [recent_start, total) — are attended
@@ -168,21 +171,28 @@ void score_pages(const float *qh, i64 R, i64 W, const void *base, i64 first, i64
 // `nparts` parts covering keys [start, total) back to back (part p holds keys from
 // part_start[p]). Summaries: page p of head h at summ + (h * summ_head_stride + p * W)
 // elements (fp16 when summ_fp16); a page scores its rows' best score when row_max, else
-// their sum. Writes out [H, M, Dv], lse [H, M], attended[h] (keys
-// head h attended) and, when `chosen` is not null, each head's chosen pages (relative
-// to c0, ascending) at chosen[h * choose ..]. Returns 0, or < 0: bad shapes (-1), a
+// their sum. Two levels when `coarse` is not null: group g's summary (of pages
+// [g * group, (g + 1) * group), the same width and type) at coarse + (h *
+// coarse_head_stride + g * W); each head scores the groups wholly inside [c0, c1),
+// keeps its `nref` best and chooses among their pages and the pages of the groups c0
+// or c1 cut (every page scored when no more than nref groups lie inside). Writes out
+// [H, M, Dv], lse [H, M], attended[h] (keys head h attended), scored[h] (summary rows
+// head h scored) and, when `chosen` is not null, each head's chosen pages (relative to
+// c0, ascending) at chosen[h * choose ..]. Returns 0, or < 0: bad shapes (-1), a
 // field it cannot read (-2, -3), out of memory (-4), keys no part covers (-5).
 extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64 *part_start,
                                      const float *q, float *out, float *lse, i64 H, i64 M, i64 D,
                                      i64 Dv, float scale, float softcap, const void *summ,
                                      int summ_fp16, int row_max, i64 summ_head_stride, i64 W, i64 page, i64 c0, i64 c1, i64 choose, i64 start,
                                      i64 sink_end, i64 recent_start, i64 total, i64 *attended,
-                                     i64 *chosen, int nth) {
+                                     i64 *chosen, const void *coarse, i64 coarse_head_stride,
+                                     i64 group, i64 nref, i64 *scored, int nth) {
   const i64 npages = c1 - c0;
   if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1 ||
       nparts < 1 || (W != D && W != 2 * D) || page < 1 || npages < 0 || choose < 0 ||
       choose > npages || !(start <= sink_end && sink_end <= recent_start && recent_start <= total) ||
-      (npages > 0 && (c0 * page < start || c1 * page > recent_start)))
+      (npages > 0 && (c0 * page < start || c1 * page > recent_start)) ||
+      (coarse && (group < 2 || nref < 1)))
     return -1;
   for (int p = 0; p < nparts; p++) {
     if (int rc = check_field(parts[p].k, D)) return rc;
@@ -190,6 +200,11 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
   }
   init_e4m3();
   const bool fp16 = summ_fp16 != 0;
+  // the groups wholly inside [c0, c1): two levels when more than nref of them
+  const i64 g0 = coarse ? (c0 + group - 1) / group : 0, g1 = coarse ? c1 / group : 0;
+  const bool two = coarse && choose > 0 && g1 - g0 > nref;
+  const i64 edges = two ? g0 * group - c0 + c1 - g1 * group : 0;
+  if (two && edges + nref * group < choose) return -1;
   try {
     // each head's scoring vectors [H, R, W]: every query row's (row_max), or one with
     // the rows summed
@@ -206,63 +221,119 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
             qr[D + d] += x < 0 ? x : 0.0f;
           }
         }
-    // page p's score (p in [c0, c1)) from the row of W summary values at `at`
-    auto score_at = [&](const float *qh, const void *base, i64 at, float *row) {
-      const float *sv = (const float *)base + at;
-      if (fp16) {
-        f16_to_f32((const f16 *)base + at, row, W);
-        sv = row;
-      }
-      float sc = dot(qh, sv, W);
-      for (i64 r = 1; r < R; r++) {
-        float x = dot(qh + r * W, sv, W);
-        sc = x > sc || x != x ? x : sc;
-      }
-      return sc != sc ? INFINITY : sc;  // NaN: chosen, it propagates
-    };
-    std::vector<std::vector<i64>> picks((size_t)H);
-    if (choose > 0) {
-      // every page's score [H, npages], chunks of pages over the threads
-      const i64 chunk = 256, nchunks = (npages + chunk - 1) / chunk;
-      std::vector<float> scores((size_t)(H * npages));
-      std::atomic<i64> next{0};
-      kv_parallel((int)std::min<i64>(nth, H * nchunks), [&](int) {
-        std::vector<float> row((size_t)W);
-        for (i64 i = next++; i < H * nchunks; i = next++) {
-          i64 h = i / nchunks, p0 = (i % nchunks) * chunk, p1 = std::min(npages, p0 + chunk);
+    // the scores of n summary rows of head h from row `first` on (of `base`, head
+    // stride `hs`) into sc[0 .. n): the best row's, NaN as +inf (chosen, it propagates)
+    auto score_rows = [&](i64 h, const void *base, i64 hs, i64 first, i64 n, float *sc,
+                          float *row) {
+      const float *qh = qs.data() + h * R * W;
+      const void *hb = fp16 ? (const void *)((const f16 *)base + h * hs)
+                            : (const void *)((const float *)base + h * hs);
 #ifdef KV_SIMD
-          if (W % 8 == 0) {
-            const float *qh = qs.data() + h * R * W;
-            const void *base = fp16 ? (const void *)((const f16 *)summ + h * summ_head_stride)
-                                    : (const void *)((const float *)summ + h * summ_head_stride);
-            float *out = scores.data() + h * npages;
-            if (fp16)
-              score_pages<true>(qh, R, W, base, c0, p0, p1, out);
-            else
-              score_pages<false>(qh, R, W, base, c0, p0, p1, out);
-            continue;
-          }
+      if (W % 8 == 0) {
+        if (fp16)
+          score_pages<true>(qh, R, W, hb, first, 0, n, sc);
+        else
+          score_pages<false>(qh, R, W, hb, first, 0, n, sc);
+        return;
+      }
 #endif
-          for (i64 p = p0; p < p1; p++)
-            scores[h * npages + p] =
-                score_at(qs.data() + h * R * W, summ, h * summ_head_stride + (c0 + p) * W, row.data());
+      for (i64 p = 0; p < n; p++) {
+        const float *sv = (const float *)hb + (first + p) * W;
+        if (fp16) {
+          f16_to_f32((const f16 *)hb + (first + p) * W, row, W);
+          sv = row;
+        }
+        float x = dot(qh, sv, W);
+        for (i64 r = 1; r < R; r++) {
+          float y = dot(qh + r * W, sv, W);
+          x = y > x || y != y ? y : x;
+        }
+        sc[p] = x != x ? INFINITY : x;
+      }
+    };
+    // score runs of rows over the threads: (head, base, head stride, first, n, out)
+    struct Run {
+      i64 h;
+      const void *base;
+      i64 hs, first, n;
+      float *out;
+    };
+    auto score_all = [&](const std::vector<Run> &runs) {
+      std::atomic<size_t> next{0};
+      kv_parallel((int)std::min<size_t>((size_t)nth, runs.size()), [&](int) {
+        std::vector<float> row((size_t)W);
+        for (size_t i = next++; i < runs.size(); i = next++) {
+          const Run &r = runs[i];
+          score_rows(r.h, r.base, r.hs, r.first, r.n, r.out, row.data());
         }
       });
-      std::vector<i64> pick((size_t)npages);
+    };
+    // runs of at most `chunk` rows: [first, first + n) of head h into out
+    auto add_runs = [](std::vector<Run> &runs, i64 h, const void *base, i64 hs, i64 first,
+                       i64 n, float *out, i64 chunk) {
+      for (i64 a = 0; a < n; a += chunk)
+        runs.push_back(Run{h, base, hs, first + a, std::min(chunk, n - a), out + a});
+    };
+    // the `k` best of scores sc[0 .. n) (ties: the lower index) into dst, ascending
+    auto best = [](const float *sc, i64 n, i64 k, std::vector<i64> &dst) {
+      std::vector<i64> pick((size_t)n);
+      for (i64 p = 0; p < n; p++) pick[p] = p;
+      auto better = [sc](i64 x, i64 y) { return sc[x] > sc[y] || (sc[x] == sc[y] && x < y); };
+      if (k < n) std::nth_element(pick.begin(), pick.begin() + k, pick.end(), better);
+      dst.assign(pick.begin(), pick.begin() + k);
+      std::sort(dst.begin(), dst.end());
+    };
+    std::vector<std::vector<i64>> picks((size_t)H);
+    if (choose > 0 && !two) {  // every page's score [H, npages]
+      std::vector<float> scores((size_t)(H * npages));
+      std::vector<Run> runs;
+      for (i64 h = 0; h < H; h++)
+        add_runs(runs, h, summ, summ_head_stride, c0, npages, scores.data() + h * npages, 256);
+      score_all(runs);
       for (i64 h = 0; h < H; h++) {
-        const float *sh = scores.data() + h * npages;
-        for (i64 p = 0; p < npages; p++) pick[p] = p;
-        auto better = [sh](i64 x, i64 y) { return sh[x] > sh[y] || (sh[x] == sh[y] && x < y); };
-        if (choose < npages) std::nth_element(pick.begin(), pick.begin() + choose, pick.end(), better);
-        picks[h].assign(pick.begin(), pick.begin() + choose);
+        best(scores.data() + h * npages, npages, choose, picks[h]);
+        if (scored) scored[h] = npages;
       }
+    } else if (two) {
+      // the groups' scores [H, g1 - g0], each head's nref best
+      const i64 ng = g1 - g0, ncand = edges + nref * group;
+      std::vector<float> gs((size_t)(H * ng)), cs((size_t)(H * ncand));
+      std::vector<Run> runs;
+      for (i64 h = 0; h < H; h++)
+        add_runs(runs, h, coarse, coarse_head_stride, g0, ng, gs.data() + h * ng, 64);
+      score_all(runs);
+      // candidates, ascending: the pages before g0's, those of the best groups, those
+      // from g1's on; cand[h * ncand + j] = page - c0
+      std::vector<i64> cand((size_t)(H * ncand)), groups;
+      runs.clear();
+      for (i64 h = 0; h < H; h++) {
+        best(gs.data() + h * ng, ng, nref, groups);
+        i64 *ch = cand.data() + h * ncand, j = 0;
+        float *out = cs.data() + h * ncand;
+        auto take = [&](i64 first, i64 n) {  // pages [first, first + n)
+          add_runs(runs, h, summ, summ_head_stride, first, n, out + j, 64);
+          for (i64 p = 0; p < n; p++) ch[j++] = first + p - c0;
+        };
+        take(c0, g0 * group - c0);
+        for (i64 g : groups) take((g0 + g) * group, group);
+        take(g1 * group, c1 - g1 * group);
+        if (scored) scored[h] = ng + ncand;
+      }
+      score_all(runs);
+      std::vector<i64> idx;
+      for (i64 h = 0; h < H; h++) {
+        best(cs.data() + h * ncand, ncand, choose, idx);
+        picks[h].resize((size_t)choose);
+        for (i64 i = 0; i < choose; i++) picks[h][i] = cand[h * ncand + idx[i]];
+      }
+    } else if (scored) {
+      for (i64 h = 0; h < H; h++) scored[h] = 0;
     }
     // each head's ranges in key order, then its segments of parts
     std::vector<std::vector<Seg>> segs((size_t)H);
     i64 most = 0;
     for (i64 h = 0; h < H; h++) {
-      std::vector<i64> &pick = picks[h];
-      std::sort(pick.begin(), pick.end());
+      const std::vector<i64> &pick = picks[h];
       if (chosen)
         for (i64 i = 0; i < choose; i++) chosen[h * choose + i] = pick[i];
       std::vector<std::pair<i64, i64>> ranges;
@@ -290,7 +361,10 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       most = std::max(most, count);
     }
     // attention: each head's keys split over the threads, merged per head
-    const i64 splits = num_splits(nth, H, most), per = (most + splits - 1) / splits;
+    // (at least 128 keys a split: a selected head's keys are few, and H items on nth
+    // threads leave some idle)
+    const i64 splits = nth <= 1 ? 1 : std::min<i64>((4 * nth + H - 1) / H, std::max<i64>(1, most / 128));
+    const i64 per = (most + splits - 1) / splits;
     std::vector<State> states((size_t)(H * splits));
     const Call C{nparts, parts, part_start, Job{q, M, D, Dv, scale, softcap}};
     std::atomic<i64> item{0};
