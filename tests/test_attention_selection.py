@@ -22,6 +22,7 @@ from kvstrata.attention.select import (
     PAGE_TOKENS,
     KeySelector,
     _ranges,
+    _scoring,
     choose_pages,
     choose_two_level,
     page_scores,
@@ -123,26 +124,27 @@ def _spy_ranges(monkeypatch, selector) -> list[tuple[str, np.ndarray]]:
     )
     native = selected_mod.native_select_attention
 
-    def spy(q, desc, n, starts, summaries, page, pages, keys, *rest, score, coarse):
-        assert (page, score) == (selector.page, selector.score)
+    def spy(q, desc, n, starts, summaries, page, pages, keys, *rest, score, coarse, channels):
+        assert (page, score, channels) == (selector.page, selector.score, selector.channels)
         c0, c1, choose = pages
         chosen = np.empty((q.shape[0], choose), dtype=np.int64)
         out = native(
             q, desc, n, starts, summaries, page, pages, keys, *rest, chosen=chosen, score=score,
-            coarse=coarse,
+            coarse=coarse, channels=channels,
         )  # fmt: skip
+        summaries = summaries.transpose(1, 2)  # channel-major as stored: [Hkv, pages, W]
         # the same pages as numpy's scoring (equal scores may be chosen either way)
-        qs = q.float()
-        if summaries.shape[-1] != q.shape[-1]:
-            qs = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], dim=-1)
-        rows = summaries[:, c0:c1].float() @ qs.transpose(1, 2)  # [Hkv, pages, R]
-        scores = rows.amax(-1) if score == "max" else rows.sum(-1)
+        qs = _scoring(q, summaries.shape[-1], score, torch.device("cpu"), channels)
+        scores = (summaries[:, c0:c1].float() @ qs.transpose(1, 2)).amax(-1)  # [Hkv, pages]
         if coarse is None:
-            want = choose_pages(summaries[:, c0:c1], q, choose, score)
+            want = choose_pages(summaries[:, c0:c1], q, choose, score, channels)
         else:
             groups, group, refine = coarse
             assert group == selector.coarse
-            want, _ = choose_two_level(summaries, groups, q, c0, c1, choose, group, refine, score)
+            want, _ = choose_two_level(
+                summaries, groups.transpose(1, 2), q, c0, c1, choose, group, refine, score,
+                channels,
+            )  # fmt: skip
         got_s, want_s = (np.sort(np.take_along_axis(scores.numpy(), p, 1)) for p in (chosen, want))
         np.testing.assert_allclose(got_s, want_s, rtol=1e-5, atol=1e-5)
         seen.append(("native", _ranges(chosen, c0, *keys, page)))

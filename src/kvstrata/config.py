@@ -26,6 +26,7 @@ from kvstrata.codecs.registry import get_codec, is_calibrated
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.selection import (
     check_budget,
+    check_channels,
     check_choice,
     check_selection,
     check_two_level,
@@ -127,6 +128,9 @@ class CacheConfig:
             groups (fewer summary bytes a step); 0 scores every page.
         attention_refine: with attention_coarse, the groups a head refines, as a
             multiple of the pages it chooses (>= 1; ceil(refine * chosen / coarse)).
+        attention_channels: each query row scores pages over its this many
+            largest-|q| channels only (SparQ's approximation; their summary rows are
+            all it reads); 0 scores every channel.
     """
 
     block_size: int = 64
@@ -160,6 +164,7 @@ class CacheConfig:
     attention_score: str = "max"
     attention_coarse: int = 0
     attention_refine: float = 2.0
+    attention_channels: int = 16
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -231,6 +236,7 @@ class CacheConfig:
         check_selection(self.attention_summary, self.attention_score, self.attention_page,
                         self.attention_dense_layers)  # fmt: skip
         put("attention_refine", check_two_level(self.attention_coarse, self.attention_refine))
+        check_channels(self.attention_channels)
         _bind_calibrated(self, put)
         _check_codecs(self)
         _check_remote(self, put)

@@ -169,20 +169,22 @@ def native_select_attention(
     chosen: np.ndarray | None = None,
     score: str = "max",
     coarse: tuple[torch.Tensor, int, int] | None = None,
+    channels: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Query-aware decode attention of packed queries q [Hkv, M, D] in one native call
     (platform/csrc/select.cpp): each KV head scores pages c0 .. c1 - 1 of its
-    `summaries` [Hkv, capacity, W] (fp32 or fp16, CPU, rows contiguous), chooses its
+    channel-major `summaries` [Hkv, W, capacity] (fp32 or fp16, CPU, pages contiguous)
+    — each query row over its `channels` largest-|q| channels (0: all) — chooses its
     `choose` best and attends them with keys [start, sink_end) and [recent_start,
     total), read from the `PartDesc` array at `desc` (parts back to back from key
     part_start[p]: an int64 array, numpy or ctypes). `pages` = (c0, c1, choose), `keys` =
     (start, sink_end, recent_start, total); `chosen` [Hkv, choose] int64 receives the pages chosen
     (relative to c0). A page's score is its best query row's (`score` "max") or their
-    sum ("sum"). `coarse` = (summaries of groups of pages [Hkv, groups, W] as
+    sum ("sum"). `coarse` = (summaries of groups of pages [Hkv, W, groups] as
     `summaries`, pages per group, groups refined): two-level scoring (select.cpp).
 
     Returns (out [Hkv, M, Dv] in q's dtype and device, lse [Hkv, M], keys attended over
-    all heads, summary rows scored over all heads). The caller checks the library is
+    all heads, summary values read over all heads). The caller checks the library is
     loaded and M, D, Dv are within NATIVE_MAX_*."""
     lib = load()
     hkv, m, d = q.shape
@@ -200,15 +202,16 @@ def native_select_attention(
     if coarse is not None:
         groups, group, nref = coarse
         assert groups.dtype == summaries.dtype and groups.stride(-1) == 1
-        two = (groups.data_ptr(), groups.stride(0), group, nref)
+        two = (groups.data_ptr(), groups.stride(0), groups.stride(1), group, nref)
     else:
-        two = (None, 0, 0, 0)
+        two = (None, 0, 0, 0, 0)
+    assert summaries.stride(-1) == 1
     rc = lib.kv_attn_select_decode(
         num_parts, desc, part_start, qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d,
         dim_v, scale, softcap or 0.0, summaries.data_ptr(), summaries.dtype == torch.float16,
-        score == "max", summaries.stride(0), summaries.shape[-1], page, c0, c1, choose, *keys,
-        attended, None if chosen is None else chosen.ctypes.data, *two, scored,
-        torch.get_num_threads(),
+        score == "max", summaries.stride(0), summaries.stride(1), summaries.shape[1], page,
+        c0, c1, choose, *keys, attended, None if chosen is None else chosen.ctypes.data, *two,
+        channels, scored, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native query-aware decode attention failed with status {rc}")

@@ -177,6 +177,7 @@ class AttentionRuntime:
                 half=self.device.type == "cpu" and bool(self.native),
                 page=cc.attention_page, score=cc.attention_score,
                 coarse=cc.attention_coarse, refine=cc.attention_refine,
+                channels=cc.attention_channels,
             )  # fmt: skip
 
     @property

@@ -44,19 +44,20 @@ class _Summaries:
     """Key summaries of one sequence's pages in one layer group."""
 
     table: Any  # the block table described; a new table (a new sequence) starts over
-    # [layers, Hkv, capacity, W] fp32: per-channel max then min (W = 2D), or mean (W = D)
+    # [layers, Hkv, W, capacity], channel-major: per-channel max then min (W = 2D), or
+    # mean (W = D), each a row over the pages
     data: torch.Tensor
     filled: list[int]  # per local layer: pages 0 .. filled - 1 are summarised
-    # [layers, Hkv, capacity // group, W]: each group of `group` pages' summary (two
+    # [layers, Hkv, W, capacity // group]: each group of `group` pages' summary (two
     # levels), or None
     groups: torch.Tensor | None = None
 
 
 @dataclass
 class Choice:
-    """One selecting decode attention's inputs: the layer's summaries [Hkv, capacity,
-    W], the pages c0 .. c1 - 1 it chooses `choose` of, the sinks [start, sink_end) and
-    the newest keys [recent_start, total)."""
+    """One selecting decode attention's inputs: the layer's summaries [Hkv, W,
+    capacity] (channel-major), the pages c0 .. c1 - 1 it chooses `choose` of, the sinks
+    [start, sink_end) and the newest keys [recent_start, total)."""
 
     summaries: torch.Tensor
     c0: int
@@ -124,35 +125,63 @@ def page_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     return summaries @ q.transpose(1, 2)
 
 
-def _scoring(qp: torch.Tensor, width: int, score: str, device: torch.device) -> torch.Tensor:
+def _scoring(
+    qp: torch.Tensor, width: int, score: str, device: torch.device, channels: int = 0
+) -> torch.Tensor:
     """Packed queries qp [Hkv, R, D] as the vectors summaries of `width` are scored with
-    [Hkv, R', width]: (q+, q-) for min/max, the rows summed first for "sum" (the scores
+    [Hkv, R', width]: each row kept to its `channels` largest |q_d| (0: all; ties: the
+    lower channel), then (q+, q-) for min/max, the rows summed for "sum" (the scores
     are linear in them)."""
     q = qp.detach().to(device, torch.float32)
-    if width != q.shape[-1]:
+    dim = q.shape[-1]
+    if 0 < channels < dim:
+        mag = q.abs().nan_to_num(nan=float("inf"))
+        # a stable descending sort: equal magnitudes keep the lower channel first
+        order = torch.sort(mag, dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, order[..., :channels], True)
+        q = q * keep
+    if width != dim:
         q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
     return q.sum(dim=1, keepdim=True) if score == "sum" else q
 
 
-def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Each row's k best indices of scores [Hkv, n] (NaN first), ascending."""
-    return torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+def _scores(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """Each page's score [Hkv, n] from its summary rows [Hkv, n, W] and scoring vectors
+    q [Hkv, R', W]: the best vector's. As the native kernel: a NaN among the values a
+    vector reads (nonzero coefficient) makes the page +inf (chosen first); a value it
+    does not read counts for nothing. numpy on the CPU (no torch dispatch per op)."""
+    if rows.device.type == "cpu":
+        r, v = rows.float().numpy(), q.numpy().transpose(0, 2, 1)
+        bad = np.isnan(r)
+        sc = np.matmul(np.where(bad, 0.0, r), v)
+        if bad.any():
+            sc[np.matmul(bad.astype(np.float32), (v != 0).astype(np.float32)) > 0] = np.inf
+        return sc.max(-1)
+    r = rows.float()
+    bad = r.isnan()
+    sc = r.nan_to_num(nan=0.0) @ q.transpose(1, 2)
+    sc = sc.masked_fill((bad.float() @ (q != 0).float().transpose(1, 2)) > 0, float("inf"))
+    return sc.amax(dim=-1)
+
+
+def _best(scores: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
+    """Each row's k best indices of scores [Hkv, n] (+inf first), ascending."""
+    if isinstance(scores, np.ndarray):
+        return np.sort(np.argpartition(scores, -k, axis=-1)[:, -k:], axis=-1)
+    return torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values.cpu().numpy()
 
 
 def choose_pages(
-    summaries: torch.Tensor, qp: torch.Tensor, choose: int, score: str = "max"
+    summaries: torch.Tensor, qp: torch.Tensor, choose: int, score: str = "max", channels: int = 0
 ) -> np.ndarray:
     """Each KV head's `choose` best pages [Hkv, choose] (sorted) from its summaries
     [Hkv, pages, W] and packed queries qp [Hkv, R, D], a page scored by its best query
-    row's score (`score` "max") or their sum ("sum"). A NaN score is chosen first."""
-    heads = qp.shape[0]
-    q = _scoring(qp, summaries.shape[-1], score, summaries.device)
+    row's score (`score` "max") or their sum ("sum"), each row over its `channels`
+    largest-|q| channels (0: all). A NaN score is chosen first."""
     if choose == 0:
-        return np.empty((heads, 0), dtype=np.int64)
-    if summaries.device.type == "cpu":  # numpy: no torch dispatch per small op
-        scores = np.matmul(summaries.float().numpy(), q.numpy().transpose(0, 2, 1)).max(-1)
-        return np.sort(np.argpartition(scores, -choose, axis=-1)[:, -choose:], axis=-1)
-    return _best(page_scores(q, summaries.float()).amax(dim=-1), choose).cpu().numpy()
+        return np.empty((qp.shape[0], 0), dtype=np.int64)
+    q = _scoring(qp, summaries.shape[-1], score, summaries.device, channels)
+    return _best(_scores(summaries, q), choose)
 
 
 def choose_two_level(
@@ -165,9 +194,10 @@ def choose_two_level(
     group: int,
     refine: int,
     score: str = "max",
+    channels: int = 0,
 ) -> tuple[np.ndarray, int]:
     """(each KV head's `choose` best pages of [c0, c1), relative to c0 [Hkv, choose]
-    sorted; summary rows scored per head) with two levels: a layer's page summaries
+    sorted; summaries scored per head) with two levels: a layer's page summaries
     [Hkv, capacity, W] and group summaries [Hkv, capacity // group, W] (group g of
     pages [g * group, (g + 1) * group)). Each head scores the groups wholly inside
     [c0, c1), keeps its `refine` best, and chooses among their pages and the pages of
@@ -175,16 +205,16 @@ def choose_two_level(
     (then it is `choose_pages`). As the native kernel (select.cpp) chooses."""
     g0, g1 = -(-c0 // group), c1 // group
     if choose == 0 or g1 - g0 <= refine:
-        return choose_pages(summaries[:, c0:c1], qp, choose, score), c1 - c0
+        return choose_pages(summaries[:, c0:c1], qp, choose, score, channels), c1 - c0
     heads, dev = qp.shape[0], summaries.device
-    q = _scoring(qp, summaries.shape[-1], score, dev)
-    kept = _best(page_scores(q, groups[:, g0:g1].float()).amax(dim=-1), refine) + g0
+    q = _scoring(qp, summaries.shape[-1], score, dev, channels)
+    kept = torch.from_numpy(_best(_scores(groups[:, g0:g1], q), refine)).to(dev) + g0
     inner = (kept[..., None] * group + torch.arange(group, device=dev)).reshape(heads, -1)
     left = torch.arange(c0, g0 * group, device=dev).expand(heads, -1)
     right = torch.arange(g1 * group, c1, device=dev).expand(heads, -1)
     cand = torch.cat([left, inner, right], dim=1)  # [Hkv, candidates], ascending
-    rows = summaries[torch.arange(heads, device=dev)[:, None], cand].float()
-    pick = _best(page_scores(q, rows).amax(dim=-1), choose)
+    rows = summaries[torch.arange(heads, device=dev)[:, None], cand]
+    pick = torch.from_numpy(_best(_scores(rows, q), choose)).to(dev)
     return (cand.gather(1, pick) - c0).cpu().numpy(), (g1 - g0) + cand.shape[1]
 
 
@@ -218,6 +248,9 @@ class KeySelector:
             fp16 moves a page's bound by at most 1 part in 2048.
         coarse: pages per group summary (two levels: a head scores the groups, then
             only the pages of its best); 0 for one level.
+        channels: each query row is scored over its this many largest-|q| channels
+            only (SparQ's approximation), reading only those channels' summary rows;
+            0 for every channel.
         refine: with two levels, the groups each head refines per page it chooses
             (at least a whole group's worth: ceil(refine * choose / coarse)).
     """
@@ -232,6 +265,7 @@ class KeySelector:
     score: str = "max"
     coarse: int = 0
     refine: float = 2.0
+    channels: int = 0
     stats: SelectionStats = field(default_factory=SelectionStats)
     _seqs: dict[Hashable, _Summaries] = field(default_factory=dict)
 
@@ -257,20 +291,20 @@ class KeySelector:
         entry = self._seqs.get(key)
         if entry is not None and entry.table is not table:
             entry = None
-        if entry is None or entry.data.shape[2] < pages:
-            old = entry.data.shape[2] if entry is not None else 0
+        if entry is None or entry.data.shape[3] < pages:
+            old = entry.data.shape[3] if entry is not None else 0
             cap = max(pages, 256, 2 * old)
             width = 2 * dim if self.summary == "minmax" else dim
             dtype = torch.float16 if self.half else torch.float32
-            data = torch.empty((layers, heads, cap, width), dtype=dtype, device=self.device)
+            data = torch.empty((layers, heads, width, cap), dtype=dtype, device=self.device)
             groups = None
             if self.coarse:
-                shape = (layers, heads, cap // self.coarse, width)
+                shape = (layers, heads, width, cap // self.coarse)
                 groups = torch.empty(shape, dtype=dtype, device=self.device)
             if entry is not None:
-                data[:, :, :old] = entry.data
+                data[..., :old] = entry.data
                 if groups is not None:
-                    groups[:, :, : entry.groups.shape[2]] = entry.groups
+                    groups[..., : entry.groups.shape[3]] = entry.groups
             entry = _Summaries(table, data, entry.filled if entry else [0] * layers, groups)
             self._seqs[key] = entry
         return entry
@@ -286,18 +320,19 @@ class KeySelector:
         if self.half:  # beyond fp16's range: its largest finite value, not inf
             pages = pages.clamp(-65504.0, 65504.0)
         end = first + pages.shape[1]
+        rows = entry.data[local].transpose(1, 2)  # [Hkv, capacity, W] view
         if self.summary == "minmax":
-            entry.data[local, :, first:end, :dim] = pages.amax(dim=2).to(self.device)
-            entry.data[local, :, first:end, dim:] = pages.amin(dim=2).to(self.device)
+            rows[:, first:end, :dim] = pages.amax(dim=2).to(self.device)
+            rows[:, first:end, dim:] = pages.amin(dim=2).to(self.device)
         else:
-            entry.data[local, :, first:end] = pages.mean(dim=2).to(self.device)
+            rows[:, first:end] = pages.mean(dim=2).to(self.device)
         entry.filled[local] = end
         group = self.coarse
         if group and end // group > first // group:  # the groups these pages complete
             ga, gb = first // group, end // group
-            fine = entry.data[local, :, ga * group : gb * group].float()
+            fine = rows[:, ga * group : gb * group].float()
             fine = fine.reshape(heads, gb - ga, group, fine.shape[-1])
-            out = entry.groups[local, :, ga:gb]
+            out = entry.groups[local].transpose(1, 2)[:, ga:gb]
             if self.summary == "minmax":  # the bound of every page's bound
                 out[..., :dim] = fine[..., :dim].amax(dim=2)
                 out[..., dim:] = fine[..., dim:].amin(dim=2)
@@ -356,30 +391,33 @@ class KeySelector:
         """The key ranges each KV head attends, as rows (head, lo, hi) grouped by head
         (each head's sorted and disjoint)."""
         c = choice
+        summaries = c.summaries.transpose(1, 2)  # [Hkv, capacity, W] views
         if c.groups is not None:
             pages, rows = choose_two_level(
-                c.summaries, c.groups, qp, c.c0, c.c1, c.choose, self.coarse, c.refine,
-                self.score,
+                summaries, c.groups.transpose(1, 2), qp, c.c0, c.c1, c.choose, self.coarse,
+                c.refine, self.score, self.channels,
             )  # fmt: skip
         else:
-            pages = choose_pages(c.summaries[:, c.c0 : c.c1], qp, c.choose, self.score)
+            pages = choose_pages(summaries[:, c.c0 : c.c1], qp, c.choose, self.score, self.channels)
             rows = c.c1 - c.c0
         out = _ranges(pages, c.c0, c.start, c.sink_end, c.recent_start, c.total, self.page)
-        heads = qp.shape[0]
-        self.record(c, heads, int((out[:, 2] - out[:, 1]).sum()), heads * rows)
+        terms = 0
+        if c.choose:  # the summary values each page's scoring reads (nonzero coefficients)
+            q = _scoring(qp, summaries.shape[-1], self.score, torch.device("cpu"), self.channels)
+            terms = int(torch.count_nonzero(q))
+        self.record(c, qp.shape[0], int((out[:, 2] - out[:, 1]).sum()), rows * terms)
         return out
 
     def record(self, choice: Choice, heads: int, attended: int, scored: int) -> None:
         """Count one selecting decode attention that attended `attended` (key, KV head)
-        pairs and scored `scored` summary rows (over its heads; none when it chose no
+        pairs and read `scored` summary values (over its heads; none when it chose no
         page)."""
         c = choice
         self.stats.layers += 1
         self.stats.keys_attended += attended
         self.stats.keys_in_context += heads * (c.total - c.start)
         if c.choose:
-            row = c.summaries.shape[-1] * c.summaries.element_size()
-            self.stats.summary_bytes += scored * row
+            self.stats.summary_bytes += scored * c.summaries.element_size()
 
     def select(
         self,

@@ -115,7 +115,7 @@ def native_selected(
     out, lse, attended, scored = native_select_attention(
         qp, plan.native.at(local), plan.native.num_parts, starts, c.summaries,
         sel.page, (c.c0, c.c1, c.choose), (c.start, c.sink_end, c.recent_start, c.total),
-        rt.layout.dim_v, scale, softcap, score=sel.score, coarse=coarse,
+        rt.layout.dim_v, scale, softcap, score=sel.score, coarse=coarse, channels=sel.channels,
     )  # fmt: skip
     sel.record(c, qp.shape[0], attended, scored)
     return out, lse

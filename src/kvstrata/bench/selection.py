@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--refine", type=float, default=None, help="groups refined per page chosen (config's: 2)"
     )
     parser.add_argument(
+        "--channels", type=int, default=None, help="query channels scored (config's: 16; 0: all)"
+    )
+    parser.add_argument(
         "--dense-layers", type=int, default=0, help="first layers attending every key"
     )
     parser.add_argument("--resident", type=float, default=0.1, help="device share of the KV")
@@ -111,6 +114,7 @@ def measure(
     score: str | None = None,
     coarse: int | None = None,
     refine: float | None = None,
+    channels: int | None = None,
     dense_layers: int = 0,
     resident: float = 0.1,
     disk: bool = False,
@@ -146,9 +150,11 @@ def measure(
     score = CacheConfig.attention_score if score is None else score
     coarse = CacheConfig.attention_coarse if coarse is None else coarse
     refine = CacheConfig.attention_refine if refine is None else refine
+    channels = CacheConfig.attention_channels if channels is None else channels
     fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary,
                                "attention_page": page, "attention_score": score,
                                "attention_coarse": coarse, "attention_refine": refine,
+                               "attention_channels": channels,
                                "attention_dense_layers": dense_layers}
                           for n, b in zip(names[1:], budgets, strict=True)}  # fmt: skip
     acc = {n: {"nll": 0.0, "top1": 0, "steps": [], "attn": [], "kv": 0, "sum": 0} for n in names}
@@ -221,7 +227,7 @@ def measure(
         })  # fmt: skip
     result = {"model": model_name, "context": context, "scored": scored, "windows": windows,
               "summary": summary, "page": page, "score": score, "coarse": coarse,
-              "refine": refine,
+              "refine": refine, "channels": channels,
               "dense_layers": dense_layers, "resident": resident,
               "disk": disk, "rows": rows,
               "positions": getattr(cfg, "max_position_embeddings", None)}  # fmt: skip
@@ -310,13 +316,14 @@ def run(args: argparse.Namespace) -> int:
         if v.strip()
     ]
     chosen = {"attention_page": args.page, "attention_score": args.score,
-              "attention_coarse": args.coarse, "attention_refine": args.refine}  # fmt: skip
+              "attention_coarse": args.coarse, "attention_refine": args.refine,
+              "attention_channels": args.channels}  # fmt: skip
     CacheConfig(**{k: v for k, v in chosen.items() if v is not None})  # one-line errors first
     torch.set_num_threads(args.threads)
     result = measure(
         _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
         summary=args.summary, page=args.page, score=args.score, coarse=args.coarse,
-        refine=args.refine,
+        refine=args.refine, channels=args.channels,
         dense_layers=args.dense_layers, resident=args.resident,
         disk=args.disk, block_size=args.block_size, needle=args.needle,
         engine_tokens=args.engine, repeats=args.repeats, positions=args.positions,

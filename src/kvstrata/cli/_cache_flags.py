@@ -2,7 +2,7 @@
 flags of `generate.add_placement_flags`: the remote tier's (`--remote-*`) and query-aware
 key selection's (`--attention-budget`, `--attention-summary`, `--attention-page`,
 `--attention-score`, `--attention-dense-layers`, `--attention-coarse`,
-`--attention-refine`)."""
+`--attention-refine`, `--attention-channels`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvstrata.core.units import parse_float, parse_int
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
 ATTENTION_FIELDS = (
     "attention_budget", "attention_summary", "attention_page", "attention_score",
-    "attention_dense_layers", "attention_coarse", "attention_refine",
+    "attention_dense_layers", "attention_coarse", "attention_refine", "attention_channels",
 )  # fmt: skip
 
 
@@ -47,6 +47,10 @@ def add_cache_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--attention-refine", type=float, default=None,
         help="with --attention-coarse: groups refined per page chosen (2)",
+    )  # fmt: skip
+    g.add_argument(
+        "--attention-channels", type=int, default=None,
+        help="query channels (largest |q|) each row scores pages over (16; 0: all)",
     )  # fmt: skip
     add_remote_flags(g)
 

@@ -23,6 +23,11 @@ COARSE_HELP = (
     "such as 8"
 )
 REFINE_HELP = "groups refined per page chosen: a number >= 1 such as 2"
+CHANNELS_MAX = 1024
+CHANNELS_HELP = (
+    f"query channels each row scores pages over: 0 (all) or an int from 1 to {CHANNELS_MAX} "
+    "such as 16 (more than the head dim: all)"
+)
 
 
 def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -67,3 +72,9 @@ def check_two_level(coarse: Any, refine: Any) -> float:
     if not ok or not 1 <= refine < float("inf"):  # NaN fails the comparison too
         raise ConfigError.field("attention_refine", refine, REFINE_HELP)
     return float(refine)
+
+
+def check_channels(channels: Any) -> None:
+    """ConfigError for a bad attention_channels."""
+    if type(channels) is not int or not 0 <= channels <= CHANNELS_MAX:
+        raise ConfigError.field("attention_channels", channels, CHANNELS_HELP)

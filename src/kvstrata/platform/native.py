@@ -86,17 +86,17 @@ _SIGNATURES["kv_attn_decode_batch"] = (
     _ci,
 )
 # nparts, parts, part_start, q, out, lse, H, M, D, Dv, scale, softcap, summ, summ_fp16,
-# row_max, summ_head_stride, W, page, c0, c1, choose, start, sink_end, recent_start, total,
-# attended, chosen (or None), coarse (or None), coarse_head_stride, group, nref, scored
-# (or None), threads
+# row_max, summ_head_stride, summ_row_stride, W, page, c0, c1, choose, start, sink_end,
+# recent_start, total, attended, chosen (or None), coarse (or None), coarse_head_stride,
+# coarse_row_stride, group, nref, channels, scored (or None), threads
 _SIGNATURES["kv_attn_select_decode"] = (
     [_ci, _vp]
     + [_vp] * 4
     + [_i64] * 4
     + [_f32, _f32, _vp, _ci, _ci]
-    + [_i64] * 10
+    + [_i64] * 11
     + [_vp] * 3
-    + [_i64] * 3
+    + [_i64] * 5
     + [_vp, _ci],
     _ci,
 )

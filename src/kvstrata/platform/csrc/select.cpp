@@ -6,11 +6,14 @@
 // per layer and a descriptor per chosen page; here it is one pass with no allocation
 // per page.
 //
-// Summaries: [H, pages, W] per layer, fp32 or fp16, with W = 2D (per-channel max, then
-// min: a query row's score is sum_d max(q_d max_d, q_d min_d), linear in the row's
-// positive and negative parts) or W = D (the mean: q . mean). A page's score for a head
-// is the best of its packed query rows' scores (row_max) or their sum (one product with
-// the rows' parts summed first). With two levels, a head first scores coarse summaries
+// Summaries: channel-major [H, W, pages] per layer, fp32 or fp16, with W = 2D
+// (per-channel max, then min: a query row's score is sum_d max(q_d max_d, q_d min_d) —
+// for each channel only its max or its min, by the sign of q_d) or W = D (the mean:
+// q . mean). A row may be scored over its largest-|q| channels only (SparQ's
+// approximation: Ribar et al., "SparQ Attention", 2023), reading only those channels'
+// rows. A page's score for a head is the best of its packed query rows' scores
+// (row_max) or their sum (one set of terms, the rows' coefficients summed). Scores are
+// accumulated 64 pages at a time in registers, one summary row after another. With two levels, a head first scores coarse summaries
 // (one per group of pages, a bound of each of its pages' bounds with min/max) and then
 // only the pages of its best groups: fewer summary bytes read per step than one score
 // per page.
@@ -22,6 +25,8 @@
 // pages are attended at whole-tile cost.
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <atomic>
 #include <vector>
 
@@ -109,90 +114,117 @@ void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, 
   if (fill) attend_rows(J, q, krow, vrow, fill, st, s);
 }
 
-#ifdef KV_SIMD
-// The scores of 4 pages (their W summary values at rows[u], fp16 or fp32) against RB
-// scoring vectors qr[j * W ..] into out[j * 4 + u] (W % 8 == 0), as attend.h's qk_block.
-template <int RB, bool F16>
-inline void score4(const float *qr, i64 W, const void *const *rows, float *out) {
-  __m256 acc[RB][4];
-  for (int j = 0; j < RB; j++)
-    for (int u = 0; u < 4; u++) acc[j][u] = _mm256_setzero_ps();
-  for (i64 d = 0; d < W; d += 8) {
-    __m256 qv[RB];
-    for (int j = 0; j < RB; j++) qv[j] = _mm256_loadu_ps(qr + j * W + d);
-    for (int u = 0; u < 4; u++) {
-      __m256 sv = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const f16 *)rows[u] + d)))
-                      : _mm256_loadu_ps((const float *)rows[u] + d);
-      for (int j = 0; j < RB; j++) acc[j][u] = _mm256_fmadd_ps(qv[j], sv, acc[j][u]);
+// One term of a scoring vector: coefficient c times summary row w (channel w's max,
+// or D + d: channel d's min; or channel w's mean).
+struct Term {
+  i64 w;
+  float c;
+};
+
+// acc[p] = sum over the terms t of t.c * row(t.w)[first + p], p in [0, n): rows of the
+// channel-major summaries `rs` elements apart from base (fp16 or fp32). Four rows at a
+// time, each streamed along its pages (one contiguous run per row: what the hardware
+// prefetcher follows), into acc (a few KiB: it stays in L1).
+template <bool F16>
+void axpy_rows(const Term *t, i64 nt, const void *base, i64 rs, i64 first, i64 n, float *acc) {
+  auto row = [base, rs, first](i64 w) {
+    return F16 ? (const void *)((const f16 *)base + w * rs + first)
+               : (const void *)((const float *)base + w * rs + first);
+  };
+  auto at = [](const void *r, i64 p) {
+    return F16 ? (float)((const f16 *)r)[p] : ((const float *)r)[p];
+  };
+  for (i64 p = 0; p < n; p++) acc[p] = 0.0f;
+  for (i64 i = 0; i < nt; i += 4) {
+    const int k = (int)std::min<i64>(4, nt - i);
+    const void *r[4];
+    float c[4];
+    for (int j = 0; j < 4; j++) {  // a short group repeats its last row with weight 0
+      r[j] = row(t[i + std::min(j, k - 1)].w);
+      c[j] = j < k ? t[i + j].c : 0.0f;
     }
+    i64 p = 0;
+#ifdef KV_SIMD
+    const __m256 c0 = _mm256_set1_ps(c[0]), c1 = _mm256_set1_ps(c[1]),
+                 c2 = _mm256_set1_ps(c[2]), c3 = _mm256_set1_ps(c[3]);
+    auto ld = [](const void *r, i64 p) {
+      return F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const f16 *)r + p)))
+                 : _mm256_loadu_ps((const float *)r + p);
+    };
+    for (; p + 8 <= n; p += 8) {
+      __m256 a = _mm256_loadu_ps(acc + p);
+      a = _mm256_fmadd_ps(c0, ld(r[0], p), a);
+      a = _mm256_fmadd_ps(c1, ld(r[1], p), a);
+      a = _mm256_fmadd_ps(c2, ld(r[2], p), a);
+      a = _mm256_fmadd_ps(c3, ld(r[3], p), a);
+      _mm256_storeu_ps(acc + p, a);
+    }
+#endif
+    for (; p < n; p++)
+      acc[p] += c[0] * at(r[0], p) + c[1] * at(r[1], p) + c[2] * at(r[2], p) + c[3] * at(r[3], p);
   }
-  for (int j = 0; j < RB; j++)
-    _mm_storeu_ps(out + j * 4, hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
 }
 
-// Scores of pages [p0, p1) (summary rows of W at base + (first + p) * W) against R
-// scoring vectors qh [R, W] into sc[p]: the best row's (R > 1) or the one row's, NaN
-// as +inf (chosen, it propagates).
+// Scores sc[0 .. n) of pages first .. first + n - 1 against `nvec` scoring vectors (the
+// terms of vector v: t[vs[v] .. vs[v + 1])): the best vector's score, NaN as +inf
+// (chosen, it propagates). acc: scratch of n.
 template <bool F16>
-void score_pages(const float *qh, i64 R, i64 W, const void *base, i64 first, i64 p0, i64 p1,
-                 float *sc) {
-  const i64 esize = F16 ? 2 : 4;
-  float part[3 * 4];
-  for (i64 p = p0; p < p1; p += 4) {
-    const void *rows[4];
-    for (int u = 0; u < 4; u++)
-      rows[u] = (const char *)base + (first + std::min(p + u, p1 - 1)) * W * esize;
-    float best[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    bool nan[4] = {false, false, false, false};
-    for (i64 r = 0; r < R; r += 3) {
-      i64 rb = std::min<i64>(3, R - r);
-      if (rb == 3)
-        score4<3, F16>(qh + r * W, W, rows, part);
-      else if (rb == 2)
-        score4<2, F16>(qh + r * W, W, rows, part);
-      else
-        score4<1, F16>(qh + r * W, W, rows, part);
-      for (i64 j = 0; j < rb; j++)
-        for (int u = 0; u < 4; u++) {
-          float x = part[j * 4 + u];
-          nan[u] |= x != x;
-          best[u] = x > best[u] ? x : best[u];
-        }
+void score_rows_cm(const Term *t, const i64 *vs, i64 nvec, const void *base, i64 rs, i64 first,
+                   i64 n, float *sc, float *acc) {
+  for (i64 v = 0; v < nvec; v++) {
+    float *out = v == 0 ? sc : acc;
+    axpy_rows<F16>(t + vs[v], vs[v + 1] - vs[v], base, rs, first, n, out);
+    i64 p = 0;
+#ifdef KV_SIMD
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    for (; p + 8 <= n; p += 8) {
+      __m256 x = _mm256_loadu_ps(out + p);
+      if (v > 0) x = _mm256_max_ps(x, _mm256_loadu_ps(sc + p));  // NaN x: sc's (masked next)
+      __m256 bad = _mm256_cmp_ps(_mm256_loadu_ps(out + p), _mm256_loadu_ps(out + p), _CMP_UNORD_Q);
+      if (v > 0) bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_loadu_ps(sc + p), inf, _CMP_EQ_OQ));
+      _mm256_storeu_ps(sc + p, _mm256_blendv_ps(x, inf, bad));
     }
-    for (int u = 0; u < 4 && p + u < p1; u++) sc[p + u] = nan[u] ? INFINITY : best[u];
+#endif
+    for (; p < n; p++) {
+      float x = out[p];
+      sc[p] = x != x ? INFINITY : (v == 0 || x > sc[p] ? x : sc[p]);
+    }
   }
 }
-#endif
 
 }  // namespace
 
 // Query-aware decode attention of one sequence in one layer: packed queries q
 // [H, M, D] over the keys each KV head chooses (see the top of this file), read from
 // `nparts` parts covering keys [start, total) back to back (part p holds keys from
-// part_start[p]). Summaries: page p of head h at summ + (h * summ_head_stride + p * W)
-// elements (fp16 when summ_fp16); a page scores its rows' best score when row_max, else
-// their sum. Two levels when `coarse` is not null: group g's summary (of pages
-// [g * group, (g + 1) * group), the same width and type) at coarse + (h *
-// coarse_head_stride + g * W); each head scores the groups wholly inside [c0, c1),
-// keeps its `nref` best and chooses among their pages and the pages of the groups c0
-// or c1 cut (every page scored when no more than nref groups lie inside). Writes out
-// [H, M, Dv], lse [H, M], attended[h] (keys head h attended), scored[h] (summary rows
-// head h scored) and, when `chosen` is not null, each head's chosen pages (relative to
-// c0, ascending) at chosen[h * choose ..]. Returns 0, or < 0: bad shapes (-1), a
-// field it cannot read (-2, -3), out of memory (-4), keys no part covers (-5).
+// part_start[p]). Summaries, channel-major: value w of page p of head h at summ + (h *
+// summ_head_stride + w * summ_row_stride + p) elements (fp16 when summ_fp16); each
+// query row is scored over its `channels` largest-|q| channels only (0: all of them);
+// a page scores its rows' best score when row_max, else their sum. Two levels when
+// `coarse` is not null: group g's summary (of pages [g * group, (g + 1) * group), the
+// same width and type) at coarse + (h * coarse_head_stride + w * coarse_row_stride +
+// g); each head scores the groups wholly inside [c0, c1), keeps its `nref` best and
+// chooses among their pages and the pages of the groups c0 or c1 cut (every page
+// scored when no more than nref groups lie inside). Writes out [H, M, Dv], lse [H, M],
+// attended[h] (keys head h attended), scored[h] (summary values head h read: pages
+// and groups scored times its scoring vectors' terms) and, when `chosen` is not null, each head's chosen pages (relative to c0,
+// ascending) at chosen[h * choose ..]. Returns 0, or < 0: bad shapes (-1), a field it
+// cannot read (-2, -3), out of memory (-4), keys no part covers (-5).
 extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64 *part_start,
                                      const float *q, float *out, float *lse, i64 H, i64 M, i64 D,
                                      i64 Dv, float scale, float softcap, const void *summ,
-                                     int summ_fp16, int row_max, i64 summ_head_stride, i64 W, i64 page, i64 c0, i64 c1, i64 choose, i64 start,
-                                     i64 sink_end, i64 recent_start, i64 total, i64 *attended,
-                                     i64 *chosen, const void *coarse, i64 coarse_head_stride,
-                                     i64 group, i64 nref, i64 *scored, int nth) {
+                                     int summ_fp16, int row_max, i64 summ_head_stride,
+                                     i64 summ_row_stride, i64 W, i64 page, i64 c0, i64 c1,
+                                     i64 choose, i64 start, i64 sink_end, i64 recent_start,
+                                     i64 total, i64 *attended, i64 *chosen, const void *coarse,
+                                     i64 coarse_head_stride, i64 coarse_row_stride, i64 group,
+                                     i64 nref, i64 channels, i64 *scored, int nth) {
   const i64 npages = c1 - c0;
   if (M > MAX_M || D > MAX_D || Dv > MAX_D || M < 1 || H < 1 || D < 1 || Dv < 1 ||
       nparts < 1 || (W != D && W != 2 * D) || page < 1 || npages < 0 || choose < 0 ||
       choose > npages || !(start <= sink_end && sink_end <= recent_start && recent_start <= total) ||
       (npages > 0 && (c0 * page < start || c1 * page > recent_start)) ||
-      (coarse && (group < 2 || nref < 1)))
+      (coarse && (group < 2 || nref < 1)) || channels < 0)
     return -1;
   for (int p = 0; p < nparts; p++) {
     if (int rc = check_field(parts[p].k, D)) return rc;
@@ -206,81 +238,91 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
   const i64 edges = two ? g0 * group - c0 + c1 - g1 * group : 0;
   if (two && edges + nref * group < choose) return -1;
   try {
-    // each head's scoring vectors [H, R, W]: every query row's (row_max), or one with
-    // the rows summed
-    const i64 R = row_max ? M : 1;
-    std::vector<float> qs((size_t)(H * R * W), 0.0f);
-    for (i64 h = 0; h < H; h++)
-      for (i64 m = 0; m < M; m++)
-        for (i64 d = 0; d < D; d++) {
-          float x = q[(h * M + m) * D + d], *qr = qs.data() + (h * R + (row_max ? m : 0)) * W;
-          if (W == D) {
-            qr[d] += x;
-          } else {
-            qr[d] += x > 0 ? x : 0.0f;
-            qr[D + d] += x < 0 ? x : 0.0f;
+    // each head's scoring vectors as terms (coefficient, summary row): one per query
+    // row (row_max) or one for their sum; a row's term for channel d is q_d times the
+    // channel's max (q_d > 0) or min (q_d < 0) — sum_d max(q_d max_d, q_d min_d) — or
+    // its mean
+    const i64 nvec = row_max ? M : 1, keep = channels == 0 || channels > D ? D : channels;
+    std::vector<std::vector<Term>> terms((size_t)H);
+    std::vector<std::vector<i64>> vstart((size_t)H);
+    {
+      std::vector<i64> idx((size_t)D);
+      std::vector<float> dense((size_t)W);
+      for (i64 h = 0; h < H; h++) {
+        vstart[h].push_back(0);
+        for (i64 m = 0; m < M; m++) {
+          const float *qm = q + (h * M + m) * D;
+          for (i64 d = 0; d < D; d++) idx[d] = d;
+          if (keep < D)  // the largest |q_d| (ties: the lower channel)
+            std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), [qm](i64 x, i64 y) {
+              auto mag = [](float v) { return v != v ? INFINITY : std::fabs(v); };  // NaN first
+              float ax = mag(qm[x]), ay = mag(qm[y]);
+              return ax > ay || (ax == ay && x < y);
+            });
+          if (row_max || m == 0) std::fill(dense.begin(), dense.end(), 0.0f);
+          for (i64 i = 0; i < keep; i++) {
+            const i64 d = idx[i];
+            const float x = qm[d];
+            dense[W == D || x > 0 ? d : D + d] += x;
+          }
+          if (row_max || m == M - 1) {
+            for (i64 w = 0; w < W; w++)
+              if (dense[w] != 0.0f || dense[w] != dense[w]) terms[h].push_back(Term{w, dense[w]});
+            vstart[h].push_back((i64)terms[h].size());
           }
         }
-    // the scores of n summary rows of head h from row `first` on (of `base`, head
-    // stride `hs`) into sc[0 .. n): the best row's, NaN as +inf (chosen, it propagates)
-    auto score_rows = [&](i64 h, const void *base, i64 hs, i64 first, i64 n, float *sc,
-                          float *row) {
-      const float *qh = qs.data() + h * R * W;
-      const void *hb = fp16 ? (const void *)((const f16 *)base + h * hs)
-                            : (const void *)((const float *)base + h * hs);
-#ifdef KV_SIMD
-      if (W % 8 == 0) {
-        if (fp16)
-          score_pages<true>(qh, R, W, hb, first, 0, n, sc);
-        else
-          score_pages<false>(qh, R, W, hb, first, 0, n, sc);
-        return;
       }
-#endif
-      for (i64 p = 0; p < n; p++) {
-        const float *sv = (const float *)hb + (first + p) * W;
-        if (fp16) {
-          f16_to_f32((const f16 *)hb + (first + p) * W, row, W);
-          sv = row;
-        }
-        float x = dot(qh, sv, W);
-        for (i64 r = 1; r < R; r++) {
-          float y = dot(qh + r * W, sv, W);
-          x = y > x || y != y ? y : x;
-        }
-        sc[p] = x != x ? INFINITY : x;
-      }
+    }
+    // the scores of n pages (or groups) of head h from `first` on (of `base`, head
+    // stride `hs`, row stride `rs`) into sc[0 .. n)
+    auto score_rows = [&](i64 h, const void *base, i64 hs, i64 rs, i64 first, i64 n, float *sc,
+                          float *acc) {
+      if (fp16)
+        score_rows_cm<true>(terms[h].data(), vstart[h].data(), nvec, (const f16 *)base + h * hs,
+                            rs, first, n, sc, acc);
+      else
+        score_rows_cm<false>(terms[h].data(), vstart[h].data(), nvec,
+                             (const float *)base + h * hs, rs, first, n, sc, acc);
     };
     // score runs of rows over the threads: (head, base, head stride, first, n, out)
     struct Run {
       i64 h;
       const void *base;
-      i64 hs, first, n;
+      i64 hs, rs, first, n;
       float *out;
     };
+    const i64 most_rows = 512;  // the longest run
     auto score_all = [&](const std::vector<Run> &runs) {
       std::atomic<size_t> next{0};
       kv_parallel((int)std::min<size_t>((size_t)nth, runs.size()), [&](int) {
-        std::vector<float> row((size_t)W);
+        std::vector<float> acc((size_t)most_rows);
         for (size_t i = next++; i < runs.size(); i = next++) {
           const Run &r = runs[i];
-          score_rows(r.h, r.base, r.hs, r.first, r.n, r.out, row.data());
+          score_rows(r.h, r.base, r.hs, r.rs, r.first, r.n, r.out, acc.data());
         }
       });
     };
-    // runs of at most `chunk` rows: [first, first + n) of head h into out
-    auto add_runs = [](std::vector<Run> &runs, i64 h, const void *base, i64 hs, i64 first,
-                       i64 n, float *out, i64 chunk) {
+    // runs of at most `chunk` pages: [first, first + n) of head h into out
+    auto add_runs = [](std::vector<Run> &runs, i64 h, const void *base, i64 hs, i64 rs,
+                       i64 first, i64 n, float *out, i64 chunk) {
       for (i64 a = 0; a < n; a += chunk)
-        runs.push_back(Run{h, base, hs, first + a, std::min(chunk, n - a), out + a});
+        runs.push_back(Run{h, base, hs, rs, first + a, std::min(chunk, n - a), out + a});
     };
     // the `k` best of scores sc[0 .. n) (ties: the lower index) into dst, ascending
+    // (one 64-bit key per score, larger = better: the score's bits in an order that
+    // compares as the floats do, then the complement of the index — a plain integer
+    // selection, no comparator reading the scores)
     auto best = [](const float *sc, i64 n, i64 k, std::vector<i64> &dst) {
-      std::vector<i64> pick((size_t)n);
-      for (i64 p = 0; p < n; p++) pick[p] = p;
-      auto better = [sc](i64 x, i64 y) { return sc[x] > sc[y] || (sc[x] == sc[y] && x < y); };
-      if (k < n) std::nth_element(pick.begin(), pick.begin() + k, pick.end(), better);
-      dst.assign(pick.begin(), pick.begin() + k);
+      std::vector<uint64_t> key((size_t)n);
+      for (i64 p = 0; p < n; p++) {
+        uint32_t u;
+        memcpy(&u, sc + p, 4);
+        u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+        key[p] = ((uint64_t)u << 32) | (uint32_t)(0xFFFFFFFFu - (uint32_t)p);
+      }
+      if (k < n) std::nth_element(key.begin(), key.begin() + k, key.end(), std::greater<uint64_t>());
+      dst.resize((size_t)k);
+      for (i64 i = 0; i < k; i++) dst[i] = (i64)(0xFFFFFFFFu - (uint32_t)key[i]);
       std::sort(dst.begin(), dst.end());
     };
     std::vector<std::vector<i64>> picks((size_t)H);
@@ -288,11 +330,12 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       std::vector<float> scores((size_t)(H * npages));
       std::vector<Run> runs;
       for (i64 h = 0; h < H; h++)
-        add_runs(runs, h, summ, summ_head_stride, c0, npages, scores.data() + h * npages, 256);
+        add_runs(runs, h, summ, summ_head_stride, summ_row_stride, c0, npages,
+                 scores.data() + h * npages, most_rows);
       score_all(runs);
       for (i64 h = 0; h < H; h++) {
         best(scores.data() + h * npages, npages, choose, picks[h]);
-        if (scored) scored[h] = npages;
+        if (scored) scored[h] = npages * (i64)terms[h].size();
       }
     } else if (two) {
       // the groups' scores [H, g1 - g0], each head's nref best
@@ -300,7 +343,8 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       std::vector<float> gs((size_t)(H * ng)), cs((size_t)(H * ncand));
       std::vector<Run> runs;
       for (i64 h = 0; h < H; h++)
-        add_runs(runs, h, coarse, coarse_head_stride, g0, ng, gs.data() + h * ng, 64);
+        add_runs(runs, h, coarse, coarse_head_stride, coarse_row_stride, g0, ng,
+                 gs.data() + h * ng, 128);
       score_all(runs);
       // candidates, ascending: the pages before g0's, those of the best groups, those
       // from g1's on; cand[h * ncand + j] = page - c0
@@ -311,13 +355,13 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
         i64 *ch = cand.data() + h * ncand, j = 0;
         float *out = cs.data() + h * ncand;
         auto take = [&](i64 first, i64 n) {  // pages [first, first + n)
-          add_runs(runs, h, summ, summ_head_stride, first, n, out + j, 64);
+          add_runs(runs, h, summ, summ_head_stride, summ_row_stride, first, n, out + j, 128);
           for (i64 p = 0; p < n; p++) ch[j++] = first + p - c0;
         };
         take(c0, g0 * group - c0);
         for (i64 g : groups) take((g0 + g) * group, group);
         take(g1 * group, c1 - g1 * group);
-        if (scored) scored[h] = ng + ncand;
+        if (scored) scored[h] = (ng + ncand) * (i64)terms[h].size();
       }
       score_all(runs);
       std::vector<i64> idx;
