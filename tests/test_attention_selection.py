@@ -478,3 +478,28 @@ def test_max_and_sum_scores_choose_by_the_best_row_or_the_rows_summed():
     mean[0, 1] = torch.tensor([0.5, 1, 1, 0])  # 5, 1, 1 -> sum 7
     assert choose_pages(mean, q, 1, "max").tolist() == [[0]]
     assert choose_pages(mean, q, 1, "sum").tolist() == [[1]]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("attention_coarse", 1, "pages per group summary: 0"),
+        ("attention_coarse", -2, "pages per group summary: 0"),
+        ("attention_coarse", 300, "pages per group summary: 0"),
+        ("attention_coarse", True, "pages per group summary: 0"),
+        ("attention_refine", 0.5, "groups refined per page chosen"),
+        ("attention_refine", float("nan"), "groups refined per page chosen"),
+        ("attention_refine", float("inf"), "groups refined per page chosen"),
+        ("attention_refine", "2", "groups refined per page chosen"),
+        ("attention_channels", -1, "query channels each row scores"),
+        ("attention_channels", 1.5, "query channels each row scores"),
+        ("attention_channels", 5000, "query channels each row scores"),
+    ],
+)
+def test_bad_two_level_or_channel_settings_are_one_line_errors(field, value, match):
+    with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid: {match}") as err:
+        CacheConfig(**{field: value})
+    assert "\n" not in str(err.value)
+    cc = CacheConfig(attention_coarse=16, attention_refine=4, attention_channels=0)
+    assert (cc.attention_coarse, cc.attention_refine, cc.attention_channels) == (16, 4.0, 0)
+    assert CacheConfig().attention_channels == 16 and CacheConfig().attention_coarse == 0

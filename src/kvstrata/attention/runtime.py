@@ -169,16 +169,8 @@ class AttentionRuntime:
         """Query-aware key selection as `cc`'s attention_* fields give it (None: exact
         attention) from the next step on; between steps only (the benchmarks compare
         settings over one store's placement and cached prompt this way)."""
-        self.selector = None
-        if cc.attention_budget is not None:
-            self.selector = KeySelector(
-                cc.attention_budget, cc.attention_summary, cc.sink_tokens, self.device,
-                cc.attention_dense_layers,
-                half=self.device.type == "cpu" and bool(self.native),
-                page=cc.attention_page, score=cc.attention_score,
-                coarse=cc.attention_coarse, refine=cc.attention_refine,
-                channels=cc.attention_channels,
-            )  # fmt: skip
+        half = self.device.type == "cpu" and bool(self.native)  # the native kernel's fp16
+        self.selector = KeySelector.from_config(cc, self.device, half)
 
     @property
     def step_tokens(self) -> dict[int, int]:

@@ -9,17 +9,23 @@ an upper bound of any of the page's logits; with the mean q . mean, an estimate 
 average — a KV head taking its query heads' best score for a page, or their sum
 (`attention_score`), and each KV head attends its own best pages within the budget,
 plus the sink pages and the newest keys, which every head always attends. Only the
-chosen pages are read, from whichever tier holds them. On smollm2 at 8k with a budget
-of 1/8 (8 windows, 1,008 tokens, `scripts/selection_sim.py`): ΔPPL +0.82 % with 4-token
-pages and the best head's score, +1.80 % summing; +1.96 % / +2.89 % with 8-token pages.
+chosen pages are read, from whichever tier holds them. A query row may score over its
+`channels` largest-|q| channels only (SparQ: Ribar et al., "SparQ Attention:
+Bandwidth-Efficient LLM Inference", 2023), and pages may be scored in two levels
+(`coarse`: a summary per group of pages first). On smollm2 at 8k with a budget of 1/8
+(8 windows, 1,008 tokens, `scripts/selection_sim.py`): ΔPPL +0.82 % with 4-token pages
+and the best head's score over every channel, +0.51 % over 16 channels, +1.80 %
+summing; +1.96 % / +2.89 % with 8-token pages.
 
 Summaries live on the compute device in fp32 (fp16 on a CPU whose native kernel scores
-them): 2 x D values per page, layer and KV head with min/max (1/page of the K and V bytes
-of fp32 pages), D with the mean (bf16 summaries were measured slower to score on a CPU
-without bf16 arithmetic). They are
-computed from a prefill chunk's new keys as it is attended, or, for keys that did not
-pass through one (a prefix hit, decode steps, a chunk that starts inside a page), read
-once from the tier holding them.
+them), channel-major — a row over the pages per channel's max, min or mean — so a
+query row reads only its channels' rows: 2 x D values per page, layer and KV head with
+min/max (1/page of the K and V bytes of fp32 pages), D with the mean (bf16 summaries
+were measured slower to score on a CPU without bf16 arithmetic). They are computed from
+a prefill chunk's new keys as it is attended, or, for keys that did not pass through
+one (a prefix hit, decode steps, a chunk that starts inside a page), read from the tier
+holding them: every whole page stored at once, so the next such read comes when the
+newest keys have moved on by the budget's newest share.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class SelectionStats:
     keys_attended: int = 0  # (key, KV head) pairs they attended
     keys_in_context: int = 0  # (key, KV head) pairs full attention would have attended
     pages_summarised_from_tiers: int = 0  # (page, layer) summaries read from a tier
-    summary_bytes: int = 0  # bytes of page summaries scored
+    summary_bytes: int = 0  # bytes of summary values read (pages scored x terms)
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -268,6 +274,18 @@ class KeySelector:
     channels: int = 0
     stats: SelectionStats = field(default_factory=SelectionStats)
     _seqs: dict[Hashable, _Summaries] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cc: CacheConfig, device: torch.device, half: bool) -> KeySelector | None:
+        """The selector of `cc`'s attention_* fields; None without a budget."""
+        if cc.attention_budget is None:
+            return None
+        return cls(
+            cc.attention_budget, cc.attention_summary, cc.sink_tokens, device,
+            cc.attention_dense_layers, half=half, page=cc.attention_page,
+            score=cc.attention_score, coarse=cc.attention_coarse, refine=cc.attention_refine,
+            channels=cc.attention_channels,
+        )  # fmt: skip
 
     def bounds(self, start: int, total: int) -> tuple[int, int, int] | None:
         """(sink_end, recent_start, pages to choose) when a decode over keys [start,

@@ -225,8 +225,9 @@ def render_selection(d: dict[str, Any]) -> str:
         "and top-1 agreement over the decoded tokens against full attention over the same "
         f"placement. Budgets are shares of the context; page summaries: {run['summary']} "
         f"of {run.get('page', '?')}-key pages, a KV head scoring a page by its query heads' "
-        f"{run.get('score', '?')} (their bytes are in the KV read). Lossy: the default "
-        "stays exact attention.\n"
+        f"{run.get('score', '?')}, each query row over its {run.get('channels', '?')} "
+        "largest-|q| channels (0: all; the summary values read are in the KV read). Lossy: "
+        "the default stays exact attention.\n"
     )
 
 

@@ -207,9 +207,10 @@ void score_rows_cm(const Term *t, const i64 *vs, i64 nvec, const void *base, i64
 // chooses among their pages and the pages of the groups c0 or c1 cut (every page
 // scored when no more than nref groups lie inside). Writes out [H, M, Dv], lse [H, M],
 // attended[h] (keys head h attended), scored[h] (summary values head h read: pages
-// and groups scored times its scoring vectors' terms) and, when `chosen` is not null, each head's chosen pages (relative to c0,
-// ascending) at chosen[h * choose ..]. Returns 0, or < 0: bad shapes (-1), a field it
-// cannot read (-2, -3), out of memory (-4), keys no part covers (-5).
+// and groups scored times its scoring vectors' terms) and, when `chosen` is not null,
+// each head's chosen pages (relative to c0, ascending) at chosen[h * choose ..].
+// Returns 0, or < 0: bad shapes (-1), a field it cannot read (-2, -3), out of memory
+// (-4), keys no part covers (-5).
 extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64 *part_start,
                                      const float *q, float *out, float *lse, i64 H, i64 M, i64 D,
                                      i64 Dv, float scale, float softcap, const void *summ,
@@ -284,7 +285,8 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
         score_rows_cm<false>(terms[h].data(), vstart[h].data(), nvec,
                              (const float *)base + h * hs, rs, first, n, sc, acc);
     };
-    // score runs of rows over the threads: (head, base, head stride, first, n, out)
+    // runs of pages scored over the threads: head, base, head and row strides, pages
+    // [first, first + n), their scores' place
     struct Run {
       i64 h;
       const void *base;
