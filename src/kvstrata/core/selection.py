@@ -20,7 +20,7 @@ DENSE_LAYERS_HELP = "first layers attended in full: an int >= 0 such as 2 (0: al
 PAGE_HELP = f"keys per scored page: an int from 1 to {ATTENTION_PAGE_MAX} such as 4 or 8"
 COARSE_HELP = (
     f"pages per group summary: 0 (score every page) or an int from 2 to {ATTENTION_PAGE_MAX} "
-    "such as 8"
+    "such as 16"
 )
 REFINE_HELP = "groups refined per page chosen: a number >= 1 such as 2"
 CHANNELS_MAX = 1024
