@@ -246,20 +246,21 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
     const i64 nvec = row_max ? M : 1, keep = channels == 0 || channels > D ? D : channels;
     std::vector<std::vector<Term>> terms((size_t)H);
     std::vector<std::vector<i64>> vstart((size_t)H);
-    {
+    if (choose > 0) {
       std::vector<i64> idx((size_t)D);
-      std::vector<float> dense((size_t)W);
+      std::vector<float> mag((size_t)D), dense((size_t)W);
       for (i64 h = 0; h < H; h++) {
         vstart[h].push_back(0);
         for (i64 m = 0; m < M; m++) {
           const float *qm = q + (h * M + m) * D;
           for (i64 d = 0; d < D; d++) idx[d] = d;
-          if (keep < D)  // the largest |q_d| (ties: the lower channel)
-            std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), [qm](i64 x, i64 y) {
-              auto mag = [](float v) { return v != v ? INFINITY : std::fabs(v); };  // NaN first
-              float ax = mag(qm[x]), ay = mag(qm[y]);
-              return ax > ay || (ax == ay && x < y);
+          if (keep < D) {  // the largest |q_d| (ties: the lower channel; NaN first)
+            for (i64 d = 0; d < D; d++) mag[d] = qm[d] != qm[d] ? INFINITY : std::fabs(qm[d]);
+            const float *mg = mag.data();
+            std::nth_element(idx.begin(), idx.begin() + keep, idx.end(), [mg](i64 x, i64 y) {
+              return mg[x] > mg[y] || (mg[x] == mg[y] && x < y);
             });
+          }
           if (row_max || m == 0) std::fill(dense.begin(), dense.end(), 0.0f);
           for (i64 i = 0; i < keep; i++) {
             const i64 d = idx[i];
