@@ -524,3 +524,26 @@ def test_cached_blocks_are_ranked_in_the_hash_index() -> None:
     ranks = list(mgr.hash_to_block.ascending("device"))
     assert ranks == [((mgr.pool.blocks[block_id].last_access, -block_id), block_id)]
     assert mgr.cached == {block_id} and mgr.occupancy()["device"]["cached_blocks"] == 1
+
+
+def test_a_crop_into_a_lower_tier_block_makes_room_among_the_cut_blocks_left_cached() -> None:
+    """Cropping into a block on the host reopens it on the device; the cut blocks that
+    held the device stay cached (they are hashed), so one of them moves down to make the
+    slot — still found by its hash — instead of the crop failing."""
+    mgr = _manager("window", [2, 8])
+    mgr.add_sequence(0)
+    mgr.append([0], 8)
+    mgr.end_step([0])
+    for i, block_id in enumerate(mgr.tables[0].block_ids):
+        assert mgr.set_hash(block_id, bytes([i]), (i,))
+    assert [b.tier for b in mgr.blocks_of(0)] == ["host", "host", "device", "device"]
+    mgr.truncate(0, 3)
+    blocks = mgr.blocks_of(0)
+    assert mgr.num_tokens(0) == 3 and [b.tier for b in blocks] == ["host", "device"]
+    assert blocks[1].num_tokens == 1 and blocks[1].block_hash is None  # reopened
+    for h in (bytes([2]), bytes([3])):  # the cut blocks: cached, one moved to the host
+        assert mgr.pool.blocks[mgr.hash_to_block.get(h)].ref_count == 0
+    assert sorted(mgr.pool.blocks[mgr.hash_to_block.get(h)].tier for h in (b"\x02", b"\x03")) == [
+        "device",
+        "host",
+    ]

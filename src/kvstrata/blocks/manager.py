@@ -74,6 +74,7 @@ class BlockManager:
     bytes_moved = _shared("bytes_moved")
     keep_skipped_blocks = _shared("keep_skipped_blocks")
     on_move = _shared("on_move")
+    on_truncate = _shared("on_truncate")
 
     def __init__(
         self,
@@ -208,8 +209,28 @@ class BlockManager:
             self._cached.unhash(last)
             last.num_tokens = num_tokens % bs
             if last.tier != device:  # a partial block must be on the device
+                if state.tiers[device].num_free < 1:  # the tail's blocks stayed cached
+                    self._make_device_slot(last.tier)
                 self._applier.move([last], device)
         state.runs_by_table.pop(seq_id, None)
+        if state.on_truncate is not None:
+            state.on_truncate(seq_id, num_tokens)
+
+    def _make_device_slot(self, lower: str) -> None:
+        """Free one device slot held by an unreferenced cached block (the check before
+        counted them as free): the oldest one moves to tier `lower` when it has room,
+        else it is dropped from the cache."""
+        state = self.state
+        device = state.tier_order[0]
+        oldest = next(state.hash_to_block.ascending(device), None)
+        if oldest is None:
+            raise OutOfBlocksError(self._no_device_slot("a cropped block"))
+        block = state.pool.blocks[oldest[1]]
+        if state.tiers[lower].num_free > 0:
+            self._applier.move([block], lower)
+        else:
+            self._cached.evict_cached(block.block_id)
+            self.num_evicted_cached += 1
 
     def abort_step(self, seq_id: Hashable, num_tokens: int) -> None:
         """Undo a step that failed before `end_step`: the table goes back to its
@@ -234,6 +255,8 @@ class BlockManager:
                 self._cached.decref(block_id)
             state.hold(seq_id)
             state.runs_by_table.pop(seq_id, None)
+            if state.on_truncate is not None:
+                state.on_truncate(seq_id, num_tokens)
             return
         self.end_step([seq_id])
         self.truncate(seq_id, num_tokens)
