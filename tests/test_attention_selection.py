@@ -503,3 +503,34 @@ def test_bad_two_level_or_channel_settings_are_one_line_errors(field, value, mat
     cc = CacheConfig(attention_coarse=16, attention_refine=4, attention_channels=0)
     assert (cc.attention_coarse, cc.attention_refine, cc.attention_channels) == (16, 4.0, 0)
     assert CacheConfig().attention_channels == 16 and CacheConfig().attention_coarse == 0
+
+
+def test_a_truncated_sequence_is_summarised_again_from_its_new_keys(tmp_path):
+    """Truncating a sequence (crop, a failed forward undone) drops the summaries of the
+    pages it cut: keys written at those positions afterwards are scored from their own
+    summaries, not from the old keys'."""
+    store = _store("host", tmp_path, attention_budget=96, attention_channels=0)
+    seq, _ = store.add_sequence([])
+    old, new = _history(1), _history(2)
+    _prefill(store, seq, old, attend=True)  # pages 0 .. 79 summarised from `old`
+    cut = 100
+    store.truncate(seq, cut)
+    kv = [(torch.cat([ko[:, :cut], kn[:, cut:]], 1), torch.cat([vo[:, :cut], vn[:, cut:]], 1))
+          for (ko, vo), (kn, vn) in zip(old, new, strict=True)]  # fmt: skip
+    _step(store, seq, kv, cut, HISTORY + 1)
+    g = torch.Generator().manual_seed(4)
+    for layer in range(LAYERS):
+        k, v = kv[layer]
+        q = torch.randn(HEADS, 1, DIM, generator=g)
+        store.runtime.attend(
+            layer, seq, q, k[:, HISTORY:], v[:, HISTORY:], 0.3, None, None, None, None
+        )
+    selector = store.runtime.selector
+    entry = next(iter(selector._seqs.values()))
+    page = selector.page
+    for layer in range(LAYERS):
+        k = kv[layer][0][:, : HISTORY // page * page].reshape(KV_HEADS, -1, page, DIM)
+        want = torch.cat([k.amax(2), k.amin(2)], -1)  # [Hkv, pages, 2D]
+        got = entry.data[layer].transpose(1, 2)[:, : want.shape[1]].float()
+        torch.testing.assert_close(got, want.to(got.dtype).float(), atol=1e-2, rtol=1e-3)
+    store.close()

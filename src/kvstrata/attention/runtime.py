@@ -164,6 +164,8 @@ class AttentionRuntime:
         self.reads = ReadPlanner(mgr, layout, groups, self.local, self.native)
         self.selector: KeySelector | None = None
         self.set_selection(cc)
+        # a table cut back (a crop, an undone step): its summaries past the cut go
+        mgr.on_truncate = lambda key, n: self.selector and self.selector.truncate(key, n)
 
     def set_selection(self, cc: CacheConfig) -> None:
         """Query-aware key selection as `cc`'s attention_* fields give it (None: exact

@@ -305,6 +305,14 @@ class KeySelector:
         """Drop the summaries of sequences whose table `live(key)` no longer returns."""
         self._seqs = {k: s for k, s in self._seqs.items() if live(k) is s.table}
 
+    def truncate(self, key: Hashable, num_tokens: int) -> None:
+        """Table `key` keeps its first `num_tokens` tokens: pages past them are
+        summarised again from the keys stored there next (groups too: `_put` redoes
+        the group a first page falls in)."""
+        entry = self._seqs.get(key)
+        if entry is not None:
+            entry.filled = [min(f, num_tokens // self.page) for f in entry.filled]
+
     def _entry(self, key: Hashable, table: Any, layers: int, heads: int, dim: int, pages: int):
         entry = self._seqs.get(key)
         if entry is not None and entry.table is not table:
