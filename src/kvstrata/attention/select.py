@@ -30,6 +30,7 @@ newest keys have moved on by the budget's newest share.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +191,33 @@ def choose_pages(
     return _best(_scores(summaries, q), choose)
 
 
+def _choose(
+    summaries: torch.Tensor,
+    groups: torch.Tensor | None,
+    q: torch.Tensor,
+    c0: int,
+    c1: int,
+    choose: int,
+    group: int,
+    refine: int,
+) -> tuple[np.ndarray, int]:
+    """(the `choose` best pages of [c0, c1) relative to c0 [Hkv, choose], pages scored
+    per head) from a layer's page summaries [Hkv, capacity, W] — and group summaries,
+    two levels (`choose_two_level`) — and scoring vectors q (`_scoring`); choose >= 1."""
+    g0, g1 = (-(-c0 // group), c1 // group) if groups is not None else (0, 0)
+    if groups is None or g1 - g0 <= refine:
+        return _best(_scores(summaries[:, c0:c1], q), choose), c1 - c0
+    heads, dev = q.shape[0], summaries.device
+    kept = torch.from_numpy(_best(_scores(groups[:, g0:g1], q), refine)).to(dev) + g0
+    inner = (kept[..., None] * group + torch.arange(group, device=dev)).reshape(heads, -1)
+    left = torch.arange(c0, g0 * group, device=dev).expand(heads, -1)
+    right = torch.arange(g1 * group, c1, device=dev).expand(heads, -1)
+    cand = torch.cat([left, inner, right], dim=1)  # [Hkv, candidates], ascending
+    rows = summaries[torch.arange(heads, device=dev)[:, None], cand]
+    pick = torch.from_numpy(_best(_scores(rows, q), choose)).to(dev)
+    return (cand.gather(1, pick) - c0).cpu().numpy(), (g1 - g0) + cand.shape[1]
+
+
 def choose_two_level(
     summaries: torch.Tensor,
     groups: torch.Tensor,
@@ -209,19 +237,10 @@ def choose_two_level(
     [c0, c1), keeps its `refine` best, and chooses among their pages and the pages of
     the groups c0 or c1 cut — every page when no more than `refine` groups lie inside
     (then it is `choose_pages`). As the native kernel (select.cpp) chooses."""
-    g0, g1 = -(-c0 // group), c1 // group
-    if choose == 0 or g1 - g0 <= refine:
-        return choose_pages(summaries[:, c0:c1], qp, choose, score, channels), c1 - c0
-    heads, dev = qp.shape[0], summaries.device
-    q = _scoring(qp, summaries.shape[-1], score, dev, channels)
-    kept = torch.from_numpy(_best(_scores(groups[:, g0:g1], q), refine)).to(dev) + g0
-    inner = (kept[..., None] * group + torch.arange(group, device=dev)).reshape(heads, -1)
-    left = torch.arange(c0, g0 * group, device=dev).expand(heads, -1)
-    right = torch.arange(g1 * group, c1, device=dev).expand(heads, -1)
-    cand = torch.cat([left, inner, right], dim=1)  # [Hkv, candidates], ascending
-    rows = summaries[torch.arange(heads, device=dev)[:, None], cand]
-    pick = torch.from_numpy(_best(_scores(rows, q), choose)).to(dev)
-    return (cand.gather(1, pick) - c0).cpu().numpy(), (g1 - g0) + cand.shape[1]
+    if choose == 0:
+        return np.empty((qp.shape[0], 0), dtype=np.int64), c1 - c0
+    q = _scoring(qp, summaries.shape[-1], score, summaries.device, channels)
+    return _choose(summaries, groups, q, c0, c1, choose, group, refine)
 
 
 def union(chosen: np.ndarray) -> list[tuple[int, int]]:
@@ -337,7 +356,7 @@ class KeySelector:
 
     def refined(self, choose: int) -> int:
         """Groups each head refines when it chooses `choose` pages (two levels)."""
-        return max(-(-int(self.refine * choose) // self.coarse), -(-choose // self.coarse), 1)
+        return max(math.ceil(self.refine * choose / self.coarse), 1)
 
     def _put(self, entry: _Summaries, local: int, first: int, keys: torch.Tensor) -> None:
         """Summarise whole pages first, first + 1, ... from keys [Hkv, n * page, D]."""
@@ -418,20 +437,16 @@ class KeySelector:
         (each head's sorted and disjoint)."""
         c = choice
         summaries = c.summaries.transpose(1, 2)  # [Hkv, capacity, W] views
-        if c.groups is not None:
-            pages, rows = choose_two_level(
-                summaries, c.groups.transpose(1, 2), qp, c.c0, c.c1, c.choose, self.coarse,
-                c.refine, self.score, self.channels,
-            )  # fmt: skip
+        groups = c.groups.transpose(1, 2) if c.groups is not None else None
+        scored = 0
+        if c.choose:
+            q = _scoring(qp, summaries.shape[-1], self.score, summaries.device, self.channels)
+            pages, rows = _choose(summaries, groups, q, c.c0, c.c1, c.choose, self.coarse, c.refine)
+            scored = rows * int(torch.count_nonzero(q))  # the summary values read
         else:
-            pages = choose_pages(summaries[:, c.c0 : c.c1], qp, c.choose, self.score, self.channels)
-            rows = c.c1 - c.c0
+            pages = np.empty((qp.shape[0], 0), dtype=np.int64)
         out = _ranges(pages, c.c0, c.start, c.sink_end, c.recent_start, c.total, self.page)
-        terms = 0
-        if c.choose:  # the summary values each page's scoring reads (nonzero coefficients)
-            q = _scoring(qp, summaries.shape[-1], self.score, torch.device("cpu"), self.channels)
-            terms = int(torch.count_nonzero(q))
-        self.record(c, qp.shape[0], int((out[:, 2] - out[:, 1]).sum()), rows * terms)
+        self.record(c, qp.shape[0], int((out[:, 2] - out[:, 1]).sum()), scored)
         return out
 
     def record(self, choice: Choice, heads: int, attended: int, scored: int) -> None:

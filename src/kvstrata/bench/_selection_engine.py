@@ -21,23 +21,14 @@ import threading
 import time
 from typing import Any
 
+from kvstrata.bench import _timing
+
 
 def _one(engine: Any, ids: list[int], tokens: int) -> dict:
     """One greedy decode of `tokens` tokens after prompt `ids` through `engine`."""
     from kvstrata.engine import SamplingParams
 
-    runtime = engine.store.runtime
-    spent = [0.0]
-    inner = runtime.attend
-
-    def timed(*args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*args)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    runtime.attend = timed
+    spent, undo = _timing.time_attention(engine.store.runtime)
     outs: list[tuple[float, float, list[int]]] = []
     cached = [0]
     done = threading.Event()
@@ -53,7 +44,7 @@ def _one(engine: Any, ids: list[int], tokens: int) -> dict:
         engine.submit(ids, params, on_output=on_output, first_output=True)
         done.wait()
     finally:
-        runtime.attend = inner
+        undo()
     # outs[0]: the prompt's first token; each later output: the tokens of its steps
     steps = [
         (b[0] - a[0], b[1] - a[1], len(b[2])) for a, b in zip(outs, outs[1:], strict=False) if b[2]

@@ -22,6 +22,27 @@ LOAD_MARGIN = 0.5
 DEFAULT_CONTEXTS = "2048,8192"
 
 
+def time_attention(runtime: Any) -> tuple[list[float], Callable[[], None]]:
+    """Wrap a store runtime's `attend`: (cell whose [0] sums the seconds spent inside it,
+    a call that puts the unwrapped one back)."""
+    cell = [0.0]
+    inner = runtime.attend
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            cell[0] += time.perf_counter() - t0
+
+    runtime.attend = timed
+
+    def undo() -> None:
+        runtime.attend = inner
+
+    return cell, undo
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 1]) of latencies; NaN for no values."""
     if not values:

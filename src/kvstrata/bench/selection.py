@@ -173,7 +173,7 @@ def measure(
                 cache = TieredCache(cfg, **place, **fields[name])
                 with torch.inference_mode():
                     model(ids[None, : context - scored], cache=cache, use_cache=True)
-                caches[name], timers[name] = cache, _attention_timer(cache)
+                caches[name], timers[name] = cache, _timing.time_attention(cache.store.runtime)[0]
             ref_top = []
             for pos in range(context - scored, context - 1):
                 for name in names:
@@ -266,23 +266,6 @@ def _check_span(cfg: Any, context: int, windows: int, positions: int, other: Any
             "context", context, f"at most the model's max_position_embeddings ({limit}); "
             "--positions P runs it with longer positions (speed only)",
         )  # fmt: skip
-
-
-def _attention_timer(cache: Any) -> list[float]:
-    """Seconds spent inside the store's attention since the last reset (cell 0)."""
-    runtime = cache.store.runtime
-    cell = [0.0]
-    inner = runtime.attend
-
-    def timed(*args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*args)
-        finally:
-            cell[0] += time.perf_counter() - t0
-
-    runtime.attend = timed
-    return cell
 
 
 def _needle(model, tokenizer, context, fields, resident, block_size) -> dict[str, float]:
