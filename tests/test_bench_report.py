@@ -185,15 +185,34 @@ def test_compression_calibrated_codecs_are_measured_against_their_baselines(smok
     and a third of the heads in int8 chosen by calibration or at random (equal bytes)."""
     out, report = smoke
     cal = report["sections"]["compression"]["modes"]["calibrated"]
-    rows = {r["setting"] if r["mode"] != "lowrank-pre" else "pre " + r["setting"]: r
+    rows = {r["setting"] if r["mode"] != "lowrank-pre-true" else "true " + r["setting"]: r
             for r in cal["rows"]}  # fmt: skip
-    assert {"int8", "int4", "lowrank-r16", "lowrank-r32", "pre lowrank-r16"} <= set(rows)
+    assert {"int8", "int4", "lowrank-r16", "lowrank-r32", "lowrank-pre-r16",
+            "lowrank-pre-r29-int8", "true lowrank-pre-r29-int8"} <= set(rows)  # fmt: skip
     assert rows["lowrank-r16"]["key_bytes_per_token"] < rows["lowrank-r32"]["key_bytes_per_token"]
+    pre, true = rows["lowrank-pre-r29-int8"], rows["true lowrank-pre-r29-int8"]
+    assert pre["key_bytes_per_token"] == true["key_bytes_per_token"]
     damage, random = rows["heads33-int8-int4 by damage"], rows["heads33-int8-int4 random"]
     assert damage["key_bytes_per_token"] == random["key_bytes_per_token"]
     assert all(r["kl_nats_per_token"] >= 0 and 0 <= r["top1_agreement"] <= 1 for r in cal["rows"])
     md = (out / "report.md").read_text()
     assert f"### {compression.MODES['calibrated'].title}" in md
+    assert compression.lowrank_verdict(cal["rows"]) in md
+
+
+def test_the_low_rank_verdict_names_the_setting_that_meets_the_target_or_the_closest():
+    def row(mode, setting, kb, dppl):
+        return {"mode": mode, "setting": setting, "key_bytes_per_token": kb, "delta_ppl_pct": dppl}
+
+    int8 = row("uniform", "int8", 6000, 0.0)
+    rows = [int8, row("lowrank-post", "a", 2900, 3.0), row("lowrank-pre", "b", 2990, 0.5),
+            row("lowrank-pre", "c", 2800, 0.9), row("lowrank-pre-true", "d", 100, 0.0)]  # fmt: skip
+    text = compression.lowrank_verdict(rows)
+    assert text.startswith("Chosen rank: `c` (2.14x fewer") and "+0.90 %" in text
+    text = compression.lowrank_verdict([int8, rows[1], row("lowrank-pre", "e", 4000, 0.2)])
+    assert text.startswith("No low-rank setting meets both")
+    assert "best is `a`" in text and "smallest is `e` (1.50x" in text
+    assert compression.lowrank_verdict([int8]).startswith("No low-rank row")
 
 
 def test_compression_selection_reads_a_share_of_the_keys_full_attention_reads(smoke):

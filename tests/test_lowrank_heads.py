@@ -201,7 +201,7 @@ def test_calibrated_codecs_without_a_calibration_say_so(tmp_path):
         CacheConfig(host_codec="lowrank-r8", host_budget="1MiB", codec_calibration=str(bad))
     with pytest.raises(ConfigError, match=r"^host_codec='lowrank-r8@0123456789ab'.*not loaded"):
         CacheConfig(host_codec="lowrank-r8@0123456789ab", host_budget="1MiB")
-    with pytest.raises(ConfigError, match=r"^codec=.*lowrank-r"):
+    with pytest.raises(ConfigError, match=r"^codec=.*lowrank\[-pre\]-r<R>"):
         get_codec("lowrank-x8")
     with pytest.raises(ConfigError, match=r"^codec='heads50-int8-foo'.*kept codec"):
         get_codec("heads50-int8-foo")
@@ -232,7 +232,9 @@ def test_a_calibration_of_another_geometry_is_refused(cal, cal_file):
 
 
 # -- end to end ---------------------------------------------------------------------------
-@pytest.mark.parametrize("codec", ["lowrank-r12-int8+int8", "heads50-int8-fp8"])
+@pytest.mark.parametrize(
+    "codec", ["lowrank-r12-int8+int8", "lowrank-pre-r12-int8+int8", "heads50-int8-fp8"]
+)
 def test_tiered_generate_with_a_calibrated_host_codec(model, cal_file, codec):
     ids = seeded_ids(5, 160)
     enable(model)
@@ -259,7 +261,9 @@ def test_tiered_generate_with_a_calibrated_host_codec(model, cal_file, codec):
     assert host.codec.name.startswith(codec + "@") and host.stats.blocks_read > 0
 
 
-@pytest.mark.parametrize("codec", ["fp8", "lowrank-r12-int8+int8", "heads50-int8-fp8"])
+@pytest.mark.parametrize(
+    "codec", ["fp8", "lowrank-r12-int8+int8", "lowrank-pre-r8-int8", "heads50-int8-fp8"]
+)
 def test_the_simulation_matches_the_tiered_cache(model, cal, cal_file, codec):
     """kvsim's one-forward ΔPPL is the token-by-token TieredCache's (same placement), and
     a calibrated codec on the host tier codes exactly what the simulation codes."""

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from kvstrata.codecs._calibrated import CalibratedCodec
 from kvstrata.codecs.calibration import FIELD, FIX, load_calibration, split_name
-from kvstrata.codecs.registry import get_codec, is_calibrated
+from kvstrata.codecs.registry import calibrated_codec, get_codec, is_calibrated
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.selection import (
     check_budget,
@@ -443,6 +444,9 @@ def _bind_calibrated(config: CacheConfig, put: Any) -> None:
             raise ConfigError.field(
                 name, value, f"made with calibration {digest}, but {FIELD} is {cal.digest}"
             )
+        codec = calibrated_codec(base, name, cal)
+        if isinstance(codec, CalibratedCodec):
+            codec.check_calibration()  # e.g. lowrank-pre-* needs the file's RoPE frame
         put(name, f"{base}@{cal.digest}")
 
 

@@ -6,9 +6,10 @@
   baselines, measured in the same run;
 - ``lowrank-post``: `lowrank-r<R>[-int8]` keys (post-RoPE, per layer and KV head, the
   registered codec), values exact, and `+int8` values for the practical combination;
-- ``lowrank-pre``: the same bases fitted to *pre*-RoPE keys (ShadowKV): keys projected
-  before the rotation and rotated after it (no codec can do this today: callers do not
-  give a codec the tokens' positions, so it runs through the model's k_proj);
+- ``lowrank-pre``: `lowrank-pre-r<R>[-int8]`, the registered codec on *pre*-RoPE keys
+  (ShadowKV), each block's start found from its keys (codecs/_rope.py), values exact;
+- ``lowrank-pre-true``: the same projection given the true positions (through the model's
+  k_proj and its rotary): what the found starts are measured against;
 - ``lowrank-layer``: one basis per layer shared by its heads (same bytes as per head);
 - ``lowrank-concat-post`` / ``-pre``: one basis per layer over the heads' keys
   concatenated ([H*D], ShadowKV's layout), rank R*H in all (the same bytes as R per
@@ -142,9 +143,20 @@ def _grid(
     add("lowrank-search", "lowrank-r32", LowRankCodec(32, False, none, cal, search=True))
     add("lowrank-layer", "lowrank-r32", LowRankCodec(32, False, none, cal, shared=True))
     h = layout.num_kv_heads
-    for r in ranks:
-        kb = _bytes_per_token(LowRankCodec(r, False, none, cal), "k", layout)
-        rows.append(("lowrank-pre", f"lowrank-r{r}", _pre_rope(cal, r, False), kb, v_none))
+    if "rope_freq" in cal.tensors:
+        for r in ranks:
+            add("lowrank-pre", f"lowrank-pre-r{r}", LowRankCodec(r, False, none, cal, pre=True))
+        for r in (24, 28, 29, 32):
+            add("lowrank-pre", f"lowrank-pre-r{r}-int8", LowRankCodec(r, True, none, cal, pre=True))
+        for r in (28, 29):
+            add(
+                "lowrank-pre",
+                f"lowrank-pre-r{r}-int8+int8",
+                LowRankCodec(r, True, int8, cal, pre=True),
+            )
+    for r in ranks:  # bytes of the registered codec's format (its start field included)
+        kb = _bytes_per_token(LowRankCodec(r, False, none, cal, pre=True), "k", layout)
+        rows.append(("lowrank-pre-true", f"lowrank-pre-r{r}", _pre_rope(cal, r, False), kb, v_none))
     for r in (8, 16, 32):
         if "k_cat_basis" not in cal.tensors:
             break
@@ -153,9 +165,15 @@ def _grid(
         rows.append(("lowrank-concat-post", setting, _concat_post(cal, r), concat, v_none))
         rows.append(("lowrank-concat-pre", setting, _pre_rope(cal, r, True), concat, v_none))
     for r in (28, 29):  # per-head pre-RoPE, int8 coefficients: near 2x below int8 keys
-        kb = _bytes_per_token(LowRankCodec(r, True, none, cal), "k", layout)
+        kb = _bytes_per_token(LowRankCodec(r, True, none, cal, pre=True), "k", layout)
         rows.append(
-            ("lowrank-pre", f"lowrank-r{r}-int8", _pre_rope(cal, r, False, True), kb, v_none)
+            (
+                "lowrank-pre-true",
+                f"lowrank-pre-r{r}-int8",
+                _pre_rope(cal, r, False, True),
+                kb,
+                v_none,
+            )
         )
     for total in (84, 96):  # concatenated heads, int8 coefficients + fp16 scale, zero
         if "k_cat_basis" not in cal.tensors or total % h:
@@ -185,7 +203,7 @@ def _grid(
 
 
 # The order the sweep runs in (a long run interrupted still has the main comparisons).
-PRIORITY = ("first", "lowrank-post", "lowrank-pre", "heads")
+PRIORITY = ("first", "lowrank-pre", "lowrank-post", "lowrank-pre-true", "heads")
 
 
 def measure(

@@ -61,7 +61,12 @@ class CalibratedCodec(Codec):
             )
         return self.calibration
 
+    def check_calibration(self) -> None:  # noqa: B027 - optional hook
+        """ConfigError when the bound calibration lacks what this codec needs (checked
+        when a config names the codec, before any layout is known)."""
+
     def validate(self, layout: BlockLayout) -> None:
+        self.check_calibration()
         cal = self.cal()
         cal.check_layout(self.base, layout.num_kv_heads, layout.head_dim, layout.dim_v)
         if layout.num_layers > cal.num_layers:

@@ -14,6 +14,15 @@ Stored per block per (layer, kv head), block size bs:
        or coef [bs, R] uint8 + scale, zero [bs, 1] fp16   (lowrank-rR-int8: R + 4)
     V: the fields of the value codec after '+' (default 'none': the model dtype)
 
+`lowrank-pre-r<R>[-int8][+<vcodec>]` projects *pre*-RoPE keys instead (ShadowKV's frame,
+where keys are far closer to low rank): no caller tells a codec positions, so each block's
+start is found from its keys (codecs/_rope.py) and stored with it (an int32 per block and
+head); decoding turns the projection back with that start, the exact inverse of the
+un-rotation. A block whose keys fit the post-RoPE subspace better (a start badly found, a
+head with little mean to find it by) is stored in the post-RoPE frame instead, start -1.
+It needs a calibration file with the model's RoPE frame (``rope_freq``, written by
+``kvstrata calibrate`` for rotate-half RoPE).
+
 e.g. ``CacheConfig(host_codec="lowrank-r32+int8", codec_calibration="smollm2.safetensors")``.
 """
 
@@ -25,13 +34,14 @@ import torch
 
 from kvstrata.codecs import _reference as ref
 from kvstrata.codecs._calibrated import CalibratedCodec, check_finite
+from kvstrata.codecs._rope import RopeFrame, frame_of
 from kvstrata.codecs.base import Codec
-from kvstrata.codecs.calibration import Calibration
+from kvstrata.codecs.calibration import FIELD, FIX, Calibration
 from kvstrata.core.errors import CodecError, ConfigError
 from kvstrata.core.layout import BlockLayout, FieldSpec
 
-PATTERN = re.compile(r"lowrank-r(\d+)(-int8)?(?:\+(.+))?")
-HELP = "lowrank-r<R>[-int8][+<value codec>] (R = key rank, e.g. lowrank-r32+int8)"
+PATTERN = re.compile(r"lowrank(-pre)?-r(\d+)(-int8)?(?:\+(.+))?")
+HELP = "lowrank[-pre]-r<R>[-int8][+<value codec>] (R = key rank, e.g. lowrank-r32+int8)"
 
 
 class LowRankCodec(CalibratedCodec):
@@ -48,13 +58,15 @@ class LowRankCodec(CalibratedCodec):
         *,
         shared: bool = False,
         search: bool = False,
+        pre: bool = False,
     ) -> None:
         vname = "" if values.name == "none" else f"+{values.name}"
-        base = f"lowrank-r{rank}{'-int8' if int8 else ''}{vname}"
+        base = f"lowrank{'-pre' if pre else ''}-r{rank}{'-int8' if int8 else ''}{vname}"
         super().__init__(base, calibration)
         if rank < 1:
             raise ConfigError.field("codec", base, "a key rank R >= 1, e.g. lowrank-r32")
-        self.rank, self.int8, self.values = rank, int8, values
+        self.rank, self.int8, self.values, self.pre = rank, int8, values, pre
+        self._frame_of: RopeFrame | None = None
         self.shared = shared  # one basis per layer for all heads (measured, not registered)
         self.search = search  # always pick the best-fitting layer's basis (measured)
         if calibration is not None and rank >= calibration.head_dim:
@@ -65,6 +77,26 @@ class LowRankCodec(CalibratedCodec):
     def validate(self, layout: BlockLayout) -> None:
         super().validate(layout)
         self.values.validate(layout)
+
+    def check_calibration(self) -> None:
+        if self.pre:
+            self.rope()
+
+    def rope(self) -> RopeFrame:
+        """The calibration's RoPE frame (`lowrank-pre-*`), or a one-line error."""
+        if self._frame_of is None:
+            cal = self.cal()
+            frame = frame_of(cal.tensors, cal.meta)
+            if frame is None:
+                raise ConfigError.field(
+                    FIELD,
+                    cal.path,
+                    f"codec {self.base!r} needs the model's RoPE frame, which this file "
+                    "lacks (written before it was recorded, or the model's rotary is not "
+                    f"rotate-half RoPE); {FIX}, or use lowrank-r{self.rank} (post-RoPE)",
+                )
+            self._frame_of = frame
+        return self._frame_of
 
     def derive(self, key: str) -> torch.Tensor:
         t = self.cal().tensors
@@ -80,6 +112,10 @@ class LowRankCodec(CalibratedCodec):
             if self.shared:
                 return t["k_layer_mean"][:, None].expand(-1, self.cal().num_kv_heads, -1)
             return t["k_mean"]
+        if key == "pre_basis":  # [L, H, D, R] of the pre-RoPE keys
+            return t["kpre_basis"][..., : self.rank].contiguous()
+        if key == "pre_mean":
+            return t["kpre_mean"]
         return t[key]
 
     def fields(self, kind: str, layout: BlockLayout) -> dict[str, FieldSpec]:
@@ -91,6 +127,8 @@ class LowRankCodec(CalibratedCodec):
                 "codec", self.base, f"a key rank below the head dim {layout.head_dim}"
             )
         out = {"layer": FieldSpec(1, 1, torch.int16)}
+        if self.pre:  # the block's start in the pre-RoPE frame, -1 = post-RoPE frame
+            out["start"] = FieldSpec(1, 1, torch.int32)
         if self.int8:
             out |= {
                 "coef": FieldSpec(bs, r, torch.uint8),
@@ -131,7 +169,11 @@ class LowRankCodec(CalibratedCodec):
         layers = self._layers(xf, whole, bs)
         basis, mean = self._frame(layers, xf.device)
         xb = xf.reshape(g, h, nb, bs, d) - mean[:, :, :, None]
-        coef = (xb @ basis).reshape(*out["coef"].shape[:-2], t, self.rank)
+        coef = xb @ basis
+        if self.pre:
+            coef, start = self._encode_pre(xf.reshape(-1, bs, d), layers, xb, coef)
+            out["start"].copy_(start.reshape(out["start"].shape))
+        coef = coef.reshape(*out["coef"].shape[:-2], t, self.rank)
         out["layer"].copy_(layers.reshape(out["layer"].shape))
         if not self.int8:
             if bool((coef.abs() > 65504).any()):
@@ -158,5 +200,65 @@ class LowRankCodec(CalibratedCodec):
         else:
             coef = enc["coef"].float()
         coef = coef.reshape(g, h, nb, bs, self.rank)
+        if self.pre:
+            start = enc["start"].to(out.device).reshape(-1).long()
+            if bool((start < -1).any()):
+                raise CodecError(f"codec {self.name!r}: a block names a negative start")
+            out.copy_(self._decode_pre(coef, layers, start, basis, mean).reshape(out.shape))
+            return
         keys = coef @ basis.transpose(-1, -2) + mean[:, :, :, None]
         out.copy_(keys.reshape(out.shape))
+
+    # -- the pre-RoPE frame ------------------------------------------------------------------
+    def _pre_frame(self, layers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per block-head [N]: layer, pre-RoPE basis [N, D, R] and mean [N, D]."""
+        dev = layers.device
+        heads = torch.arange(layers.shape[1], device=dev)[None, :, None].expand_as(layers)
+        lay, head = layers.reshape(-1), heads.reshape(-1)
+        return (
+            lay,
+            self.tensor("pre_basis", dev)[lay, head],
+            self.tensor("pre_mean", dev)[lay, head],
+        )
+
+    def _encode_pre(
+        self, x: torch.Tensor, layers: torch.Tensor, centred: torch.Tensor, post: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coefficients [N, bs, R] and start [N] of blocks x [N, bs, D]: in the pre-RoPE
+        frame at the found start, or the post-RoPE ones (`post`, of `centred`) with start
+        -1 where those leave less of the block outside the subspace."""
+        frame = self.rope()
+        lay, pbasis, pmean = self._pre_frame(layers)
+        start = frame.locate(x, lay, pmean)
+        c = frame.turn(x, start, lay, inverse=True) - pmean[:, None]
+        coef = c @ pbasis
+        n = x.shape[0]
+        post, centred = post.reshape(n, *post.shape[-2:]), centred.reshape(n, *x.shape[1:])
+        off_pre = c.square().sum((1, 2)) - coef.square().sum((1, 2))
+        off_post = centred.square().sum((1, 2)) - post.square().sum((1, 2))
+        keep = off_pre <= off_post
+        coef = torch.where(keep[:, None, None], coef, post)
+        return coef, torch.where(keep, start, torch.full_like(start, -1))
+
+    def _decode_pre(
+        self,
+        coef: torch.Tensor,
+        layers: torch.Tensor,
+        start: torch.Tensor,
+        basis: torch.Tensor,
+        mean: torch.Tensor,
+    ) -> torch.Tensor:
+        """Keys [N, bs, D] of coef [G, H, nb, bs, R]: each block in its stored frame."""
+        bs, d = coef.shape[-2], basis.shape[-2]
+        coef = coef.reshape(-1, bs, self.rank)
+        out = torch.empty(coef.shape[0], bs, d, device=coef.device)
+        pre = (start >= 0).nonzero().flatten()
+        post = (start < 0).nonzero().flatten()
+        if post.numel():
+            b, m = basis.reshape(-1, d, self.rank)[post], mean.reshape(-1, d)[post]
+            out[post] = coef[post] @ b.transpose(-1, -2) + m[:, None]
+        if pre.numel():
+            lay, pbasis, pmean = self._pre_frame(layers)
+            rec = coef[pre] @ pbasis[pre].transpose(-1, -2) + pmean[pre][:, None]
+            out[pre] = self.rope().turn(rec, start[pre], lay[pre], inverse=False)
+        return out

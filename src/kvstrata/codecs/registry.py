@@ -65,10 +65,10 @@ def calibrated_codec(name: str, field: str, calibration: Calibration | None = No
         cal = loaded(digest, name, field)
     m = LOWRANK.fullmatch(base)
     if m is not None:
-        values = get_codec(m.group(3) or "none", field)
+        values = get_codec(m.group(4) or "none", field)
         if isinstance(values, CalibratedCodec):
             raise ConfigError.field(field, name, "the value codec after '+' must be uncalibrated")
-        return LowRankCodec(int(m.group(1)), bool(m.group(2)), values, cal)
+        return LowRankCodec(int(m.group(2)), bool(m.group(3)), values, cal, pre=bool(m.group(1)))
     m = HEADS.fullmatch(base)
     assert m is not None
     rest = m.group(2)
@@ -90,6 +90,6 @@ def is_calibrated(name: str) -> bool:
 
 
 CALIBRATED_HELP = (
-    "calibrated (with codec_calibration): lowrank-r<R>[-int8][+<value codec>], "
+    "calibrated (with codec_calibration): lowrank[-pre]-r<R>[-int8][+<value codec>], "
     "heads<PCT>-<kept codec>-<other codec>"
 )

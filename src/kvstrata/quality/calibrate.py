@@ -6,8 +6,12 @@ per layer and KV head:
 
 - the mean and the principal directions (``torch.linalg.svd`` of the centred vectors)
   of the post-RoPE keys (``k_*``), the values (``v_*``), the pre-RoPE keys (``kpre_*``,
-  for the measurement of ShadowKV's pre-RoPE variant) and, per layer across its heads,
-  of the post-RoPE keys (``k_layer_*``);
+  ShadowKV's frame, for `lowrank-pre-*`) and, per layer across its heads, of the
+  post-RoPE keys (``k_layer_*``);
+- the model's RoPE frame when its rotary is rotate-half RoPE (``rope_freq`` [L, D/2],
+  ``rope_scale`` [L], read off the forward's cos/sin tables; metadata ``max_positions``):
+  the pre-RoPE keys are then the post-RoPE keys turned back with it (so a key norm
+  between k_proj and the rotary, as in Qwen3, is inside the frame), else k_proj's output;
 - three importance scores of every KV head ([L, H], higher = keep at full precision),
   all over the part of the history a tiered cache would hold in a lower tier (see
   quality/kvsim.py: not the sinks, not the residual window):
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.codecs._rope import RopeFrame, frame_from_rotary
 from kvstrata.codecs.calibration import Calibration, load_calibration, save_calibration
 from kvstrata.codecs.int4 import Int4Codec
 from kvstrata.core.errors import ConfigError
@@ -88,6 +93,7 @@ class _Collector:
         self.block_size, self.residual = block_size, residual
         self.rows: dict[tuple[str, int], list[torch.Tensor]] = {}
         self.scores: dict[tuple[str, int], torch.Tensor] = {}
+        self.rope: dict[int, tuple[torch.Tensor, float] | None] = {}  # layer -> (θ, s)
 
     def add(self, what: str, layer: int, x: torch.Tensor) -> None:
         self.rows.setdefault((what, layer), []).append(x.detach().float().cpu())
@@ -96,13 +102,26 @@ class _Collector:
         key = (what, layer)
         self.scores[key] = self.scores.get(key, 0) + value.detach().float().cpu()
 
+    def _pre_rope(self, layer: int, key: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys [H, T, D]: `key` turned back by the layer's rope frame (read off
+        the rotary tables once), or k_proj's output when the rotary is not rotate-half."""
+        if layer not in self.rope:
+            cos, sin = kvsim.rotary(layer)
+            self.rope[layer] = frame_from_rotary(cos[0], sin[0])
+        found = self.rope[layer]
+        if found is None:
+            return kvsim.pre_rope_keys(layer)[0]
+        frame = RopeFrame(found[0][None], torch.tensor([found[1]]), 1)
+        zero = torch.zeros(key.shape[0], dtype=torch.long)
+        return frame.turn(key.float(), zero, zero, inverse=True)
+
     def hook(self, module, query, key, value, scaling):
         layer = module.layer_idx
         _, hq, t, d = query.shape
         hkv = key.shape[1]
         self.add("k", layer, key[0])
         self.add("v", layer, value[0])
-        self.add("kpre", layer, kvsim.pre_rope_keys(layer)[0])
+        self.add("kpre", layer, self._pre_rope(layer, key[0]))
         out = kvsim.attend(query, key, value, scaling)
         lossy = kvsim.lossy_mask(t, self.block_size, self.residual, query.device)
         g = hq // hkv
@@ -189,6 +208,13 @@ def calibrate(
     tensors = {k: torch.stack(v) for k, v in out.items()}
     for what in ("mass", "entropy", "damage"):
         tensors[f"rank_{what}"] = torch.stack([col.scores[(what, i)] for i in range(layers)])
+    frames = [col.rope.get(i) for i in range(layers)]
+    rope_meta = {}
+    if all(f is not None for f in frames):
+        tensors["rope_freq"] = torch.stack([f[0] for f in frames])  # type: ignore[index]
+        tensors["rope_scale"] = torch.tensor([f[1] for f in frames])  # type: ignore[index]
+        positions = getattr(model.config, "max_position_embeddings", None) or context
+        rope_meta["max_positions"] = int(positions)
     meta = {
         "model": model_name,
         "fingerprint": model_fingerprint(model),
@@ -197,6 +223,7 @@ def calibrate(
         "block_size": block_size,
         "residual": residual,
         "text": "stdlib top-level modules, sorted, minus the held-out files",
+        **rope_meta,
     }
     return tensors, meta
 
