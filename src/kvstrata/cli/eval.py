@@ -331,7 +331,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ppl.add_argument(
         "--calibration",
         help="calibration file of the model (`kvstrata calibrate`), for the lossy, opt-in "
-        "lowrank-r<R>[-int8][+<codec>] and heads<PCT>-<kept>-<other> codecs",
+        "lowrank[-pre]-r<R>[-int8][+<codec>] and heads<PCT>-<kept>-<other> codecs",
     )
     ppl.add_argument("--json", action="store_true", help="machine-readable JSON output")
     ppl.set_defaults(func=run_ppl)
