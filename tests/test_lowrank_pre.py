@@ -237,3 +237,32 @@ def test_the_calibrated_pre_rope_keys_are_k_proj_output_turned_back(model, cal):
     inv = model.model.rotary_emb.inv_freq
     assert torch.allclose(cal.tensors["rope_freq"], inv.expand(3, -1), rtol=1e-5, atol=1e-7)
     assert math.isclose(float(cal.tensors["rope_scale"][0]), 1.0, rel_tol=1e-6)
+
+
+def test_a_key_norm_before_the_rotary_is_inside_the_pre_rope_frame():
+    """Qwen3 normalises keys between k_proj and RoPE: the calibrated pre-RoPE keys are
+    the normalised ones (the rotary's input), not k_proj's output."""
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    normed: dict[int, list[torch.Tensor]] = {}
+    raw: dict[int, list[torch.Tensor]] = {}
+
+    def keep(i, inp, out):  # k_norm's input and output [1, T, H, D]
+        normed.setdefault(i, []).append(out[0].transpose(0, 1))
+        raw.setdefault(i, []).append(inp[0][0].transpose(0, 1))
+
+    handles = [
+        layer.self_attn.k_norm.register_forward_hook(lambda _m, inp, out, i=i: keep(i, inp, out))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    ids = torch.cat([seeded_ids(s, 128)[0] for s in range(2)]).tolist()
+    try:
+        tensors, meta = calibrate(model, None, ids=ids, context=128, block_size=BS, residual=32)
+    finally:
+        for h in handles:
+            h.remove()
+    assert "rope_freq" in tensors
+    for i in range(2):
+        want = torch.cat(normed[i], dim=1).float().mean(1)  # [H, D]
+        assert torch.allclose(tensors["kpre_mean"][i], want, atol=1e-4)
+        k_proj = torch.cat(raw[i], dim=1).float().mean(1)
+        assert not torch.allclose(tensors["kpre_mean"][i], k_proj, atol=1e-2)

@@ -78,7 +78,8 @@ class CacheConfig:
         host_budget: host-tier size in bytes (0 = no host tier).
         disk_dir / disk_budget: disk tier (no disk tier when disk_dir is None).
         *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...;
-            calibrated, lossy and opt-in: "lowrank-r32+int8", "heads33-int8-int4").
+            calibrated, lossy and opt-in: "lowrank-r32+int8", "lowrank-pre-r29-int8",
+            "heads33-int8-int4").
         codec_calibration: calibration file of the model (``kvstrata calibrate``) that
             the calibrated codecs need; their names then get its digest appended
             ("lowrank-r32+int8@1a2b3c4d5e6f").

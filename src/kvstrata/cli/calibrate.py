@@ -1,13 +1,13 @@
 """`kvstrata calibrate`: the calibration file the calibrated codecs need.
 
 kvstrata calibrate --model smollm2 --out smollm2.safetensors
-kvstrata eval ppl --model smollm2 --codec int8,lowrank-r32-int8+int8 \
+kvstrata eval ppl --model smollm2 --codec int8,lowrank-pre-r29-int8+int8 \
     --calibration smollm2.safetensors
 
 Runs the model over standard-library text that is not among the held-out files `kvstrata
 eval` scores, and writes per layer and KV head the key / value bases and head-importance
-rankings (see kvstrata/quality/calibrate.py). The file names the model it was made from;
-using it with another model is an error.
+rankings and the model's RoPE frame (see kvstrata/quality/calibrate.py). The file names
+the model it was made from; using it with another model is an error.
 """
 
 from __future__ import annotations
