@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from kvstrata.codecs._calibrated import CalibratedCodec
 from kvstrata.codecs.calibration import FIELD, FIX, load_calibration, split_name
 from kvstrata.codecs.registry import calibrated_codec, get_codec, is_calibrated
 from kvstrata.core.errors import ConfigError
@@ -78,8 +77,7 @@ class CacheConfig:
         host_budget: host-tier size in bytes (0 = no host tier).
         disk_dir / disk_budget: disk tier (no disk tier when disk_dir is None).
         *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...;
-            calibrated, lossy and opt-in: "lowrank-r32+int8", "lowrank-pre-r29-int8",
-            "heads33-int8-int4").
+            calibrated, lossy and opt-in: "lowrank-pre-r29-int8+int8", "heads33-int8-int4").
         codec_calibration: calibration file of the model (``kvstrata calibrate``) that
             the calibrated codecs need; their names then get its digest appended
             ("lowrank-r32+int8@1a2b3c4d5e6f").
@@ -445,9 +443,7 @@ def _bind_calibrated(config: CacheConfig, put: Any) -> None:
             raise ConfigError.field(
                 name, value, f"made with calibration {digest}, but {FIELD} is {cal.digest}"
             )
-        codec = calibrated_codec(base, name, cal)
-        if isinstance(codec, CalibratedCodec):
-            codec.check_calibration()  # e.g. lowrank-pre-* needs the file's RoPE frame
+        calibrated_codec(base, name, cal)  # checks the file has what the codec needs
         put(name, f"{base}@{cal.digest}")
 
 

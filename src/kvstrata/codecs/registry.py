@@ -68,7 +68,10 @@ def calibrated_codec(name: str, field: str, calibration: Calibration | None = No
         values = get_codec(m.group(4) or "none", field)
         if isinstance(values, CalibratedCodec):
             raise ConfigError.field(field, name, "the value codec after '+' must be uncalibrated")
-        return LowRankCodec(int(m.group(2)), bool(m.group(3)), values, cal, pre=bool(m.group(1)))
+        codec = LowRankCodec(int(m.group(2)), bool(m.group(3)), values, cal, pre=bool(m.group(1)))
+        if cal is not None:
+            codec.check_calibration()  # lowrank-pre-*: the file's RoPE frame
+        return codec
     m = HEADS.fullmatch(base)
     assert m is not None
     rest = m.group(2)
