@@ -104,10 +104,14 @@ class _Collector:
 
     def _pre_rope(self, layer: int, key: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys [H, T, D]: `key` turned back by the layer's rope frame (read off
-        the rotary tables once), or k_proj's output when the rotary is not rotate-half."""
+        the rotary tables once), or k_proj's output when the rotary is not rotate-half
+        over the whole head."""
         if layer not in self.rope:
             cos, sin = kvsim.rotary(layer)
-            self.rope[layer] = frame_from_rotary(cos[0], sin[0])
+            found = frame_from_rotary(cos[0], sin[0])
+            if found is not None and 2 * found[0].numel() != key.shape[-1]:
+                found = None  # a partial rotary (rotary dim < head dim): no frame
+            self.rope[layer] = found
         found = self.rope[layer]
         if found is None:
             return kvsim.pre_rope_keys(layer)[0]
