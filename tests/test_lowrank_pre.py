@@ -86,6 +86,13 @@ def test_the_frame_is_read_off_the_models_rotary():
     inv = model.model.rotary_emb.inv_freq.double()
     assert scale == pytest.approx(model.model.rotary_emb.attention_scaling)
     assert torch.allclose(freq, inv, rtol=1e-5, atol=1e-7)
+    # tables in bf16 (a bf16 model's): the frequencies still to ~1e-5 over 2k positions
+    x16 = torch.zeros(1, 2048, model.config.hidden_size, dtype=torch.bfloat16)
+    cos16, sin16 = model.model.rotary_emb(x16, torch.arange(2048)[None])
+    assert cos16.dtype == torch.bfloat16
+    found16 = frame_from_rotary(cos16[0], sin16[0])
+    assert found16 is not None
+    assert torch.allclose(found16[0], inv, atol=2e-5)
     # not rotate-half (interleaved pairs), or a single position: no frame
     inter = cos[0].reshape(40, 2, -1).transpose(1, 2).reshape(40, -1)
     assert frame_from_rotary(inter, inter) is None

@@ -159,7 +159,12 @@ def frame_of(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> RopeFram
 
 def frame_from_rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     """(θ [D/2], s) of a forward's rotary tables cos, sin [T, D] (positions 0..T-1), or
-    None when they are not rotate-half RoPE (halves unequal, or fewer than 2 positions)."""
+    None when they are not rotate-half RoPE (halves unequal, or fewer than 2 positions).
+
+    θ_j is the mean step of pair j's unwrapped angle over the T positions (the tables
+    come in the model's dtype: one step read off bf16 tables would be ~1e-2 rad off,
+    the mean over 2k positions ~1e-5), checked by rebuilding the tables from it."""
+    eps = torch.finfo(cos.dtype).eps if cos.dtype.is_floating_point else 0.0
     cos, sin = cos.double(), sin.double()
     if cos.dim() != 2 or cos.shape[0] < 2 or cos.shape[1] % 2:
         return None
@@ -167,11 +172,14 @@ def frame_from_rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tenso
     if not (torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])):
         return None
     scale = float(cos[0, 0])
-    if scale <= 0 or not bool(torch.allclose(cos[0], torch.full_like(cos[0], scale))):
+    tol = (1e-3 + 8 * eps) * abs(scale)
+    if scale <= 0 or not bool(torch.allclose(cos[0], torch.full_like(cos[0], scale), atol=tol)):
         return None
-    freq = torch.atan2(sin[1, :h], cos[1, :h])
+    angle = torch.atan2(sin[:, :h], cos[:, :h])  # [T, h], wrapped
+    step = torch.remainder(angle.diff(dim=0) + math.pi, 2 * math.pi) - math.pi
+    freq = step.sum(0) / (cos.shape[0] - 1)  # the unwrapped angle's mean step
     t = torch.arange(cos.shape[0], dtype=torch.float64)[:, None]
     again = scale * torch.cos(t * freq)
-    if not bool(torch.allclose(again, cos[:, :h], atol=1e-3 * scale)):
+    if not bool(torch.allclose(again, cos[:, :h], atol=tol + 1e-3 * abs(scale))):
         return None  # not one frequency per pair (θ >= π, or another rotary)
     return freq, scale
