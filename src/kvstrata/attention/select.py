@@ -339,7 +339,7 @@ class KeySelector:
         if entry is None or entry.data.shape[3] < pages:
             old = entry.data.shape[3] if entry is not None else 0
             # headroom past a prefill's pages: growing copies every summary, a stall of
-            # a decode step (~0.1 s at 32k tokens) that the next few pages would pay
+            # one decode step at long contexts that the next few pages would pay
             cap = max(pages + pages // 4, 256, 2 * old)
             width = 2 * dim if self.summary == "minmax" else dim
             dtype = torch.float16 if self.half else torch.float32

@@ -116,7 +116,7 @@ class _Collector:
         if found is None:
             return kvsim.pre_rope_keys(layer)[0]
         frame = RopeFrame(found[0][None], torch.tensor([found[1]]), 1)
-        zero = torch.zeros(key.shape[0], dtype=torch.long)
+        zero = torch.zeros(key.shape[0], dtype=torch.long, device=key.device)
         return frame.turn(key.float(), zero, zero, inverse=True)
 
     def hook(self, module, query, key, value, scaling):
