@@ -184,6 +184,12 @@ def test_a_calibration_without_a_rope_frame_is_a_one_line_error(cal, tmp_path):
     assert "RoPE frame" in msg and "kvstrata calibrate" in msg and "lowrank-r8" in msg
     # the post-RoPE codec takes the same file
     CacheConfig(host_codec="lowrank-r8", host_budget="1MiB", codec_calibration=str(path))
+    # a frame without its positions (a file not written by `kvstrata calibrate`)
+    half = tmp_path / "half.safetensors"
+    save_calibration(half, {**tensors, "rope_freq": cal.tensors["rope_freq"]}, meta)
+    with pytest.raises(ConfigError, match=r"^codec_calibration=.*max_positions") as err:
+        CacheConfig(host_codec="lowrank-pre-r8", host_budget="1MiB", codec_calibration=str(half))
+    assert "\n" not in str(err.value)
 
 
 def test_the_name_and_its_fields():

@@ -53,9 +53,7 @@ class RopeFrame:
         self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}  # by kind of θ
         self._offsets: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
         # layers of equal θ share tables: kind[layer] indexes the distinct θ rows
-        rows, kind = torch.unique(self.freq, dim=0, return_inverse=True)
-        self.kind = kind
-        self.kinds_first = torch.stack([(kind == i).nonzero()[0, 0] for i in range(len(rows))])
+        self.kinds, self.kind = torch.unique(self.freq, dim=0, return_inverse=True)
         self._freqs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -76,7 +74,7 @@ class RopeFrame:
         dev = layer.device
         hit = self._offsets.get((bs, dev))
         if hit is None:
-            freq = self._on(dev)[0][self.kinds_first.to(dev)]  # [C, h]
+            freq = self.kinds.to(dev)  # [C, h]: the distinct θ rows
             ang = torch.arange(bs, dtype=torch.float64, device=dev)[None, :, None] * freq[:, None]
             kind = self.kind.to(dev)
             hit = self._offsets[(bs, dev)] = (torch.cos(ang).float(), torch.sin(ang).float(), kind)
@@ -154,6 +152,10 @@ def frame_of(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> RopeFram
     """The calibration's rope frame, or None when the file has none."""
     if "rope_freq" not in tensors:
         return None
+    if "rope_scale" not in tensors or not str(meta.get("max_positions", "")).isdigit():
+        raise ConfigError.field(
+            "codec_calibration", sorted(meta), "a rope frame with rope_scale and max_positions"
+        )
     return RopeFrame(tensors["rope_freq"], tensors["rope_scale"], int(meta["max_positions"]))
 
 

@@ -193,7 +193,6 @@ class LowRankCodec(CalibratedCodec):
         bs = self.blocks_of(t, nb, self.name)
         if bool(((layers < 0) | (layers >= self.cal().num_layers)).any()):
             raise CodecError(f"codec {self.name!r}: a block names a layer outside the model")
-        basis, mean = self._frame(layers, out.device)
         if self.int8:
             coef = torch.empty(enc["coef"].shape, dtype=torch.float32, device=out.device)
             ref.int8_decode(enc["coef"], enc["scale"], enc["zero"], coef)
@@ -204,22 +203,25 @@ class LowRankCodec(CalibratedCodec):
             start = enc["start"].to(out.device).reshape(-1).long()
             if bool((start < -1).any()):
                 raise CodecError(f"codec {self.name!r}: a block names a negative start")
-            out.copy_(self._decode_pre(coef, layers, start, basis, mean).reshape(out.shape))
+            out.copy_(self._decode_pre(coef, layers, start).reshape(out.shape))
             return
+        basis, mean = self._frame(layers, out.device)
         keys = coef @ basis.transpose(-1, -2) + mean[:, :, :, None]
         out.copy_(keys.reshape(out.shape))
 
     # -- the pre-RoPE frame ------------------------------------------------------------------
-    def _pre_frame(self, layers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per block-head [N]: layer, pre-RoPE basis [N, D, R] and mean [N, D]."""
+    def _flat_frame(
+        self, layers: torch.Tensor, pre: bool, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Layer [n], basis [n, D, R] and mean [n, D] of the block-heads `rows` (all when
+        None) of layers [G, H, nb], flattened: in the pre-RoPE frame or the post-RoPE one."""
         dev = layers.device
         heads = torch.arange(layers.shape[1], device=dev)[None, :, None].expand_as(layers)
         lay, head = layers.reshape(-1), heads.reshape(-1)
-        return (
-            lay,
-            self.tensor("pre_basis", dev)[lay, head],
-            self.tensor("pre_mean", dev)[lay, head],
-        )
+        if rows is not None:
+            lay, head = lay[rows], head[rows]
+        basis, mean = ("pre_basis", "pre_mean") if pre else ("basis", "mean")
+        return lay, self.tensor(basis, dev)[lay, head], self.tensor(mean, dev)[lay, head]
 
     def _encode_pre(
         self, x: torch.Tensor, layers: torch.Tensor, centred: torch.Tensor, post: torch.Tensor
@@ -228,7 +230,7 @@ class LowRankCodec(CalibratedCodec):
         frame at the found start, or the post-RoPE ones (`post`, of `centred`) with start
         -1 where those leave less of the block outside the subspace."""
         frame = self.rope()
-        lay, pbasis, pmean = self._pre_frame(layers)
+        lay, pbasis, pmean = self._flat_frame(layers, pre=True)
         start = frame.locate(x, lay, pmean)
         c = frame.turn(x, start, lay, inverse=True) - pmean[:, None]
         coef = c @ pbasis
@@ -241,24 +243,20 @@ class LowRankCodec(CalibratedCodec):
         return coef, torch.where(keep, start, torch.full_like(start, -1))
 
     def _decode_pre(
-        self,
-        coef: torch.Tensor,
-        layers: torch.Tensor,
-        start: torch.Tensor,
-        basis: torch.Tensor,
-        mean: torch.Tensor,
+        self, coef: torch.Tensor, layers: torch.Tensor, start: torch.Tensor
     ) -> torch.Tensor:
-        """Keys [N, bs, D] of coef [G, H, nb, bs, R]: each block in its stored frame."""
-        bs, d = coef.shape[-2], basis.shape[-2]
+        """Keys [N, bs, D] of coef [G, H, nb, bs, R]: each block in its stored frame (the
+        bases of only the blocks of each frame are gathered)."""
+        bs = coef.shape[-2]
         coef = coef.reshape(-1, bs, self.rank)
-        out = torch.empty(coef.shape[0], bs, d, device=coef.device)
+        out = torch.empty(coef.shape[0], bs, self.cal().head_dim, device=coef.device)
         pre = (start >= 0).nonzero().flatten()
         post = (start < 0).nonzero().flatten()
         if post.numel():
-            b, m = basis.reshape(-1, d, self.rank)[post], mean.reshape(-1, d)[post]
-            out[post] = coef[post] @ b.transpose(-1, -2) + m[:, None]
+            _, basis, mean = self._flat_frame(layers, False, post)
+            out[post] = coef[post] @ basis.transpose(-1, -2) + mean[:, None]
         if pre.numel():
-            lay, pbasis, pmean = self._pre_frame(layers)
-            rec = coef[pre] @ pbasis[pre].transpose(-1, -2) + pmean[pre][:, None]
-            out[pre] = self.rope().turn(rec, start[pre], lay[pre], inverse=False)
+            lay, basis, mean = self._flat_frame(layers, True, pre)
+            rec = coef[pre] @ basis.transpose(-1, -2) + mean[:, None]
+            out[pre] = self.rope().turn(rec, start[pre], lay, inverse=False)
         return out

@@ -93,7 +93,7 @@ class _Collector:
         self.block_size, self.residual = block_size, residual
         self.rows: dict[tuple[str, int], list[torch.Tensor]] = {}
         self.scores: dict[tuple[str, int], torch.Tensor] = {}
-        self.rope: dict[int, tuple[torch.Tensor, float] | None] = {}  # layer -> (θ, s)
+        self.rope: dict[int, RopeFrame | None] = {}  # layer -> its rope frame (one layer)
 
     def add(self, what: str, layer: int, x: torch.Tensor) -> None:
         self.rows.setdefault((what, layer), []).append(x.detach().float().cpu())
@@ -111,11 +111,12 @@ class _Collector:
             found = frame_from_rotary(cos[0], sin[0])
             if found is not None and 2 * found[0].numel() != key.shape[-1]:
                 found = None  # a partial rotary (rotary dim < head dim): no frame
-            self.rope[layer] = found
-        found = self.rope[layer]
-        if found is None:
+            self.rope[layer] = (
+                None if found is None else RopeFrame(found[0][None], torch.tensor([found[1]]), 1)
+            )
+        frame = self.rope[layer]
+        if frame is None:
             return kvsim.pre_rope_keys(layer)[0]
-        frame = RopeFrame(found[0][None], torch.tensor([found[1]]), 1)
         zero = torch.zeros(key.shape[0], dtype=torch.long, device=key.device)
         return frame.turn(key.float(), zero, zero, inverse=True)
 
@@ -215,8 +216,8 @@ def calibrate(
     frames = [col.rope.get(i) for i in range(layers)]
     rope_meta = {}
     if all(f is not None for f in frames):
-        tensors["rope_freq"] = torch.stack([f[0] for f in frames])  # type: ignore[index]
-        tensors["rope_scale"] = torch.tensor([f[1] for f in frames])  # type: ignore[index]
+        tensors["rope_freq"] = torch.cat([f.freq for f in frames])  # type: ignore[union-attr]
+        tensors["rope_scale"] = torch.cat([f.scale for f in frames])  # type: ignore[union-attr]
         positions = getattr(model.config, "max_position_embeddings", None) or context
         rope_meta["max_positions"] = int(positions)
     meta = {
