@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from kvstrata.config import CacheConfig
+from kvstrata.platform.host_memory import cpu_empty
 
 # keys per summary by default (CacheConfig.attention_page): Quest's pages are 16; see the
 # module docstring for what 4 and 8 measured
@@ -343,11 +344,10 @@ class KeySelector:
             cap = max(pages + pages // 4, 256, 2 * old)
             width = 2 * dim if self.summary == "minmax" else dim
             dtype = torch.float16 if self.half else torch.float32
-            data = torch.empty((layers, heads, width, cap), dtype=dtype, device=self.device)
+            data = cpu_empty((layers, heads, width, cap), dtype, self.device)
             groups = None
             if self.coarse:
-                shape = (layers, heads, width, cap // self.coarse)
-                groups = torch.empty(shape, dtype=dtype, device=self.device)
+                groups = cpu_empty((layers, heads, width, cap // self.coarse), dtype, self.device)
             if entry is not None:
                 data[..., :old] = entry.data
                 if groups is not None:

@@ -41,6 +41,7 @@ from kvstrata.attention.transfer import TransferEngine
 from kvstrata.blocks.manager import Run
 from kvstrata.codecs.triton_dequant import decode_fields
 from kvstrata.core.layout import BlockLayout
+from kvstrata.platform.host_memory import cpu_empty
 from kvstrata.platform.streams import DeviceEvent, DeviceStreams, streams_for
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import MemoryTier
@@ -201,15 +202,15 @@ class Stager:
         self.device_name = device_name
         self.buffers = [
             (
-                torch.empty(
+                cpu_empty(
                     (layout.num_kv_heads, self.tokens_per_buffer, layout.head_dim),
-                    dtype=layout.dtype,
-                    device=device,
+                    layout.dtype,
+                    device,
                 ),
-                torch.empty(
+                cpu_empty(
                     (layout.num_kv_heads, self.tokens_per_buffer, layout.dim_v),
-                    dtype=layout.dtype,
-                    device=device,
+                    layout.dtype,
+                    device,
                 ),
             )
             for _ in range(2)
@@ -249,10 +250,10 @@ class Stager:
         return {
             name: [
                 {
-                    f"{kind}.{fname}": torch.empty(
+                    f"{kind}.{fname}": cpu_empty(
                         (self.layout.num_kv_heads, blocks * spec.rows, spec.cols),
-                        dtype=spec.dtype,
-                        device=device,
+                        spec.dtype,
+                        device,
                     )
                     for kind, specs in tier.field_specs.items()
                     for fname, spec in specs.items()

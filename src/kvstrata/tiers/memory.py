@@ -41,7 +41,7 @@ import torch
 from kvstrata.codecs.base import Codec, NoneCodec
 from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
 from kvstrata.core.slots import slot_runs
-from kvstrata.platform.host_memory import pinned_empty
+from kvstrata.platform.host_memory import cpu_empty, pinned_empty
 from kvstrata.platform.streams import DeviceEvent, DeviceStreams, streams_for
 from kvstrata.tiers.base import Encoded, Tier
 
@@ -109,7 +109,7 @@ class MemoryTier(Tier):
                 self.arenas[f"{kind}.{fname}"] = (
                     pinned_empty(shape, spec.dtype)
                     if pin_memory
-                    else torch.empty(shape, dtype=spec.dtype, device=self.device, pin_memory=False)
+                    else cpu_empty(shape, spec.dtype, self.device)
                 )
 
     # -- index helpers -------------------------------------------------------------------
