@@ -18,16 +18,8 @@ from kvstrata import CacheConfig, ConfigError, KVStore
 from kvstrata.attention import runtime as runtime_mod
 from kvstrata.attention import selected as selected_mod
 from kvstrata.attention.runtime import AttentionRuntime
-from kvstrata.attention.select import (
-    PAGE_TOKENS,
-    KeySelector,
-    _ranges,
-    _scoring,
-    choose_pages,
-    choose_two_level,
-    page_scores,
-    union,
-)
+from kvstrata.attention.select import PAGE_TOKENS, KeySelector, _ranges, union
+from kvstrata.attention.select_scores import _scoring, choose_pages, choose_two_level, page_scores
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.model.geometry import KVGeometry

@@ -36,6 +36,7 @@ from kvstrata.attention.native import (
 from kvstrata.attention.partials import causal_new, partial_where_kv_lives
 from kvstrata.attention.reads import ReadPlan, ReadPlanner
 from kvstrata.attention.select import KeySelector
+from kvstrata.attention.select_shared import BlockHashes
 from kvstrata.attention.selected import native_selected, read_keys, selected_partials
 from kvstrata.attention.staging import Stager
 from kvstrata.blocks.manager import BlockManager, Run
@@ -149,19 +150,16 @@ class AttentionRuntime:
             self.native = _native_tiers(tiers, layout, self.local, cc.cold_attention)
         staged = any(t.name not in self.local for t in tiers)
         bs = cc.block_size
+        # two buffers of at most the whole cache each: more could never be filled
+        tokens = min(cc.staging_tokens, 2 * -(-cc.max_tokens // bs) * bs)
         self.stager = (
-            # two buffers of at most the whole cache each: more could never be filled
-            Stager(
-                self.tiers,
-                layout,
-                self.device,
-                min(cc.staging_tokens, 2 * -(-cc.max_tokens // bs) * bs),
-                self.device_name,
-            )
-            if staged
-            else None
+            Stager(self.tiers, layout, device, tokens, self.device_name) if staged else None
         )
         self.reads = ReadPlanner(mgr, layout, groups, self.local, self.native)
+        blocks = mgr.state.pool.blocks  # selection's summaries follow the blocks' hashes
+        self._hashes = BlockHashes(
+            lambda b: getattr(blocks.get(b), "block_hash", None), layout.block_size
+        )
         self.selector: KeySelector | None = None
         self.set_selection(cc)
         # a table cut back (a crop, an undone step): its summaries past the cut go
@@ -172,7 +170,7 @@ class AttentionRuntime:
         attention) from the next step on; between steps only (the benchmarks compare
         settings over one store's placement and cached prompt this way)."""
         half = self.device.type == "cpu" and bool(self.native)  # the native kernel's fp16
-        self.selector = KeySelector.from_config(cc, self.device, half)
+        self.selector = KeySelector.from_config(cc, self.device, half, self._hashes)
 
     @property
     def step_tokens(self) -> dict[int, int]:

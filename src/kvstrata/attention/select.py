@@ -38,6 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstrata.attention.select_scores import _choose, _scoring
+from kvstrata.attention.select_shared import (
+    RETAINED,
+    BlockHashes,
+    best_donor,
+    copy_prefix,
+    table_hashes,
+)
 from kvstrata.config import CacheConfig
 from kvstrata.platform.host_memory import cpu_empty
 
@@ -59,6 +67,7 @@ class _Summaries:
     # [layers, Hkv, W, capacity // group]: each group of `group` pages' summary (two
     # levels), or None
     groups: torch.Tensor | None = None
+    hashes: list[bytes] = field(default_factory=list)  # the table's first blocks' (shared)
 
 
 @dataclass
@@ -87,6 +96,7 @@ class SelectionStats:
     keys_attended: int = 0  # (key, KV head) pairs they attended
     keys_in_context: int = 0  # (key, KV head) pairs full attention would have attended
     pages_summarised_from_tiers: int = 0  # (page, layer) summaries read from a tier
+    pages_shared: int = 0  # (page, layer) summaries copied from a common prefix's
     summary_bytes: int = 0  # bytes of summary values read (pages scored x terms)
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,127 +131,6 @@ def _ranges(
     last[:, :-1] = first[:, 1:]
     head = np.broadcast_to(np.arange(heads)[:, None], lo.shape)
     return np.stack([head[first], lo[first], hi[last]], axis=1)
-
-
-def page_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """Scores [Hkv, pages, R] of packed queries q [Hkv, R, D] against page summaries
-    [Hkv, pages, W]: with the per-channel max and min (W = 2D),
-    sum_d max(q_d max_d, q_d min_d) — at least any logit q . k of the page; with the
-    mean (W = D), q . mean. One batched product over the summaries' rows as stored."""
-    if summaries.shape[-1] != q.shape[-1]:
-        q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-    return summaries @ q.transpose(1, 2)
-
-
-def _scoring(
-    qp: torch.Tensor, width: int, score: str, device: torch.device, channels: int = 0
-) -> torch.Tensor:
-    """Packed queries qp [Hkv, R, D] as the vectors summaries of `width` are scored with
-    [Hkv, R', width]: each row kept to its `channels` largest |q_d| (0: all; ties: the
-    lower channel), then (q+, q-) for min/max, the rows summed for "sum" (the scores
-    are linear in them)."""
-    q = qp.detach().to(device, torch.float32)
-    dim = q.shape[-1]
-    if 0 < channels < dim:
-        mag = q.abs().nan_to_num(nan=float("inf"))
-        # a stable descending sort: equal magnitudes keep the lower channel first
-        order = torch.sort(mag, dim=-1, descending=True, stable=True).indices
-        keep = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, order[..., :channels], True)
-        q = q * keep
-    if width != dim:
-        q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-    return q.sum(dim=1, keepdim=True) if score == "sum" else q
-
-
-def _scores(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor | np.ndarray:
-    """Each page's score [Hkv, n] from its summary rows [Hkv, n, W] and scoring vectors
-    q [Hkv, R', W]: the best vector's. As the native kernel: a NaN among the values a
-    vector reads (nonzero coefficient) makes the page +inf (chosen first); a value it
-    does not read counts for nothing. numpy on the CPU (no torch dispatch per op)."""
-    if rows.device.type == "cpu":
-        r, v = rows.float().numpy(), q.numpy().transpose(0, 2, 1)
-        bad = np.isnan(r)
-        sc = np.matmul(np.where(bad, 0.0, r), v)
-        if bad.any():
-            sc[np.matmul(bad.astype(np.float32), (v != 0).astype(np.float32)) > 0] = np.inf
-        return sc.max(-1)
-    r = rows.float()
-    bad = r.isnan()
-    sc = r.nan_to_num(nan=0.0) @ q.transpose(1, 2)
-    sc = sc.masked_fill((bad.float() @ (q != 0).float().transpose(1, 2)) > 0, float("inf"))
-    return sc.amax(dim=-1)
-
-
-def _best(scores: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
-    """Each row's k best indices of scores [Hkv, n] (+inf first), ascending."""
-    if isinstance(scores, np.ndarray):
-        return np.sort(np.argpartition(scores, -k, axis=-1)[:, -k:], axis=-1)
-    return torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values.cpu().numpy()
-
-
-def choose_pages(
-    summaries: torch.Tensor, qp: torch.Tensor, choose: int, score: str = "max", channels: int = 0
-) -> np.ndarray:
-    """Each KV head's `choose` best pages [Hkv, choose] (sorted) from its summaries
-    [Hkv, pages, W] and packed queries qp [Hkv, R, D], a page scored by its best query
-    row's score (`score` "max") or their sum ("sum"), each row over its `channels`
-    largest-|q| channels (0: all). A NaN score is chosen first."""
-    if choose == 0:
-        return np.empty((qp.shape[0], 0), dtype=np.int64)
-    q = _scoring(qp, summaries.shape[-1], score, summaries.device, channels)
-    return _best(_scores(summaries, q), choose)
-
-
-def _choose(
-    summaries: torch.Tensor,
-    groups: torch.Tensor | None,
-    q: torch.Tensor,
-    c0: int,
-    c1: int,
-    choose: int,
-    group: int,
-    refine: int,
-) -> tuple[np.ndarray, int]:
-    """(the `choose` best pages of [c0, c1) relative to c0 [Hkv, choose], pages scored
-    per head) from a layer's page summaries [Hkv, capacity, W] — and group summaries,
-    two levels (`choose_two_level`) — and scoring vectors q (`_scoring`); choose >= 1."""
-    g0, g1 = (-(-c0 // group), c1 // group) if groups is not None else (0, 0)
-    if groups is None or g1 - g0 <= refine:
-        return _best(_scores(summaries[:, c0:c1], q), choose), c1 - c0
-    heads, dev = q.shape[0], summaries.device
-    kept = torch.from_numpy(_best(_scores(groups[:, g0:g1], q), refine)).to(dev) + g0
-    inner = (kept[..., None] * group + torch.arange(group, device=dev)).reshape(heads, -1)
-    left = torch.arange(c0, g0 * group, device=dev).expand(heads, -1)
-    right = torch.arange(g1 * group, c1, device=dev).expand(heads, -1)
-    cand = torch.cat([left, inner, right], dim=1)  # [Hkv, candidates], ascending
-    rows = summaries[torch.arange(heads, device=dev)[:, None], cand]
-    pick = torch.from_numpy(_best(_scores(rows, q), choose)).to(dev)
-    return (cand.gather(1, pick) - c0).cpu().numpy(), (g1 - g0) + cand.shape[1]
-
-
-def choose_two_level(
-    summaries: torch.Tensor,
-    groups: torch.Tensor,
-    qp: torch.Tensor,
-    c0: int,
-    c1: int,
-    choose: int,
-    group: int,
-    refine: int,
-    score: str = "max",
-    channels: int = 0,
-) -> tuple[np.ndarray, int]:
-    """(each KV head's `choose` best pages of [c0, c1), relative to c0 [Hkv, choose]
-    sorted; summaries scored per head) with two levels: a layer's page summaries
-    [Hkv, capacity, W] and group summaries [Hkv, capacity // group, W] (group g of
-    pages [g * group, (g + 1) * group)). Each head scores the groups wholly inside
-    [c0, c1), keeps its `refine` best, and chooses among their pages and the pages of
-    the groups c0 or c1 cut — every page when no more than `refine` groups lie inside
-    (then it is `choose_pages`). As the native kernel (select.cpp) chooses."""
-    if choose == 0:
-        return np.empty((qp.shape[0], 0), dtype=np.int64), c1 - c0
-    q = _scoring(qp, summaries.shape[-1], score, summaries.device, channels)
-    return _choose(summaries, groups, q, c0, c1, choose, group, refine)
 
 
 def union(chosen: np.ndarray) -> list[tuple[int, int]]:
@@ -293,18 +182,23 @@ class KeySelector:
     refine: float = 2.0
     channels: int = 0
     stats: SelectionStats = field(default_factory=SelectionStats)
+    blocks: BlockHashes | None = None  # tables' block hashes: summaries of shared prefixes
     _seqs: dict[Hashable, _Summaries] = field(default_factory=dict)
+    _retired: list[tuple[Hashable, _Summaries]] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, cc: CacheConfig, device: torch.device, half: bool) -> KeySelector | None:
-        """The selector of `cc`'s attention_* fields; None without a budget."""
+    def from_config(
+        cls, cc: CacheConfig, device: torch.device, half: bool, blocks: BlockHashes | None = None
+    ) -> KeySelector | None:
+        """The selector of `cc`'s attention_* fields (sharing the summaries of common
+        prefixes when it can read `blocks`' hashes); None without a budget."""
         if cc.attention_budget is None:
             return None
         return cls(
             cc.attention_budget, cc.attention_summary, cc.sink_tokens, device,
             cc.attention_dense_layers, half=half, page=cc.attention_page,
             score=cc.attention_score, coarse=cc.attention_coarse, refine=cc.attention_refine,
-            channels=cc.attention_channels,
+            channels=cc.attention_channels, blocks=blocks,
         )  # fmt: skip
 
     def bounds(self, start: int, total: int) -> tuple[int, int, int] | None:
@@ -322,8 +216,18 @@ class KeySelector:
         return sink_end, recent_start, choose
 
     def forget(self, live: Callable[[Hashable], Any]) -> None:
-        """Drop the summaries of sequences whose table `live(key)` no longer returns."""
-        self._seqs = {k: s for k, s in self._seqs.items() if live(k) is s.table}
+        """Drop the summaries of sequences whose table `live(key)` no longer returns (the
+        RETAINED last of them wait for a prefix hit); note the live ones' new block
+        hashes (once a step: select_shared)."""
+        kept = {}
+        for k, s in self._seqs.items():
+            if live(k) is s.table:
+                kept[k] = s
+                if self.blocks is not None:
+                    s.hashes = table_hashes(s.table, self.blocks.hash_of, s.hashes)
+            elif s.hashes:
+                self._retired = [*self._retired, (k, s)][-RETAINED:]
+        self._seqs = kept
 
     def truncate(self, key: Hashable, num_tokens: int) -> None:
         """Table `key` keeps its first `num_tokens` tokens: pages past them are
@@ -332,6 +236,8 @@ class KeySelector:
         entry = self._seqs.get(key)
         if entry is not None:
             entry.filled = [min(f, num_tokens // self.page) for f in entry.filled]
+            if self.blocks is not None:  # blocks past the cut are written again
+                entry.hashes = entry.hashes[: num_tokens // self.blocks.block_size]
 
     def _entry(self, key: Hashable, table: Any, layers: int, heads: int, dim: int, pages: int):
         entry = self._seqs.get(key)
@@ -352,9 +258,23 @@ class KeySelector:
                 data[..., :old] = entry.data
                 if groups is not None:
                     groups[..., : entry.groups.shape[3]] = entry.groups
-            entry = _Summaries(table, data, entry.filled if entry else [0] * layers, groups)
+                entry = _Summaries(table, data, entry.filled, groups, entry.hashes)
+            else:
+                entry = _Summaries(table, data, [0] * layers, groups)
+                self._share(key, entry)
             self._seqs[key] = entry
         return entry
+
+    def _share(self, key: Hashable, entry: _Summaries) -> None:
+        """A new sequence's summaries start from those of the longest prefix of blocks it
+        shares with another sequence of its group (select_shared)."""
+        if self.blocks is None:
+            return
+        entry.hashes = table_hashes(entry.table, self.blocks.hash_of, [])
+        donor, n = best_donor(key, entry.hashes, [*self._seqs.items(), *self._retired])
+        if donor is not None and donor.data.shape[:3] == entry.data.shape[:3]:
+            pages = n * self.blocks.block_size // self.page
+            self.stats.pages_shared += copy_prefix(entry, donor, pages, self.coarse)
 
     def refined(self, choose: int) -> int:
         """Groups each head refines when it chooses `choose` pages (two levels)."""
