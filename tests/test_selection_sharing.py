@@ -130,3 +130,22 @@ def test_finished_sequences_wait_for_a_hit_and_a_cut_drops_hashes_past_it():
     assert sel._seqs[(0, 0)].hashes == [b"\x00"]
     sel.forget({}.get)  # all finished
     assert not sel._seqs and [k for k, _ in sel._retired] == [(2, 0), (3, 0)][-RETAINED:]
+
+
+def test_a_finished_donors_summaries_are_taken_over_and_a_live_ones_copied():
+    h = _Hashes({i: bytes([i]) for i in range(10)})
+    sel = KeySelector(0.125, "minmax", 4, torch.device("cpu"), blocks=BlockHashes(h.of, 16))
+    a = BlockTable(block_ids=[0, 1, 2], num_tokens=48)
+    donor = sel._entry((1, 0), a, 2, 1, 4, 12)
+    donor.filled = [12, 12]
+    sel.forget({(1, 0): a}.get)  # notes its hashes
+    b = BlockTable(block_ids=[0, 1, 3], num_tokens=48)  # shares blocks 0 and 1
+    live = sel._entry((2, 0), b, 2, 1, 4, 12)
+    assert live.data is not donor.data and live.filled == [8, 8]
+    sel.forget({(2, 0): b}.get)  # (1, 0) finished
+    c = BlockTable(block_ids=[0, 1, 2, 4], num_tokens=64)
+    taken = sel._entry((3, 0), c, 2, 1, 4, 16)
+    # the finished sequence shares 3 blocks (12 pages), the live one 2: it donates,
+    # its tensor itself, and is no longer kept
+    assert taken.data is donor.data and taken.filled == [12, 12]
+    assert all(s is not donor for _, s in sel._retired)

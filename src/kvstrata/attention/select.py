@@ -62,7 +62,7 @@ class _Summaries:
     table: Any  # the block table described; a new table (a new sequence) starts over
     # [layers, Hkv, W, capacity], channel-major: per-channel max then min (W = 2D), or
     # mean (W = D), each a row over the pages
-    data: torch.Tensor
+    data: torch.Tensor | None  # (None only while _entry starts it)
     filled: list[int]  # per local layer: pages 0 .. filled - 1 are summarised
     # [layers, Hkv, W, capacity // group]: each group of `group` pages' summary (two
     # levels), or None
@@ -241,40 +241,55 @@ class KeySelector:
 
     def _entry(self, key: Hashable, table: Any, layers: int, heads: int, dim: int, pages: int):
         entry = self._seqs.get(key)
-        if entry is not None and entry.table is not table:
-            entry = None
-        if entry is None or entry.data.shape[3] < pages:
-            old = entry.data.shape[3] if entry is not None else 0
-            # headroom past a prefill's pages: growing copies every summary, a stall of
-            # one decode step at long contexts that the next few pages would pay
-            cap = max(pages + pages // 4, 256, 2 * old)
-            width = 2 * dim if self.summary == "minmax" else dim
-            dtype = torch.float16 if self.half else torch.float32
-            data = cpu_empty((layers, heads, width, cap), dtype, self.device)
-            groups = None
-            if self.coarse:
-                groups = cpu_empty((layers, heads, width, cap // self.coarse), dtype, self.device)
-            if entry is not None:
-                data[..., :old] = entry.data
-                if groups is not None:
-                    groups[..., : entry.groups.shape[3]] = entry.groups
-                entry = _Summaries(table, data, entry.filled, groups, entry.hashes)
-            else:
-                entry = _Summaries(table, data, [0] * layers, groups)
-                self._share(key, entry)
+        donor, shared = None, 0
+        if entry is None or entry.table is not table:  # a new sequence
+            entry, donor, shared = self._start(key, table, layers, heads, dim)
             self._seqs[key] = entry
+        if entry.data is None or entry.data.shape[3] < pages:
+            self._grow(entry, layers, heads, dim, pages)
+        if donor is not None:
+            self.stats.pages_shared += copy_prefix(entry, donor, shared, self.coarse)
         return entry
 
-    def _share(self, key: Hashable, entry: _Summaries) -> None:
-        """A new sequence's summaries start from those of the longest prefix of blocks it
-        shares with another sequence of its group (select_shared)."""
+    def _start(self, key: Hashable, table: Any, layers: int, heads: int, dim: int):
+        """(a new sequence's summaries, the live sequence to copy the first pages from,
+        how many): those of the longest prefix of blocks it shares with another
+        sequence of its group (select_shared) — a finished one's taken over whole."""
+        entry = _Summaries(table, None, [0] * layers)
         if self.blocks is None:
-            return
-        entry.hashes = table_hashes(entry.table, self.blocks.hash_of, [])
+            return entry, None, 0
+        entry.hashes = table_hashes(table, self.blocks.hash_of, [])
         donor, n = best_donor(key, entry.hashes, [*self._seqs.items(), *self._retired])
-        if donor is not None and donor.data.shape[:3] == entry.data.shape[:3]:
-            pages = n * self.blocks.block_size // self.page
-            self.stats.pages_shared += copy_prefix(entry, donor, pages, self.coarse)
+        width = 2 * dim if self.summary == "minmax" else dim
+        if donor is None or donor.data.shape[:3] != (layers, heads, width):
+            return entry, None, 0
+        pages = n * self.blocks.block_size // self.page
+        for i, (_, retired) in enumerate(self._retired):
+            if retired is donor:  # no one else writes them: no copy
+                del self._retired[i]
+                entry.data, entry.groups = donor.data, donor.groups
+                entry.filled = [min(f, pages) for f in donor.filled]
+                self.stats.pages_shared += sum(entry.filled)
+                return entry, None, 0
+        return entry, donor, pages
+
+    def _grow(self, entry: _Summaries, layers: int, heads: int, dim: int, pages: int) -> None:
+        """Room for `pages` pages in `entry`, its summaries kept."""
+        old = entry.data.shape[3] if entry.data is not None else 0
+        # headroom past a prefill's pages: growing copies every summary, a stall of one
+        # decode step at long contexts that the next few pages would pay
+        cap = max(pages + pages // 4, 256, 2 * old)
+        width = 2 * dim if self.summary == "minmax" else dim
+        dtype = torch.float16 if self.half else torch.float32
+        data = cpu_empty((layers, heads, width, cap), dtype, self.device)
+        groups = None
+        if self.coarse:
+            groups = cpu_empty((layers, heads, width, cap // self.coarse), dtype, self.device)
+        if old:
+            data[..., :old] = entry.data
+            if groups is not None:
+                groups[..., : entry.groups.shape[3]] = entry.groups
+        entry.data, entry.groups = data, groups
 
     def refined(self, choose: int) -> int:
         """Groups each head refines when it chooses `choose` pages (two levels)."""
