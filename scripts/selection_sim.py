@@ -9,7 +9,9 @@ usage: PYTHONPATH=src python scripts/selection_sim.py 8192 2 \
     '[{"budget": 0.125}, {"budget": 0.125, "reduce": "sum", "page": 8}]'
 config keys: budget (share), summary (minmax|mean), page, recent (share of the budget),
 reduce (max|sum|softmax over a KV head's query heads), dense (first layers exact), sink
-(tokens always attended at the start), group (two-level scoring: coarse summaries of this
+(tokens always attended at the start), shared (with channels: one channel set per KV
+head, its query rows' largest sum |q_d|), q8 (min/max summaries quantized to int8 per
+page, max rounded up and min down), group (two-level scoring: coarse summaries of this
 many pages; 0: one level) with refine (pages of the best ceil(refine * choose / group)
 coarse groups are scored and chosen from), channels (score with each query row's this
 many largest-|q| channels only, SparQ-style; 0: all)."""
@@ -89,11 +91,19 @@ def quest_attention(module, query, key, value, attention_mask, scaling, dropout=
         kp = k[:, : npages * page].reshape(hkv, npages, page, d)
         qs = q
         top = cfg.get("channels", 0)
-        if top:  # score with each query row's `top` largest |q_d| channels only (SparQ)
+        if top and cfg.get("shared"):  # one channel set per KV head: by its rows' sum |q|
+            mag = q.abs().sum(1, keepdim=True)
+            kth = mag.topk(top, dim=-1).values[..., -1:]
+            qs = q * (mag >= kth)
+        elif top:  # score with each query row's `top` largest |q_d| channels only (SparQ)
             kth = q.abs().topk(top, dim=-1).values[..., -1:]
             qs = q * (q.abs() >= kth)
         if cfg.get("summary", "minmax") == "minmax":
             summ = torch.cat([kp.amax(2), kp.amin(2)], -1)  # [hkv, P, 2D]
+            if cfg.get("q8"):  # int8 per page, max rounded up and min down: still a bound
+                scale = summ.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+                summ = torch.cat([torch.ceil(summ[..., :d] / scale),
+                                  torch.floor(summ[..., d:] / scale)], -1) * scale
             qq = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], -1)
         else:
             summ = kp.mean(2)

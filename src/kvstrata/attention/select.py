@@ -260,8 +260,7 @@ class KeySelector:
             return entry, None, 0
         entry.hashes = table_hashes(table, self.blocks.hash_of, [])
         donor, n = best_donor(key, entry.hashes, [*self._seqs.items(), *self._retired])
-        width = 2 * dim if self.summary == "minmax" else dim
-        if donor is None or donor.data.shape[:3] != (layers, heads, width):
+        if donor is None or donor.data.shape[:3] != (layers, heads, self._width(dim)):
             return entry, None, 0
         pages = n * self.blocks.block_size // self.page
         for i, (_, retired) in enumerate(self._retired):
@@ -279,7 +278,7 @@ class KeySelector:
         # headroom past a prefill's pages: growing copies every summary, a stall of one
         # decode step at long contexts that the next few pages would pay
         cap = max(pages + pages // 4, 256, 2 * old)
-        width = 2 * dim if self.summary == "minmax" else dim
+        width = self._width(dim)
         dtype = torch.float16 if self.half else torch.float32
         data = cpu_empty((layers, heads, width, cap), dtype, self.device)
         groups = None
@@ -290,6 +289,10 @@ class KeySelector:
             if groups is not None:
                 groups[..., : entry.groups.shape[3]] = entry.groups
         entry.data, entry.groups = data, groups
+
+    def _width(self, dim: int) -> int:
+        """Summary values per page and KV head."""
+        return 2 * dim if self.summary == "minmax" else dim
 
     def refined(self, choose: int) -> int:
         """Groups each head refines when it chooses `choose` pages (two levels)."""

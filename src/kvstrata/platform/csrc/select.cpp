@@ -329,15 +329,15 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       std::sort(dst.begin(), dst.end());
     };
     std::vector<std::vector<i64>> picks((size_t)H);
-    if (choose > 0 && !two) {  // every page's score [H, npages]
-      std::vector<float> scores((size_t)(H * npages));
-      std::vector<Run> runs;
-      for (i64 h = 0; h < H; h++)
-        add_runs(runs, h, summ, summ_head_stride, summ_row_stride, c0, npages,
-                 scores.data() + h * npages, most_rows);
-      score_all(runs);
+    // one level: every page's score [H, npages], scored in the attention's parallel
+    // region (below)
+    const bool fused = choose > 0 && !two;
+    std::vector<float> scores(fused ? (size_t)(H * npages) : 0);
+    std::vector<Run> first_runs;  // (scored in the region below)
+    if (fused) {
       for (i64 h = 0; h < H; h++) {
-        best(scores.data() + h * npages, npages, choose, picks[h]);
+        add_runs(first_runs, h, summ, summ_head_stride, summ_row_stride, c0, npages,
+                 scores.data() + h * npages, most_rows);
         if (scored) scored[h] = npages * (i64)terms[h].size();
       }
     } else if (two) {
@@ -376,10 +376,10 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
     } else if (scored) {
       for (i64 h = 0; h < H; h++) scored[h] = 0;
     }
-    // each head's ranges in key order, then its segments of parts
+    // each head's ranges in key order, then its segments of parts: 0, or -5 (keys no
+    // part covers)
     std::vector<std::vector<Seg>> segs((size_t)H);
-    i64 most = 0;
-    for (i64 h = 0; h < H; h++) {
+    auto build = [&](i64 h) -> int {
       const std::vector<i64> &pick = picks[h];
       if (chosen)
         for (i64 i = 0; i < choose; i++) chosen[h * choose + i] = pick[i];
@@ -405,8 +405,10 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
         }
       }
       attended[h] = count;
-      most = std::max(most, count);
-    }
+      return 0;
+    };
+    // every head attends as many keys: its sinks, pages and newest keys are disjoint
+    const i64 most = (sink_end - start) + choose * page + (total - recent_start);
     // attention: each head's keys split over the threads, merged per head
     // (at least 128 keys a split: a selected head's keys are few, and H items on nth
     // threads leave some idle)
@@ -417,20 +419,54 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
     std::atomic<i64> item{0};
     std::atomic<bool> failed{false};
     const i64 items = H * splits;
-    int workers = (int)std::min<i64>(nth, items);
-    if (most * H * D < (1 << 14)) workers = 1;
+    int workers = (int)std::min<i64>(nth, items + (i64)first_runs.size());
+    if (most * H * D < (1 << 14) && first_runs.size() <= 1) workers = 1;
+    auto attend_item = [&](i64 i) {
+      i64 h = i / splits, sp = i % splits;
+      attend_segments(C, h, segs[h], sp * per, std::min(attended[h], (sp + 1) * per),
+                      states[(size_t)i]);
+    };
+    if (!fused) {
+      for (i64 h = 0; h < H; h++)
+        if (int rc = build(h)) return rc;
+    }
+    // One parallel region (each costs a wake-up of sleeping workers: ~60 us on a VM
+    // with OMP_WAIT_POLICY=PASSIVE, kvstrata's default): one level scores its runs
+    // first; the thread scoring a head's last run chooses its pages and builds its
+    // segments, and its attention items wait (spinning: at most one run) until then.
+    std::vector<std::atomic<i64>> left((size_t)H);
+    std::vector<std::atomic<int>> ready((size_t)H);  // 0: not yet, 1: built, < 0: error
+    for (i64 h = 0; h < H; h++) left[h].store(0), ready[h].store(fused ? 0 : 1);
+    for (const Run &r : first_runs) left[r.h].fetch_add(1);
+    std::atomic<size_t> next_run{0};
     kv_parallel(workers, [&](int) {
       try {
+        std::vector<float> acc(first_runs.empty() ? 0 : (size_t)most_rows);
+        for (size_t r = next_run++; r < first_runs.size(); r = next_run++) {
+          const Run &u = first_runs[r];
+          score_rows(u.h, u.base, u.hs, u.rs, u.first, u.n, u.out, acc.data());
+          if (left[u.h].fetch_sub(1) == 1) {  // the head's last run: choose and build
+            best(scores.data() + u.h * npages, npages, choose, picks[u.h]);
+            ready[u.h].store(build(u.h) == 0 ? 1 : -5, std::memory_order_release);
+          }
+        }
         for (i64 i = item++; i < items; i = item++) {
-          i64 h = i / splits, sp = i % splits;
-          attend_segments(C, h, segs[h], sp * per, std::min(attended[h], (sp + 1) * per),
-                          states[(size_t)i]);
+          const i64 h = i / splits;
+          int state;
+          while ((state = ready[h].load(std::memory_order_acquire)) == 0 && !failed) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+          }
+          if (state == 1 && !failed) attend_item(i);
         }
       } catch (...) {  // out of memory: report, never unwind through OpenMP
         failed = true;
       }
     });
     if (failed) return -4;
+    for (i64 h = 0; h < H; h++)
+      if (ready[h].load() < 0) return -5;
     merge_splits(states.data(), splits, H, M, Dv, out, lse);
   } catch (...) {
     return -4;
