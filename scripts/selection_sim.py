@@ -102,8 +102,12 @@ def quest_attention(module, query, key, value, attention_mask, scaling, dropout=
             summ = torch.cat([kp.amax(2), kp.amin(2)], -1)  # [hkv, P, 2D]
             if cfg.get("q8"):  # int8 per page, max rounded up and min down: still a bound
                 scale = summ.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
-                summ = torch.cat([torch.ceil(summ[..., :d] / scale),
-                                  torch.floor(summ[..., d:] / scale)], -1) * scale
+                summ = (
+                    torch.cat(
+                        [torch.ceil(summ[..., :d] / scale), torch.floor(summ[..., d:] / scale)], -1
+                    )
+                    * scale
+                )
             qq = torch.cat([qs.clamp(min=0), qs.clamp(max=0)], -1)
         else:
             summ = kp.mean(2)

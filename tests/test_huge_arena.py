@@ -98,3 +98,14 @@ def test_a_host_tier_keeps_its_blocks_in_advised_arenas():
     k_out, v_out = torch.empty_like(k), torch.empty_like(v)
     tier.read_blocks([0, 5, slots - 1], k_out, v_out)
     assert torch.equal(k_out, k) and torch.equal(v_out, v)
+
+
+def test_a_refused_mapping_falls_back_to_torch_empty(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", refuse)
+    t = huge_empty((HUGE_MIN_BYTES // 4,), torch.float32)
+    assert t.numel() == HUGE_MIN_BYTES // 4
+    t.fill_(3.0)
+    assert float(t[-1]) == 3.0

@@ -6,10 +6,10 @@ and advised `MADV_HUGEPAGE`: Linux backs it with transparent huge pages where th
 system allows it (`/sys/kernel/mm/transparent_hugepage/enabled` "madvise" or
 "always"), else with ordinary pages. Attention reads a tier's arenas as many runs a
 few KiB long (a decode step's pages of every layer and head; query-aware selection's
-chosen pages lie apart), and on 4 KiB pages each run is a TLB miss: measured on a
-2-core VM, smollm2's decode attention over 8k keys of fp32 K/V, all 30 layers, 29.4
-ms a step from ordinary pages against 21.6 ms from huge ones (/tmp microbench of the
-native kernel; through the engine 28.6 -> 22.0 ms). torch's allocator gives no such
+chosen pages lie apart), and on 4 KiB pages each run is (presumably) a TLB miss and a
+page walk: measured on a 2-core VM, smollm2's decode attention over 8k keys of fp32
+K/V, all 30 layers, 29.4 ms a step from ordinary pages against 21.6 ms from huge ones
+(the native kernel alone; through the engine 28.6 -> 22.0 ms). torch's allocator gives no such
 advice (a large `torch.empty` is a malloc'd mapping the kernel only backs with huge
 pages when THP is "always").
 
@@ -49,7 +49,10 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if nbytes < HUGE_MIN_BYTES or advice is None or not flags:
         return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
+    except OSError:  # no room: torch's allocator says so in its own words
+        return torch.empty(shape, dtype=dtype)
     with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
         region.madvise(advice)
     buf = np.frombuffer(region, dtype=np.uint8)  # the array keeps the mapping alive
