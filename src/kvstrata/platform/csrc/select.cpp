@@ -430,8 +430,9 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       for (i64 h = 0; h < H; h++)
         if (int rc = build(h)) return rc;
     }
-    // One parallel region (each costs a wake-up of sleeping workers: ~60 us on a VM
-    // with OMP_WAIT_POLICY=PASSIVE, kvstrata's default): one level scores its runs
+    // One parallel region (each wakes sleeping workers under OMP_WAIT_POLICY=PASSIVE,
+    // kvstrata's default: one region fewer per layer saved ~1.4 ms of a 30-layer step
+    // on a 2-core VM, ~50 us each): one level scores its runs
     // first; the thread scoring a head's last run chooses its pages and builds its
     // segments, and its attention items wait (spinning: at most one run) until then.
     std::vector<std::atomic<i64>> left((size_t)H);
