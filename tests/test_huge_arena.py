@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 import sys
 import weakref
 
@@ -18,7 +19,12 @@ from kvstrata.platform import host_memory
 from kvstrata.platform.host_memory import HUGE_MIN_BYTES, HUGE_PAGE, cpu_empty, huge_empty
 from kvstrata.tiers.memory import HostTier
 
-LINUX_THP = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+# a kernel built without THP refuses the advice (huge_empty then gives ordinary pages)
+LINUX_THP = (
+    sys.platform.startswith("linux")
+    and hasattr(mmap, "MADV_HUGEPAGE")
+    and os.path.isdir("/sys/kernel/mm/transparent_hugepage")
+)
 
 
 def _vm_flags(address: int) -> list[str]:

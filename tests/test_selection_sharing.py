@@ -59,7 +59,7 @@ def test_a_prefix_hit_starts_from_its_donors_summaries_with_the_same_tokens(coar
         runs[True], runs[False],
     )  # fmt: skip
     assert layers1 > 0  # the decodes selected
-    assert cached1 is None or cached1 >= 256  # the second request hit the prefix cache
+    assert cached1 >= 256  # the second request hit the prefix cache
     # without sharing the hit re-summarises its prompt from the tiers; with it, the
     # pages of the shared blocks are copied (every layer) and none is read
     assert shared0 == 0 and tiers0 >= 2 * (256 // 4)

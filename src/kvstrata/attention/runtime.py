@@ -156,7 +156,7 @@ class AttentionRuntime:
             Stager(self.tiers, layout, device, tokens, self.device_name) if staged else None
         )
         self.reads = ReadPlanner(mgr, layout, groups, self.local, self.native)
-        blocks = mgr.state.pool.blocks  # selection's summaries follow the blocks' hashes
+        blocks = mgr.pool.blocks  # selection's summaries follow the blocks' hashes
         self._hashes = BlockHashes(
             lambda b: getattr(blocks.get(b), "block_hash", None), layout.block_size
         )

@@ -62,7 +62,7 @@ class _Summaries:
     table: Any  # the block table described; a new table (a new sequence) starts over
     # [layers, Hkv, W, capacity], channel-major: per-channel max then min (W = 2D), or
     # mean (W = D), each a row over the pages
-    data: torch.Tensor | None  # (None only while _entry starts it)
+    data: torch.Tensor | None  # (None only while _start makes it)
     filled: list[int]  # per local layer: pages 0 .. filled - 1 are summarised
     # [layers, Hkv, W, capacity // group]: each group of `group` pages' summary (two
     # levels), or None
@@ -241,36 +241,37 @@ class KeySelector:
 
     def _entry(self, key: Hashable, table: Any, layers: int, heads: int, dim: int, pages: int):
         entry = self._seqs.get(key)
-        donor, shared = None, 0
         if entry is None or entry.table is not table:  # a new sequence
-            entry, donor, shared = self._start(key, table, layers, heads, dim)
-            self._seqs[key] = entry
-        if entry.data is None or entry.data.shape[3] < pages:
+            entry = self._seqs[key] = self._start(key, table, layers, heads, dim, pages)
+        elif entry.data.shape[3] < pages:
             self._grow(entry, layers, heads, dim, pages)
-        if donor is not None:
-            self.stats.pages_shared += copy_prefix(entry, donor, shared, self.coarse)
         return entry
 
-    def _start(self, key: Hashable, table: Any, layers: int, heads: int, dim: int):
-        """(a new sequence's summaries, the live sequence to copy the first pages from,
-        how many): those of the longest prefix of blocks it shares with another
-        sequence of its group (select_shared) — a finished one's taken over whole."""
+    def _start(
+        self, key: Hashable, table: Any, layers: int, heads: int, dim: int, pages: int
+    ) -> _Summaries:
+        """A new sequence's summaries, with room for `pages` pages, starting from those
+        of the longest prefix of blocks it shares with another sequence of its group
+        (select_shared): a finished one's taken over whole, a live one's copied."""
         entry = _Summaries(table, None, [0] * layers)
-        if self.blocks is None:
-            return entry, None, 0
-        entry.hashes = table_hashes(table, self.blocks.hash_of, [])
-        donor, n = best_donor(key, entry.hashes, [*self._seqs.items(), *self._retired])
-        if donor is None or donor.data.shape[:3] != (layers, heads, self._width(dim)):
-            return entry, None, 0
-        pages = n * self.blocks.block_size // self.page
-        for i, (_, retired) in enumerate(self._retired):
-            if retired is donor:  # no one else writes them: no copy
-                del self._retired[i]
-                entry.data, entry.groups = donor.data, donor.groups
-                entry.filled = [min(f, pages) for f in donor.filled]
-                self.stats.pages_shared += sum(entry.filled)
-                return entry, None, 0
-        return entry, donor, pages
+        donor, n = None, 0
+        if self.blocks is not None:
+            entry.hashes = table_hashes(table, self.blocks.hash_of, [])
+            donor, n = best_donor(key, entry.hashes, [*self._seqs.items(), *self._retired])
+        if donor is not None and donor.data.shape[:3] != (layers, heads, self._width(dim)):
+            donor = None
+        shared = n * self.blocks.block_size // self.page if donor is not None else 0
+        finished = [i for i, (_, s) in enumerate(self._retired) if s is donor]
+        if finished:  # no one else writes them: taken over, no copy
+            del self._retired[finished[0]]
+            entry.data, entry.groups = donor.data, donor.groups
+            entry.filled = [min(f, shared) for f in donor.filled]
+            self.stats.pages_shared += sum(entry.filled)
+        if entry.data is None or entry.data.shape[3] < pages:
+            self._grow(entry, layers, heads, dim, pages)
+        if donor is not None and not finished:
+            self.stats.pages_shared += copy_prefix(entry, donor, shared, self.coarse)
+        return entry
 
     def _grow(self, entry: _Summaries, layers: int, heads: int, dim: int, pages: int) -> None:
         """Room for `pages` pages in `entry`, its summaries kept."""

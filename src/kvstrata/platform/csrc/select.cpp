@@ -329,11 +329,11 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       std::sort(dst.begin(), dst.end());
     };
     std::vector<std::vector<i64>> picks((size_t)H);
-    // one level: every page's score [H, npages], scored in the attention's parallel
-    // region (below)
+    // one level: every page's score [H, npages], its runs scored in the attention's
+    // parallel region (below)
     const bool fused = choose > 0 && !two;
     std::vector<float> scores(fused ? (size_t)(H * npages) : 0);
-    std::vector<Run> first_runs;  // (scored in the region below)
+    std::vector<Run> first_runs;
     if (fused) {
       for (i64 h = 0; h < H; h++) {
         add_runs(first_runs, h, summ, summ_head_stride, summ_row_stride, c0, npages,
