@@ -112,6 +112,33 @@ def test_offloaded_tokens_and_logits_match_dynamic_cache(model_type, one_thread,
     assert error < 1e-4 and error < moved / 100, (error, moved)
 
 
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_key_selection_on_every_family(model_type, one_thread, tmp_path):
+    """Query-aware selection (attention_budget, lossy) on the same offloaded placement:
+    a budget that covers the context gives DynamicCache's tokens exactly and never
+    selects; a small one selects in every decode step of every attention layer that
+    sees more than it (a sliding layer's window may be within it) and attends only its
+    share, with finite logits."""
+    model = _model(model_type, **FAMILIES[model_type])
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (1, PROMPT))
+    ref_tokens, _ = _greedy(model, ids, DynamicCache(config=model.config))
+    enable(model)
+    for budget in (PROMPT + NEW, 48):
+        with TieredCache(
+            model.config, disk_dir=str(tmp_path / str(budget)), host_budget="64KiB",
+            attention_budget=budget, attention_page=4, **OFFLOADED,
+        ) as cache:  # fmt: skip
+            tokens, logits = _greedy(model, ids, cache)
+            stats = cache.store.runtime.selector.stats
+        if budget > 48:
+            assert tokens == ref_tokens and stats.layers == 0
+        else:
+            assert stats.layers >= NEW - 1, stats  # at least one layer per decode step
+            assert 0 < stats.keys_attended <= 0.25 * stats.keys_in_context, stats
+            assert bool(torch.isfinite(logits).all())
+
+
 def test_mla_model_is_refused_at_construction():
     from transformers import DeepseekV3Config
 
