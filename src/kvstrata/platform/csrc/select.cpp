@@ -282,9 +282,11 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       i64 hs, rs, first, n;
       float *out;
     };
-    // the longest run: 2,048 pages, so a row is read in runs of 4 KiB (fp16), not 1 KiB
-    // (smollm2 at 8k: one run per head, ~0.5 ms a 30-layer step less than 512)
+    // the longest run: up to 2,048 pages, so a row is read in runs of 4 KiB (fp16),
+    // not 1 KiB (smollm2 at 8k: one run per head, ~0.5 ms a 30-layer step less than 512
+    // pages), but at least one run per thread where the pages allow (one KV head)
     const i64 most_rows = 2048;
+    const i64 run_pages = std::min<i64>(most_rows, std::max<i64>(512, (npages * H + nth - 1) / std::max(nth, 1)));
     auto score_all = [&](const std::vector<Run> &runs) {
       std::atomic<size_t> next{0};
       kv_parallel((int)std::min<size_t>((size_t)nth, runs.size()), [&](int) {
@@ -327,7 +329,7 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
     if (fused) {
       for (i64 h = 0; h < H; h++) {
         add_runs(first_runs, h, summ, summ_head_stride, summ_row_stride, c0, npages,
-                 scores.data() + h * npages, most_rows);
+                 scores.data() + h * npages, run_pages);
         if (scored) scored[h] = npages * (i64)terms[h].size();
       }
     } else if (two) {
