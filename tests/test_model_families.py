@@ -114,11 +114,11 @@ def test_offloaded_tokens_and_logits_match_dynamic_cache(model_type, one_thread,
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_key_selection_on_every_family(model_type, one_thread, tmp_path):
-    """Query-aware selection (attention_budget, lossy) on the same offloaded placement:
-    a budget that covers the context gives DynamicCache's tokens exactly and never
-    selects; a small one selects in every decode step of every attention layer that
-    sees more than it (a sliding layer's window may be within it) and attends only its
-    share, with finite logits."""
+    """Query-aware selection (attention_budget, lossy) with most of the KV off the
+    device: a budget that covers the context gives DynamicCache's tokens exactly and
+    never selects; a small one selects at least as often as there are decode steps (a
+    sliding layer's window may be within it) and attends only its share, with finite
+    logits."""
     model = _model(model_type, **FAMILIES[model_type])
     torch.manual_seed(1)
     ids = torch.randint(3, 97, (1, PROMPT))
@@ -134,7 +134,7 @@ def test_key_selection_on_every_family(model_type, one_thread, tmp_path):
         if budget > 48:
             assert tokens == ref_tokens and stats.layers == 0
         else:
-            assert stats.layers >= NEW - 1, stats  # at least one layer per decode step
+            assert stats.layers >= NEW - 1, stats  # NEW - 1 decode steps
             assert 0 < stats.keys_attended <= 0.25 * stats.keys_in_context, stats
             assert bool(torch.isfinite(logits).all())
 
