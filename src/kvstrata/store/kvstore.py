@@ -472,6 +472,7 @@ class KVStore(OneThread):
             "kv_bytes": mgr.live_bytes(),
             "peak_kv_bytes": mgr.peak_live_bytes,
             "transfers": runtime.transfer_stats() if runtime else None,
+            "selection": runtime.selector.stats.as_dict() if runtime and runtime.selector else None,
             "prefix": self.prefix.as_dict(),
             "remote": self.prefix_index.remote_stats(),
             "tokens": {s: self.num_tokens(s) for s in sorted(self._seqs)},
