@@ -8,6 +8,7 @@ run patches last step's plan instead of rebuilding it.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,14 @@ class ReadPlan:
     native: LayerDescs | None
     has_staged: bool = False
     spans: list[tuple[int, int]] = field(default_factory=list)
+    _starts: Any = None  # the spans' first keys as a ctypes int64 array (`starts`)
+
+    def starts(self) -> Any:
+        """The spans' first keys, an int64 ctypes array built once per plan (every
+        layer's selecting decode passes it)."""
+        if self._starts is None:
+            self._starts = (ctypes.c_int64 * len(self.spans))(*[lo for lo, _ in self.spans])
+        return self._starts
 
 
 class ReadPlanner:

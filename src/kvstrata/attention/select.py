@@ -185,6 +185,7 @@ class KeySelector:
     blocks: BlockHashes | None = None  # tables' block hashes: summaries of shared prefixes
     _seqs: dict[Hashable, _Summaries] = field(default_factory=dict)
     _retired: list[tuple[Hashable, _Summaries]] = field(default_factory=list)
+    _last_bounds: tuple = (None, None)  # ((start, total), bounds): every layer asks the same
 
     @classmethod
     def from_config(
@@ -204,6 +205,14 @@ class KeySelector:
     def bounds(self, start: int, total: int) -> tuple[int, int, int] | None:
         """(sink_end, recent_start, pages to choose) when a decode over keys [start,
         total) selects; None when the budget covers them all (exact attention)."""
+        asked, known = self._last_bounds
+        if asked == (start, total):
+            return known
+        known = self._bounds(start, total)
+        self._last_bounds = ((start, total), known)
+        return known
+
+    def _bounds(self, start: int, total: int) -> tuple[int, int, int] | None:
         page, context = self.page, total - start
         budget = self.budget if isinstance(self.budget, int) else int(self.budget * context)
         if budget >= context:

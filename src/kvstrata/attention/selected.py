@@ -12,7 +12,6 @@ chunk with the next one loading behind, and each head's partial is masked to its
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,8 +107,7 @@ def native_selected(
         or max(qp.shape[-1], rt.layout.dim_v) > NATIVE_MAX_DIM
     ):
         return None
-    spans = plan.spans
-    starts = (ctypes.c_int64 * len(spans))(*[lo for lo, _ in spans])
+    starts = plan.starts()
     sel = rt.selector
     coarse = (c.groups, sel.coarse, c.refine) if c.groups is not None else None
     out, lse, attended, scored = native_select_attention(

@@ -1,11 +1,12 @@
 """The native kernel library: plain C++ in `kvstrata/platform/csrc/`, called through ctypes.
 
 One shared library holds the codec kernels (`codecs.cpp`), the disk tier's vectored
-I/O with XXH3-64 checksums (`pio.cpp`) and the decode attention over tiered runs
-(`attention.cpp`). No torch headers, so g++ builds it in a few seconds. The XXH3
-functions are not compiled in: `load()` hands `pio.cpp` the ones the `xxhash`
-package's extension module exports (checked there against the package's values); if
-that fails, the codec and attention kernels still load but `load_pio()` is None and
+I/O with XXH3-64 checksums (`pio.cpp`), the decode attention over tiered runs
+(`attention.cpp`, `select.cpp`), the decode projections (`linear.cpp`) and the lean
+forward's RoPE and RMSNorm (`elementwise.cpp`). No torch headers, so g++ builds it in a
+few seconds. The XXH3 functions are not compiled in: `load()` hands `pio.cpp` the ones
+the `xxhash` package's extension module exports (checked there against the package's
+values); if that fails, the codec and attention kernels still load but `load_pio()` is None and
 the disk tier takes its staged path, which hashes through the package. The library is
 built once per machine and source version into torch's extensions directory
 (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions/<py>_cpu/`) and loaded
@@ -46,6 +47,7 @@ _SOURCES = {
     "attention.cpp": ["-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"],
     "select.cpp": ["-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"],
     "linear.cpp": ["-fno-trapping-math", "-ffp-contract=off"],
+    "elementwise.cpp": ["-fno-trapping-math", "-ffp-contract=off"],  # bit-identical to torch
 }
 
 _lock = threading.Lock()
@@ -102,6 +104,11 @@ _SIGNATURES["kv_attn_select_decode"] = (
 )
 # x, w, bias (or None), y, M, K, N, threads
 _SIGNATURES["kv_linear_small"] = ([_vp] * 4 + [_i64] * 3 + [_ci], _ci)
+# q, q out, Hq, strides (4 int64: q's head and token strides, then its output's), k, k out,
+# Hk, k's strides, T, D, cos, sin, cos/sin token stride
+_SIGNATURES["kv_rope"] = ([_vp, _vp, _i64, _vp, _vp, _vp, _i64, _vp, _i64, _i64] + [_vp] * 2 + [_i64], _ci)
+# x, var, weight, eps, y, rows, D
+_SIGNATURES["kv_rms_scale"] = ([_vp, _vp, _vp, _f32, _vp, _i64, _i64], _ci)
 _SIGNATURES["kv_abi_layout"] = ([ctypes.POINTER(_i64), _ci], _ci)
 _SIGNATURES["kv_use_openmp"] = ([ctypes.c_char_p], _ci)
 _SIGNATURES["kv_pio_limit_call_bytes"] = ([_i64], None)

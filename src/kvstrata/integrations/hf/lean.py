@@ -13,7 +13,9 @@ forward, which stays the reference). It calls the model's own modules' `forward`
 (the same weights, norms, rotary embedding and activation, the projections the
 native decode kernel may take) in the same order with the same operations, so its
 logits equal those of transformers' forward through the same `StepCache` bit for bit
-(tests compare them). What it leaves out is the per-call machinery only.
+(tests compare them). What it leaves out is the per-call machinery only; on decode-sized
+inputs RoPE and the RMSNorms take one native call each that gives the same bits
+(hf.lean_ops, adopted per model only where a probe shows it does).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvstrata.integrations.hf.lean_ops import native_norm, native_rope
 
 # model_type -> (decoder layer class, whether the config's sliding_window applies to
 # every layer (Mistral) rather than the per-layer attribute of Qwen2 / Qwen3)
@@ -62,7 +66,7 @@ class LeanForward:
         inner = model.model
         self.embed = inner.embed_tokens.forward
         self.rotary = inner.rotary_emb.forward
-        self.norm = inner.norm.forward
+        self.norm = native_norm(inner.norm)
         self.lm_head = model.lm_head.forward
         self.layers = layers
         self.rope = rope
@@ -110,6 +114,7 @@ def lean_forward(model: Any) -> LeanForward | None:
     if rope is None:
         return None
     layers = []
+    rope = native_rope(rope, decoders[0].self_attn.head_dim)
     for d in decoders:
         attn, mlp = d.self_attn, d.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
@@ -120,14 +125,14 @@ def lean_forward(model: Any) -> LeanForward | None:
         q_norm = getattr(attn, "q_norm", None)
         layers.append(
             _Layer(
-                d.input_layernorm.forward,
+                native_norm(d.input_layernorm),
                 attn.q_proj.forward,
                 attn.k_proj.forward,
                 attn.v_proj.forward,
-                None if q_norm is None else q_norm.forward,
-                None if q_norm is None else attn.k_norm.forward,
+                None if q_norm is None else native_norm(q_norm),
+                None if q_norm is None else native_norm(attn.k_norm),
                 attn.o_proj.forward,
-                d.post_attention_layernorm.forward,
+                native_norm(d.post_attention_layernorm),
                 mlp.gate_proj.forward,
                 mlp.up_proj.forward,
                 mlp.down_proj.forward,
