@@ -86,9 +86,10 @@ def test_a_variant_the_probe_rejects_keeps_the_models_function():
         r = q.shape[-1] // 2
         out = []
         for x in (q, k):
-            rot = x[..., :r] * cos[:, None, :, :r] + torch.cat(
-                (-x[..., r // 2 : r], x[..., : r // 2]), dim=-1
-            ) * sin[:, None, :, :r]
+            rot = (
+                x[..., :r] * cos[:, None, :, :r]
+                + torch.cat((-x[..., r // 2 : r], x[..., : r // 2]), dim=-1) * sin[:, None, :, :r]
+            )
             out.append(torch.cat((rot, x[..., r:]), dim=-1))
         return tuple(out)
 

@@ -106,7 +106,10 @@ _SIGNATURES["kv_attn_select_decode"] = (
 _SIGNATURES["kv_linear_small"] = ([_vp] * 4 + [_i64] * 3 + [_ci], _ci)
 # q, q out, Hq, strides (4 int64: q's head and token strides, then its output's), k, k out,
 # Hk, k's strides, T, D, cos, sin, cos/sin token stride
-_SIGNATURES["kv_rope"] = ([_vp, _vp, _i64, _vp, _vp, _vp, _i64, _vp, _i64, _i64] + [_vp] * 2 + [_i64], _ci)
+_SIGNATURES["kv_rope"] = (
+    [_vp, _vp, _i64, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp, _vp, _i64],
+    _ci,
+)
 # x, var, weight, eps, y, rows, D
 _SIGNATURES["kv_rms_scale"] = ([_vp, _vp, _vp, _f32, _vp, _i64, _i64], _ci)
 _SIGNATURES["kv_abi_layout"] = ([ctypes.POINTER(_i64), _ci], _ci)

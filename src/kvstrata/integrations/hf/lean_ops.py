@@ -58,7 +58,9 @@ class NativeRope:
         if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or q.shape[0] != 1:
             return False
         _, _, tokens, dim = q.shape
-        if q.numel() + k.numel() > MAX_ELEMENTS or dim % 2 or k.shape[0] != 1 or k.shape[2:] != q.shape[2:]:
+        if q.numel() + k.numel() > MAX_ELEMENTS or dim % 2:
+            return False
+        if k.shape[0] != 1 or k.shape[2:] != q.shape[2:]:
             return False
         if cos.shape != (1, tokens, dim) or sin.shape != cos.shape:
             return False
@@ -93,8 +95,9 @@ class NativeRMSNorm:
             return self.forward(h)
         var = h.pow(2).mean(-1, keepdim=True)
         y = torch.empty_like(h)
+        rows = h.numel() // dim
         rc = self.lib.kv_rms_scale(
-            h.data_ptr(), var.data_ptr(), w.data_ptr(), self.eps, y.data_ptr(), h.numel() // dim, dim
+            h.data_ptr(), var.data_ptr(), w.data_ptr(), self.eps, y.data_ptr(), rows, dim
         )
         return y if rc == 0 else self.forward(h)
 
