@@ -24,8 +24,8 @@ import time
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from kvstrata.model.zoo import load_model
 from kvstrata.quality.evaluate import heldout_windows
+from kvstrata.workload.zoo import load_model
 
 torch.set_num_threads(2)
 CTX = int(sys.argv[1]) if len(sys.argv) > 1 else 8192

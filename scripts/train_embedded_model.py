@@ -8,7 +8,7 @@ rebuild it. A deterministic ~4 % of the files is held out for evaluation and lis
 Usage (the real run; it writes into the package dir only at the very end)::
 
     nohup .venv/bin/python scripts/train_embedded_model.py --threads 1 --minutes 65 \
-        --steps 1500 --out src/kvstrata/models/kvstrata-code-tiny > runs/train.log 2>&1 &
+        --steps 1500 --out src/kvstrata/checkpoints/kvstrata-code-tiny > runs/train.log 2>&1 &
 
 A smoke run: ``--minutes 1 --steps 20 --seq-len 256 --out /tmp/kvs-smoke``.
 """
@@ -32,7 +32,7 @@ import transformers
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from kvstrata.model.zoo import (
+from kvstrata.workload.zoo import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
     EOS_ID,

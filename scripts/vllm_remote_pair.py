@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def documents(model_dir: Path, tokens: int, count: int) -> list[list[int]]:
-    from kvstrata.model.zoo import heldout_files, load_tokenizer
+    from kvstrata.workload.zoo import heldout_files, load_tokenizer
 
     tok = load_tokenizer(model_dir)
     ids: list[int] = []
@@ -94,7 +94,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     from kvstrata.bench._redis import RedisServer
-    from kvstrata.model.zoo import resolve_model_dir
+    from kvstrata.workload.zoo import resolve_model_dir
 
     # a model directory, or a kvstrata model name (smollm2 needs the model extra: run
     # `kvstrata plan --model smollm2` once in kvstrata's environment, then pass the

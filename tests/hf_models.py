@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from kvstrata.model.zoo import build_byte_tokenizer, tiny_code_config
+from kvstrata.workload.zoo import build_byte_tokenizer, tiny_code_config
 
 COMMON = dict(
     vocab_size=97,

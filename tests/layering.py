@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("attention",),
     ("store",),
     ("integrations",),
+    ("workload",),
     ("engine", "quality"),
     ("server",),
     ("bench",),

@@ -16,10 +16,15 @@ from transformers import DynamicCache
 from hf_models import greedy_ids, seeded_ids, tiny_model
 from kvstrata import CacheConfig, ConfigError, KVStore
 from kvstrata.attention import runtime as runtime_mod
-from kvstrata.attention import selected as selected_mod
 from kvstrata.attention.runtime import AttentionRuntime
-from kvstrata.attention.select import PAGE_TOKENS, KeySelector, _ranges, union
-from kvstrata.attention.select_scores import _scoring, choose_pages, choose_two_level, page_scores
+from kvstrata.attention.selection import attend as selected_mod
+from kvstrata.attention.selection.scores import (
+    _scoring,
+    choose_pages,
+    choose_two_level,
+    page_scores,
+)
+from kvstrata.attention.selection.selector import PAGE_TOKENS, KeySelector, _ranges, union
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.model.geometry import KVGeometry

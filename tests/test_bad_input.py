@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import kvstrata.model.zoo
+import kvstrata.workload.zoo
 from kvstrata.cli import main
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError
@@ -347,7 +347,7 @@ def test_cli_refuses_after_reading_the_model(capsys, tiny_dir, argv, names):
 
 def test_demo_refuses_a_missing_model_and_too_many_tokens(capsys, tiny_dir, monkeypatch):
     _cli(capsys, ["demo", "--model", str(tiny_dir / "nope")], "model=")
-    monkeypatch.setattr(kvstrata.model.zoo, "default_model_dir", lambda: tiny_dir)
+    monkeypatch.setattr(kvstrata.workload.zoo, "default_model_dir", lambda: tiny_dir)
     code = main(["demo", "--model", "tiny", "--max-new-tokens", "10m"])
     out, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1 and "max_new_tokens=10485760" in err

@@ -38,7 +38,7 @@ def args_of(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def make_plans(repeats: int = 2) -> list[wl.Plan]:
+def make_plans(repeats: int = 2) -> list[wl.RepeatRequests]:
     return wl.plans(wl.TokenPool(range(100_000)), FRAME, SMALL, repeats)
 
 

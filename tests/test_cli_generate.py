@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-import kvstrata.model.zoo
+import kvstrata.workload.zoo
 from kvstrata.cli import main
 from kvstrata.cli.eval import lossless_failures
 from kvstrata.quality.evaluate import Comparison, ConfigResult, PplResult
@@ -149,7 +149,7 @@ def test_demo_with_model(tiny_dir, capsys, monkeypatch):
         print("extra section ran")
         return 0
 
-    monkeypatch.setattr(kvstrata.model.zoo, "default_model_dir", lambda: tiny_dir)
+    monkeypatch.setattr(kvstrata.workload.zoo, "default_model_dir", lambda: tiny_dir)
     monkeypatch.setattr(demo, "SECTIONS", [*demo.SECTIONS, demo.Section("extra", extra)])
     code, out, err = _run(capsys, "demo", "--model", "tiny", "--max-new-tokens", "80")
     assert code == 0, err
@@ -173,7 +173,7 @@ def test_demo_with_model(tiny_dir, capsys, monkeypatch):
 
 
 def test_demo_without_model(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(kvstrata.model.zoo, "default_model_dir", lambda: tmp_path / "absent")
+    monkeypatch.setattr(kvstrata.workload.zoo, "default_model_dir", lambda: tmp_path / "absent")
     code, out, err = _run(capsys, "demo", "--model", "tiny")
     assert code == 0, err
     lines = out.splitlines()

@@ -16,7 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvstrata.attention.math import reference_attention
 from kvstrata.codecs.registry import get_codec
 from kvstrata.core.layout import BlockLayout
-from kvstrata.model.zoo import bytes_to_ids, default_model_dir, heldout_files, load_model
+from kvstrata.workload.zoo import bytes_to_ids, default_model_dir, heldout_files, load_model
 
 CONTEXT = 1024
 BLOCK = 64

@@ -228,7 +228,7 @@ def test_stream_left_early_aborts_the_request():
 
 
 def test_stream_deltas_add_up_to_the_whole_output():
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     model, tok = load_model("default")
     with Engine(model, tok, block_size=BS) as engine:
@@ -246,7 +246,7 @@ def test_stream_deltas_add_up_to_the_whole_output():
 
 
 def test_stop_strings_cut_the_text():
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     model, tok = load_model("default")
     with Engine(model, tok, block_size=BS) as engine:
@@ -675,7 +675,7 @@ def test_min_tokens_boundary_first_output_and_a_prompt_alone():
     """Stop strings are looked for from the min_tokens-th token on (vLLM: a stop string
     may end with it); `first_output` sends an output at the first token even when it
     brings no text; max_tokens 0 computes the prompt alone, from the prefix cache."""
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     model, tok = load_model("default")
     prompt = "def area(radius):\n    return"

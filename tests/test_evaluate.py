@@ -11,7 +11,6 @@ import torch
 from transformers import DynamicCache
 
 from kvstrata.core.errors import ConfigError
-from kvstrata.model.zoo import EOS_ID, load_model
 from kvstrata.quality.evaluate import (
     LOSSLESS_TOLERANCE_PCT,
     PplResult,
@@ -25,6 +24,7 @@ from kvstrata.quality.evaluate import (
     top1_agreement,
     window_perplexity,
 )
+from kvstrata.workload.zoo import EOS_ID, load_model
 
 CONTEXT = 64
 BLOCK = 16

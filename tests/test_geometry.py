@@ -9,8 +9,9 @@ import torch
 
 from kvstrata.codecs.registry import codec_names
 from kvstrata.core.errors import ConfigError
-from kvstrata.model.geometry import KVGeometry, load_geometry
+from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.presets import PRESETS
+from kvstrata.workload.zoo import load_geometry
 
 GIB = 2**30
 
@@ -156,7 +157,7 @@ def test_from_transformers_config_objects():
 def test_tiny_geometry_matches_the_real_model():
     from transformers import LlamaForCausalLM
 
-    from kvstrata.model.zoo import tiny_code_config
+    from kvstrata.workload.zoo import tiny_code_config
 
     config = tiny_code_config()
     preset = load_geometry("kvstrata-code-tiny")

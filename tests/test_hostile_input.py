@@ -280,7 +280,7 @@ def test_control_strings_in_content_are_plain_text_with_a_chat_template(url, eng
 
 def smollm2_tokenizer():
     from kvstrata.core.errors import ConfigError
-    from kvstrata.model.zoo import load_tokenizer
+    from kvstrata.workload.zoo import load_tokenizer
 
     try:
         return load_tokenizer("smollm2")

@@ -18,7 +18,6 @@ from kvstrata.config import CacheConfig
 from kvstrata.core.errors import CodecError, ConfigError
 from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.hf import TieredCache, enable
-from kvstrata.model.zoo import heldout_files
 from kvstrata.quality import kvsim
 from kvstrata.quality.calibrate import (
     calibrate,
@@ -26,6 +25,7 @@ from kvstrata.quality.calibrate import (
     check_calibration,
     model_fingerprint,
 )
+from kvstrata.workload.zoo import heldout_files
 
 BS = 16
 

@@ -11,7 +11,7 @@ import pytest
 
 from hf_models import make_tiny_model_dir
 from kvstrata.core.errors import ConfigError
-from kvstrata.model.zoo import (
+from kvstrata.workload.zoo import (
     DEFAULT_MODEL_NAME,
     default_model_dir,
     heldout_files,
@@ -163,7 +163,7 @@ def test_heldout_files(model_dir):
 def test_default_model_dir_location():
     path = default_model_dir()
     assert path.name == DEFAULT_MODEL_NAME
-    assert path.parent.name == "models"
+    assert path.parent.name == "checkpoints"
     assert path.parent.parent.name == "kvstrata"
 
 

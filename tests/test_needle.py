@@ -14,8 +14,6 @@ from kvstrata.cli import main
 from kvstrata.core.errors import ConfigError
 from kvstrata.integrations.hf.cache import TieredCache
 from kvstrata.model.budgets import placement
-from kvstrata.model.prompts import read_prompt_file
-from kvstrata.model.zoo import build_byte_tokenizer, load_model
 from kvstrata.quality.agreement import first_difference, greedy_agreement, greedy_tokens
 from kvstrata.quality.evaluate import EXACT
 from kvstrata.quality.needle import (
@@ -30,6 +28,8 @@ from kvstrata.quality.needle import (
     needle_cases,
     needle_sweep,
 )
+from kvstrata.workload.prompts import read_prompt_file
+from kvstrata.workload.zoo import build_byte_tokenizer, load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""kvstrata.model.planner and kvstrata.platform.hardware: the seed's numbers from the same code."""
+"""kvstrata.workload.memory_plan and kvstrata.platform.hardware: the seed's numbers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ import pytest
 
 from kvstrata.codecs.registry import codec_names
 from kvstrata.core.errors import ConfigError
-from kvstrata.model.geometry import load_geometry
-from kvstrata.model.planner import Workload, memory_saved, plan, resident_tokens, transfer_seconds
 from kvstrata.platform.hardware import GIB, get_gpu, get_link, make_hardware
+from kvstrata.workload.memory_plan import (
+    Workload,
+    memory_saved,
+    plan,
+    resident_tokens,
+    transfer_seconds,
+)
+from kvstrata.workload.zoo import load_geometry
 
 LLAMA2 = load_geometry("llama-2-7b")
 

@@ -1,4 +1,4 @@
-"""Named models from a package's GGUF file (kvstrata.model.gguf), on a tiny GGUF written here.
+"""Named models from a package's GGUF file (kvstrata.workload.gguf), on a tiny GGUF written here.
 
 The GGUF is a real file written with the `gguf` package and installed as a real (tiny)
 distribution on sys.path, so the whole `--model smollm2` path runs: locating the file in
@@ -21,9 +21,9 @@ import torch
 from gguf_models import CHATML, write_tiny_gguf
 from kvstrata.cli import main
 from kvstrata.core.errors import ConfigError
-from kvstrata.model import gguf as realmodel
-from kvstrata.model.gguf import CACHE_ENV, MANIFEST, GgufModel, converted_dir
-from kvstrata.model.zoo import load_model, load_tokenizer, model_names, resolve_model_dir
+from kvstrata.workload import gguf as realmodel
+from kvstrata.workload.gguf import CACHE_ENV, MANIFEST, GgufModel, converted_dir
+from kvstrata.workload.zoo import load_model, load_tokenizer, model_names, resolve_model_dir
 
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")

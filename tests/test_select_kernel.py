@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvstrata.attention.native import native_select_attention, raw_field
-from kvstrata.attention.select import _ranges
-from kvstrata.attention.select_scores import _scoring, choose_pages, choose_two_level
+from kvstrata.attention.selection.scores import _scoring, choose_pages, choose_two_level
+from kvstrata.attention.selection.selector import _ranges
 from kvstrata.core.formats import PartDesc
 from kvstrata.platform.native import available
 

@@ -1,4 +1,4 @@
-"""Key selection's summaries shared along a common prefix (attention/select_shared.py):
+"""Key selection's summaries shared along a common prefix (attention/selection/sharing.py):
 a prefix hit starts from the summaries of the sequence whose blocks it reuses instead
 of reading the prompt's keys back from the tiers, with the same tokens as without;
 only a sequence of the same layer group, over blocks of equal content hashes, donates;
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_models import tiny_model
-from kvstrata.attention.select import KeySelector, _Summaries
-from kvstrata.attention.select_shared import (
+from kvstrata.attention.selection.selector import KeySelector, _Summaries
+from kvstrata.attention.selection.sharing import (
     RETAINED,
     BlockHashes,
     best_donor,

@@ -19,8 +19,8 @@ import pytest
 
 from kvstrata.cli import build_parser, main
 from kvstrata.cli.serve import weight_bytes
-from kvstrata.model.zoo import load_model
 from kvstrata.platform.hardware import machine_ram
+from kvstrata.workload.zoo import load_model
 
 
 def test_help_names_the_vllm_aliases(capsys):

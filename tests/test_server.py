@@ -26,9 +26,9 @@ import uvicorn
 
 from kvstrata.core.errors import ConfigError
 from kvstrata.engine import Engine, EngineConfig
-from kvstrata.model.zoo import load_model
 from kvstrata.server import build_app
 from kvstrata.server.chat import plain_chat_prompt
+from kvstrata.workload.zoo import load_model
 
 MODEL = "kvstrata-code-tiny"
 # Python source to cut prompts from (the model was trained on the standard library).

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.model.zoo import (
+from kvstrata.workload.zoo import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
     EOS_ID,

@@ -27,9 +27,9 @@ import pytest
 import torch
 from tests.vllm_backend.tiny import VLLM_BLOCK, prompts, read_back
 
+from kvstrata.integrations.vllm.backend_plan import VllmSide, make_plan, model_geometry
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.integrations.vllm.pages import Pages
-from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry
 from kvstrata.integrations.vllm.store import HIT, OffloadStore
 
 AVX_ERROR = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."

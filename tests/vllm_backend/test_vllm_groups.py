@@ -34,8 +34,8 @@ from tests.vllm_backend.tiny import (
 from vllm.v1.kv_offload.base import make_offload_key
 
 from kvstrata.core.errors import UnsupportedModelError
+from kvstrata.integrations.vllm.backend_plan import VllmSide, make_plan
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import VllmSide, make_plan
 from kvstrata.model.geometry import KVGeometry
 
 P1, P2 = prompts(2, 300, seed=3)  # 9 full vLLM blocks each (288 tokens) + 12 computed

@@ -40,8 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 
 import kvstrata
 from kvstrata.integrations.vllm import kv_transfer_config
+from kvstrata.integrations.vllm.backend_plan import VllmSide, make_plan
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import VllmSide, make_plan
 from kvstrata.integrations.vllm.stats import PREFIX, VllmStats, metric_definitions
 from kvstrata.integrations.vllm.store import HIT, MISS, OffloadStore
 from kvstrata.model.geometry import KVGeometry

@@ -22,10 +22,7 @@ from tests.vllm_backend.tiny import read_back
 from kvstrata.core.errors import ConfigError, KvstrataError, TierIOError, UnsupportedModelError
 from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.vllm import disk_reads, kv_transfer_config
-from kvstrata.integrations.vllm.index import BlockIndex
-from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.pages import Pages
-from kvstrata.integrations.vllm.plan import (
+from kvstrata.integrations.vllm.backend_plan import (
     DIGEST_CACHE,
     BackendPlan,
     VllmSide,
@@ -33,6 +30,9 @@ from kvstrata.integrations.vllm.plan import (
     model_identity,
     weights_fingerprint,
 )
+from kvstrata.integrations.vllm.index import BlockIndex
+from kvstrata.integrations.vllm.options import VllmOptions
+from kvstrata.integrations.vllm.pages import Pages
 from kvstrata.integrations.vllm.region import HEADER_BYTES, MAGIC
 from kvstrata.integrations.vllm.remote import RETRY
 from kvstrata.integrations.vllm.store import HIT, MISS, PENDING, OffloadStore

@@ -17,8 +17,8 @@ from tests.vllm_backend.test_vllm_parts import GEOMETRY, Worker, side
 from tests.vllm_backend.tiny import VLLM_BLOCK, prompts
 
 from kvstrata.bench._redis import REDIS_SERVER, RedisServer, SlowProxy
+from kvstrata.integrations.vllm.backend_plan import make_plan
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import make_plan
 from kvstrata.integrations.vllm.remote import RETRY
 from kvstrata.integrations.vllm.store import HIT, MISS, OffloadStore
 

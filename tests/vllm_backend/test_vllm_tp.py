@@ -19,8 +19,8 @@ from tests.vllm_backend.tiny import HEAD_DIM, NUM_KV_HEADS, VLLM_BLOCK, Rig, pro
 from vllm.v1.kv_offload.base import make_offload_key
 
 from kvstrata.core.errors import ConfigError
+from kvstrata.integrations.vllm.backend_plan import VllmSide, make_plan
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import VllmSide, make_plan
 from kvstrata.model.geometry import KVGeometry
 
 GEOMETRY = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,

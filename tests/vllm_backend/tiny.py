@@ -39,7 +39,7 @@ def _save(model_class: Any, config: Any, path: Path, seed: int) -> Path:
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.save_pretrained(path)
-    tokenizer_dir = Path(kvstrata.__file__).parent / "models" / "kvstrata-code-tiny"
+    tokenizer_dir = Path(kvstrata.__file__).parent / "checkpoints" / "kvstrata-code-tiny"
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, path / name)
     return path
@@ -180,9 +180,9 @@ class Rig:
             CanonicalKVCacheTensor,
         )
 
+        from kvstrata.integrations.vllm.backend_plan import VllmSide, make_plan
         from kvstrata.integrations.vllm.manager import KvstrataOffloadingManager
         from kvstrata.integrations.vllm.options import VllmOptions
-        from kvstrata.integrations.vllm.plan import VllmSide, make_plan
         from kvstrata.integrations.vllm.store import OffloadStore
         from kvstrata.integrations.vllm.worker import KvstrataOffloadingWorker
         from kvstrata.model.geometry import KVGeometry

@@ -35,9 +35,9 @@ from kvstrata.attention.native import (
 )
 from kvstrata.attention.partials import causal_new, partial_where_kv_lives
 from kvstrata.attention.reads import ReadPlan, ReadPlanner
-from kvstrata.attention.select import KeySelector
-from kvstrata.attention.select_shared import BlockHashes
-from kvstrata.attention.selected import native_selected, read_keys, selected_partials
+from kvstrata.attention.selection.attend import native_selected, read_keys, selected_partials
+from kvstrata.attention.selection.selector import KeySelector
+from kvstrata.attention.selection.sharing import BlockHashes
 from kvstrata.attention.staging import Stager
 from kvstrata.blocks.manager import BlockManager, Run
 from kvstrata.config import CacheConfig

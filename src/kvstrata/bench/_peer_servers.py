@@ -413,7 +413,7 @@ def _client(server: Server) -> Any:
 def run_phase(
     server: Server,
     phase: str,
-    plan: wl.Plan,
+    plan: wl.RepeatRequests,
     sizes: wl.Sizes,
     encode: Callable[[str], list[int]],
     tag: str,

@@ -126,7 +126,7 @@ class ChatPlan:
 
 
 @dataclass
-class Plan:
+class RepeatRequests:
     """Every workload of one repeat (the same on every server)."""
 
     docqa_warm: list[Req]
@@ -188,15 +188,15 @@ def single(pool: TokenPool, s: Sizes, tag: str) -> list[Req]:
     ]
 
 
-def plans(pool: TokenPool, frame: Frame, s: Sizes, repeats: int) -> list[Plan]:
-    """One Plan per repeat, each of fresh text; the chat system prompt is shared by
+def plans(pool: TokenPool, frame: Frame, s: Sizes, repeats: int) -> list[RepeatRequests]:
+    """One RepeatRequests per repeat, each of fresh text; the chat system prompt is shared by
     every repeat (as a deployment's would be)."""
     system = frame.system_head + pool.take(s.system_tokens)
     out = []
     for r in range(repeats):
         warm, query = docqa(pool, frame, s, f"r{r}/docqa")
         out.append(
-            Plan(
+            RepeatRequests(
                 docqa_warm=warm,
                 docqa_query=query,
                 chat=chat(pool, frame, s, system),
@@ -226,7 +226,9 @@ def chat_bound(plan: ChatPlan, answer_slack: int = 8) -> int:
     return len(plan.system) + turns + rounds * (plan.max_tokens + answer_slack)
 
 
-def max_model_len(plans: Sequence[Plan], workloads: Sequence[str], limit: int | None) -> int:
+def max_model_len(
+    plans: Sequence[RepeatRequests], workloads: Sequence[str], limit: int | None
+) -> int:
     """The longest prompt + output of the selected workloads, rounded up to 256 tokens
     (at most the model's positions)."""
     need = 1
@@ -241,7 +243,7 @@ def max_model_len(plans: Sequence[Plan], workloads: Sequence[str], limit: int | 
     return min(need, limit) if limit else need
 
 
-def working_set_tokens(plan: Plan, workloads: Sequence[str], s: Sizes) -> int:
+def working_set_tokens(plan: RepeatRequests, workloads: Sequence[str], s: Sizes) -> int:
     """Distinct tokens one repeat keeps reusing: docqa's (documents, questions, answers)
     when docqa runs, else the largest of the selected workloads'."""
 

@@ -54,8 +54,8 @@ def capture_kv(model: str | Path, context: int) -> tuple[torch.Tensor, torch.Ten
     cache stores them) of one exact forward pass over held-out text."""
     from transformers import DynamicCache
 
-    from kvstrata.model.zoo import EMBEDDED_NAMES, load_model
     from kvstrata.quality.evaluate import heldout_stream
+    from kvstrata.workload.zoo import EMBEDDED_NAMES, load_model
 
     lm, tokenizer = load_model(model)
     stream = heldout_stream(model, None if str(model) in EMBEDDED_NAMES else tokenizer)
@@ -232,7 +232,7 @@ def measure(
     """Bytes per token and cost of delta coding vs today's byte-plane zstd.
 
     Args:
-        model: a model name or directory (kvstrata.model.zoo), run in fp32.
+        model: a model name or directory (kvstrata.workload.zoo), run in fp32.
         context: tokens of held-out text (whole blocks of them are measured).
         block_size: tokens per block (the frames are per block and layer).
         dtypes: raw storage dtypes ("fp32", "bf16", "fp16"), K/V cast from fp32.

@@ -272,9 +272,9 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     """Measure on a named model and write the rows as JSON."""
-    from kvstrata.model.zoo import load_model, quiet_transformers
     from kvstrata.quality.calibrate import check_calibration
     from kvstrata.quality.evaluate import heldout_windows
+    from kvstrata.workload.zoo import load_model, quiet_transformers
 
     p = argparse.ArgumentParser(prog="python -m kvstrata.bench.lowrank_heads")
     p.add_argument("--model", default="smollm2")

@@ -146,7 +146,7 @@ def _options(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _model(name: str | None) -> tuple[str, Path]:
-    from kvstrata.model.zoo import EMBEDDED_NAMES, resolve_model_dir
+    from kvstrata.workload.zoo import EMBEDDED_NAMES, resolve_model_dir
 
     if name is not None:
         return name, resolve_model_dir(name)
@@ -170,7 +170,7 @@ class Context:
 
     def __init__(self, o: argparse.Namespace) -> None:
         from kvstrata.model.geometry import KVGeometry
-        from kvstrata.model.zoo import heldout_files, load_tokenizer
+        from kvstrata.workload.zoo import heldout_files, load_tokenizer
 
         self.o = o
         self.model_name, self.model_dir = _model(o.model)

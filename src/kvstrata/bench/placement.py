@@ -109,7 +109,7 @@ def model_step_seconds(model: Any, args: argparse.Namespace, context: int) -> fl
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     torch.set_num_threads(args.threads)
     model, _ = load_model("default")

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _prompt(tokenizer: Any, num_tokens: int) -> torch.Tensor:
     """`num_tokens` tokens of real text: the embedded model's held-out stdlib files."""
-    from kvstrata.model.zoo import heldout_files
+    from kvstrata.workload.zoo import heldout_files
 
     text = ""
     for path in heldout_files("default"):
@@ -67,8 +67,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.config import CacheConfig
     from kvstrata.core.units import parse_tokens
     from kvstrata.integrations.hf import TieredCache, enable
-    from kvstrata.model.zoo import load_model
     from kvstrata.store.kvstore import KVStore
+    from kvstrata.workload.zoo import load_model
 
     torch.set_num_threads(args.threads)
     prefix = parse_tokens(args.prefix, "prefix")

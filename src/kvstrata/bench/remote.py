@@ -124,7 +124,7 @@ def _options(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _model(name: str | None, quick: bool) -> tuple[str, Path]:
-    from kvstrata.model.zoo import EMBEDDED_NAMES, resolve_model_dir
+    from kvstrata.workload.zoo import EMBEDDED_NAMES, resolve_model_dir
 
     if name is not None:
         return name, resolve_model_dir(name)
@@ -250,7 +250,7 @@ class Docs:
     """The model, its tokenizer and the documents (fresh text per repeat + a question)."""
 
     def __init__(self, o: argparse.Namespace) -> None:
-        from kvstrata.model.zoo import heldout_files, load_tokenizer
+        from kvstrata.workload.zoo import heldout_files, load_tokenizer
 
         self.model_name, self.model_dir = _model(o.model, o.quick)
         tok = load_tokenizer(self.model_dir)

@@ -89,12 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_name(name: str) -> str:
-    from kvstrata.model.zoo import model_names
+    from kvstrata.workload.zoo import model_names
 
     if name != "auto":
         return name
     try:
-        from kvstrata.model.zoo import resolve_model_dir
+        from kvstrata.workload.zoo import resolve_model_dir
 
         resolve_model_dir("smollm2")
         return "smollm2"
@@ -131,14 +131,14 @@ def measure(
 
     from kvstrata.integrations.hf import TieredCache, enable
     from kvstrata.model.budgets import placement
-    from kvstrata.model.zoo import load_model
     from kvstrata.quality.evaluate import heldout_windows
+    from kvstrata.workload.zoo import load_model
 
     model, tokenizer = load_model(model_name)
     enable(model)
     cfg = model.config
     _check_span(cfg, context, windows, positions, engine_tokens or needle)
-    from kvstrata.model.zoo import is_byte_tokenizer
+    from kvstrata.workload.zoo import is_byte_tokenizer
 
     byte_level = is_byte_tokenizer(tokenizer)
     texts = heldout_windows(model_name, context, max(windows, 1), None if byte_level else tokenizer)
@@ -270,8 +270,8 @@ def _check_span(cfg: Any, context: int, windows: int, positions: int, other: Any
 
 def _needle(model, tokenizer, context, fields, resident, block_size) -> dict[str, float]:
     from kvstrata.model.budgets import placement
-    from kvstrata.model.prompts import uses_chat
     from kvstrata.quality.needle import needle_cases, needle_sweep
+    from kvstrata.workload.prompts import uses_chat
 
     cases = needle_cases(
         tokenizer, [context], [0.1, 0.3, 0.5, 0.7, 0.9], 1, chat=uses_chat(tokenizer)

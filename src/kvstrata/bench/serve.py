@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompts(tokenizer: Any, count: int, mean: int) -> list[list[int]]:
-    from kvstrata.model.zoo import heldout_files
+    from kvstrata.workload.zoo import heldout_files
 
     text = "".join(p.read_text(errors="replace") for p in heldout_files("default")[:4])
     ids = tokenizer(text, verbose=False)["input_ids"]
@@ -86,7 +86,7 @@ class _Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from kvstrata.engine import SamplingParams
-        from kvstrata.model.zoo import load_model
+        from kvstrata.workload.zoo import load_model
 
         torch.set_num_threads(args.threads)
         self.args = args
@@ -121,7 +121,7 @@ class _Bench:
 
     def engine(self, name: str, seqs: int, device_fraction: float | None = None) -> Any:
         from kvstrata.engine import Engine, EngineConfig
-        from kvstrata.model.zoo import load_model
+        from kvstrata.workload.zoo import load_model
 
         args = self.args
         model, _ = load_model("default")

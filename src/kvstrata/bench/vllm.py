@@ -94,7 +94,7 @@ def _prompts(model_dir: Path, count: int, num_tokens: int) -> list[list[int]]:
     """`count` prompts of `num_tokens` tokens of real text (stdlib sources), disjoint."""
     from transformers import AutoTokenizer
 
-    from kvstrata.model.zoo import heldout_files
+    from kvstrata.workload.zoo import heldout_files
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids: list[int] = []
@@ -114,7 +114,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from kvstrata.integrations.vllm import kv_transfer_config
-    from kvstrata.model.zoo import resolve_model_dir
+    from kvstrata.workload.zoo import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model or "default")
     warning = _timing.load_warning(os.cpu_count() or 1)  # vLLM uses every core

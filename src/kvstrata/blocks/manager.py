@@ -3,7 +3,7 @@
 The manager owns one `BlockState` (pool: ids and ref counts; tiers: slots and bytes;
 tables; the eviction order of a pure policy; budgets, counters) and the parts that
 take it: `CachedBlocks` (release, the content-hash index), `StepBlocks` (what a step
-needs, sliding-window history, token writes), placement (`plan_step`: pure) and the
+needs, sliding-window history, token writes), placement (`plan_step_placement`: pure) and the
 `PlacementApplier`. A *table* is one sequence in one layer group (any hashable key;
 the store uses (sequence, group)). Placement runs only when a step needs new blocks
 or a budget changed — decode steps that fill the open block touch no Python per block.
@@ -26,7 +26,7 @@ from kvstrata.blocks import apply
 from kvstrata.blocks.apply import PlacementApplier
 from kvstrata.blocks.cached import CachedBlocks
 from kvstrata.blocks.eviction import EvictionPolicy
-from kvstrata.blocks.placement import PendingBlock, Placement, eviction_order, plan_step
+from kvstrata.blocks.placement import PendingBlock, Placement, eviction_order, plan_step_placement
 from kvstrata.blocks.pool import Block
 from kvstrata.blocks.runs import Run, TokenWrites, table_runs
 from kvstrata.blocks.state import BlockState
@@ -359,7 +359,7 @@ class BlockManager:
     def _plan(
         self, pending: list[PendingBlock], fixed: set[int], budgets: dict, stepping: list = ()
     ) -> Placement:
-        return plan_step(self.state, pending, fixed, budgets, stepping)
+        return plan_step_placement(self.state, pending, fixed, budgets, stepping)
 
     def copy_blocks(self, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
         """Copy blocks between tiers, at most COPY_CHUNK_BYTES of raw blocks at a time:

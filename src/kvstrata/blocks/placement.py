@@ -128,7 +128,7 @@ class PlacementView:
                 yield key, blocks[block_id]
 
 
-def plan_step(
+def plan_step_placement(
     block_state: BlockState,
     pending: list[PendingBlock],
     fixed_ids: set[int],

@@ -24,7 +24,7 @@ from kvstrata.cli.generate import apply_threads, model_help, parse_threads
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import parse_float, parse_fraction, parse_int, parse_tokens
-from kvstrata.model.zoo import quiet_transformers
+from kvstrata.workload.zoo import quiet_transformers
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def _block_size(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     quiet_transformers()
     model, tokenizer = load_model(args.model)
@@ -170,8 +170,8 @@ def _lengths(args: argparse.Namespace) -> list[int]:
 
 def run_needle(args: argparse.Namespace) -> int:
     """Run `kvstrata eval needle`; exit 1 when a lossless configuration answers differently."""
-    from kvstrata.model.prompts import uses_chat
     from kvstrata.quality.needle import needle_cases, needle_sweep
+    from kvstrata.workload.prompts import uses_chat
 
     points = parse_grid(args, "int8,fp8,int4")
     lengths, depths = _lengths(args), _depths(args)
@@ -314,7 +314,7 @@ def run_greedy(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser, default_codecs: str) -> None:
-    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
+    from kvstrata.workload.zoo import CLI_DEFAULT_MODEL
 
     p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     p.add_argument(

@@ -16,13 +16,13 @@ import argparse
 
 from kvstrata.cli.generate import apply_threads, model_help
 from kvstrata.core.units import parse_tokens
-from kvstrata.model.zoo import quiet_transformers
+from kvstrata.workload.zoo import quiet_transformers
 
 
 def run(args: argparse.Namespace) -> int:
     from kvstrata.codecs.calibration import load_calibration
-    from kvstrata.model.zoo import load_model
     from kvstrata.quality.calibrate import write_calibration
+    from kvstrata.workload.zoo import load_model
 
     tokens = parse_tokens(args.tokens, "tokens")
     context = parse_tokens(args.context, "context")
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `calibrate` subcommand."""
-    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
+    from kvstrata.workload.zoo import CLI_DEFAULT_MODEL
 
     p = sub.add_parser(
         "calibrate",

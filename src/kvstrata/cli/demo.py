@@ -43,7 +43,7 @@ from kvstrata.cli.generate import (
     render_stats,
 )
 from kvstrata.core.units import format_bytes, parse_tokens
-from kvstrata.model.zoo import quiet_transformers
+from kvstrata.workload.zoo import quiet_transformers
 
 PLAN_GPU = "l4"
 PLAN_CONTEXT = 32 * 1024
@@ -93,13 +93,13 @@ def print_plan(spec: str, name: str, context: int = PLAN_CONTEXT) -> None:
     """Print a few-line memory plan of a model (a preset name or a model directory).
 
     Args:
-        spec: What kvstrata.model.geometry.load_geometry accepts.
+        spec: What kvstrata.workload.zoo.load_geometry accepts.
         name: The model's name to show.
         context: Tokens per request to plan for.
     """
-    from kvstrata.model.geometry import load_geometry
-    from kvstrata.model.planner import Workload, plan
     from kvstrata.platform.hardware import make_hardware
+    from kvstrata.workload.memory_plan import Workload, plan
+    from kvstrata.workload.zoo import load_geometry
 
     result = plan(load_geometry(spec), make_hardware(PLAN_GPU), Workload(context_tokens=context))
     row = next((r for r in result.table if r.context_tokens == context), None)
@@ -159,7 +159,7 @@ def demo_document() -> tuple[str, str, str]:
 
 def make_job(tokenizer: Any, args: argparse.Namespace) -> DemoJob:
     """The document question for an instruct model; a code completion otherwise."""
-    from kvstrata.model.prompts import encode_prompt, uses_chat
+    from kvstrata.workload.prompts import encode_prompt, uses_chat
 
     if uses_chat(tokenizer):
         where, text, question = demo_document()
@@ -225,7 +225,7 @@ def _generate(state: DemoState, cache: Any, streamer: Any = None) -> list[int]:
 # -- the sections ----------------------------------------------------------------------------
 def section_model(state: DemoState) -> int:
     """Load the model (converting it first if it is not in the cache yet)."""
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     quiet_transformers()
     start = time.perf_counter()
@@ -242,7 +242,7 @@ def section_model(state: DemoState) -> int:
 
 def section_plan(state: DemoState) -> int:
     """A memory plan of the model on a small GPU, at its context length."""
-    from kvstrata.model.zoo import resolve_model_dir
+    from kvstrata.workload.zoo import resolve_model_dir
 
     limit = getattr(state.model.config, "max_position_embeddings", None)
     context = min(PLAN_CONTEXT, limit) if isinstance(limit, int) else PLAN_CONTEXT
@@ -359,7 +359,7 @@ SECTIONS: list[Section] = [
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata demo`: every section in order; the worst exit code."""
-    from kvstrata.model.zoo import (
+    from kvstrata.workload.zoo import (
         DEFAULT_MODEL_NAME,
         EMBEDDED_NAMES,
         default_model_dir,
@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
-    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
+    from kvstrata.workload.zoo import CLI_DEFAULT_MODEL
 
     p = sub.add_parser(
         "demo",

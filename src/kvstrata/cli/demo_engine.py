@@ -28,7 +28,7 @@ def documents(tokenizer: Any, count: int, tokens: int) -> list[str]:
     """`count` real documents of about `tokens` tokens each."""
     import sysconfig
 
-    from kvstrata.model.zoo import heldout_files
+    from kvstrata.workload.zoo import heldout_files
 
     paths = list(heldout_files("default"))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -71,7 +71,7 @@ def run(
     from transformers import DynamicCache
 
     from kvstrata.engine import Engine, EngineConfig, SamplingParams
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     console = console or Console()
     model, tok = load_model(model_name)

@@ -27,7 +27,7 @@ from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import parse_fraction, parse_int, parse_tokens
 from kvstrata.model.budgets import placement
-from kvstrata.model.zoo import quiet_transformers
+from kvstrata.workload.zoo import quiet_transformers
 
 if TYPE_CHECKING:  # the quality harness loads transformers: imported when a command runs
     from kvstrata.quality.evaluate import Comparison
@@ -200,8 +200,8 @@ def render(
 
 def run_ppl(args: argparse.Namespace) -> int:
     """Run `kvstrata eval ppl`; exit 1 when a lossless configuration is not exact."""
-    from kvstrata.model.zoo import is_byte_tokenizer, load_model
     from kvstrata.quality.evaluate import compare, heldout_windows
+    from kvstrata.workload.zoo import is_byte_tokenizer, load_model
 
     context = parse_tokens(args.context, "context")
     if context < 2:
@@ -283,7 +283,7 @@ def run_ppl(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `eval` subcommand (with its `ppl`, `needle` and `greedy` actions)."""
     from kvstrata.cli._eval_long import add_budget_option, register_actions
-    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
+    from kvstrata.workload.zoo import CLI_DEFAULT_MODEL
 
     p = sub.add_parser(
         "eval",

@@ -31,8 +31,8 @@ from kvstrata.core.units import (
     parse_size,
     parse_tokens,
 )
-from kvstrata.model.prompts import encode_prompt, read_prompt_file, uses_chat
-from kvstrata.model.zoo import quiet_transformers
+from kvstrata.workload.prompts import encode_prompt, read_prompt_file, uses_chat
+from kvstrata.workload.zoo import quiet_transformers
 
 DEFAULT_PROMPT = "def fibonacci(n):"  # a completion prompt (models without a chat template)
 DEFAULT_CHAT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     """Run `kvstrata generate`; exit code 0."""
     check_sampling(args)  # before the slow imports: bad flags answer at once
     from kvstrata.integrations.hf import TieredCache, enable
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     max_new = parse_tokens(args.max_new_tokens, "max_new_tokens")
     quiet_transformers()
@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
 
 def model_help() -> str:
     """The --model help text: the names, then a model directory or a GGUF file."""
-    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
+    from kvstrata.workload.zoo import CLI_DEFAULT_MODEL
 
     return (
         f"{CLI_DEFAULT_MODEL} (default: SmolLM2-135M-Instruct, extra 'model'), tiny (the "
@@ -464,7 +464,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="generate text with the KV cache spread over device, host and disk",
         description="Generate text with a kvstrata TieredCache (transformers generate).",
     )
-    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
+    from kvstrata.workload.zoo import CLI_DEFAULT_MODEL
 
     p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     p.add_argument(

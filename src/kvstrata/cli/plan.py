@@ -21,9 +21,10 @@ from kvstrata.core.units import (
     parse_size,
     parse_tokens,
 )
-from kvstrata.model.geometry import DTYPES, load_geometry
-from kvstrata.model.planner import PRIORITIES, Plan, Workload, plan
+from kvstrata.model.geometry import DTYPES
 from kvstrata.platform.hardware import DISKS, GPUS, LINKS, make_hardware
+from kvstrata.workload.memory_plan import PRIORITIES, MemoryPlan, Workload, plan
+from kvstrata.workload.zoo import load_geometry
 
 BANDWIDTH_HELP = "a bandwidth > 0 such as '25GB/s', '1TB/s' or 25e9 (bytes/s)"
 
@@ -88,8 +89,8 @@ def _fraction(value: str | None) -> float | None:
     return None if value is None else parse_fraction(value, "resident_fraction")
 
 
-def build_plan(args: argparse.Namespace) -> Plan:
-    """Turn parsed flags into a `Plan` (all validation errors are ConfigError)."""
+def build_plan(args: argparse.Namespace) -> MemoryPlan:
+    """Turn parsed flags into a `MemoryPlan` (all validation errors are ConfigError)."""
     geometry = load_geometry(args.model)
     no_disk = args.disk_link is None or args.disk_link.strip().lower() == "none"
     for name in ("disk_bandwidth", "disk_capacity"):
@@ -156,7 +157,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
-def render(result: Plan) -> None:
+def render(result: MemoryPlan) -> None:
     """Print the plan as rich tables (for people)."""
     from rich.console import Console
     from rich.table import Table

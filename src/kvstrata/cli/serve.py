@@ -32,14 +32,14 @@ from kvstrata.cli.generate import (
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import format_bytes, parse_float, parse_int, parse_size, parse_tokens
-from kvstrata.model.zoo import quiet_transformers
+from kvstrata.workload.zoo import quiet_transformers
 
 KV_CACHE_DTYPES = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8"}
 DEFAULT_MAX_TOKENS = 32768  # CacheConfig's: what the cache holds across all requests
 GRACEFUL_SHUTDOWN_S = 5  # open requests get this long after Ctrl-C, then are aborted
 API_KEY_ENV = "KVSTRATA_API_KEY"  # --api-key's default (vLLM reads VLLM_API_KEY)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-EMBEDDED_NAMES = ("default", "tiny")  # the embedded model's names in kvstrata.model.zoo
+EMBEDDED_NAMES = ("default", "tiny")  # the embedded model's names in kvstrata.workload.zoo
 
 
 def _conflict(field: str, value: Any, other: str) -> ConfigError:
@@ -175,7 +175,7 @@ def device_budget_from_utilization(args: argparse.Namespace, model: Any) -> int:
 
 def served_name(args: argparse.Namespace) -> str:
     """--served-model-name, else the model's own name."""
-    from kvstrata.model.zoo import DEFAULT_MODEL_NAME
+    from kvstrata.workload.zoo import DEFAULT_MODEL_NAME
 
     if args.served_model_name is not None:
         return args.served_model_name
@@ -243,8 +243,8 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     from kvstrata.cli.generate import cache_kwargs
     from kvstrata.engine import Engine, EngineConfig
-    from kvstrata.model.zoo import load_model
     from kvstrata.platform.hardware import usable_cores
+    from kvstrata.workload.zoo import load_model
 
     quiet_transformers()
     model, tokenizer = load_model(args.model)
@@ -344,7 +344,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     from kvstrata.cli.generate import model_help
-    from kvstrata.model.zoo import CLI_DEFAULT_MODEL
+    from kvstrata.workload.zoo import CLI_DEFAULT_MODEL
 
     p.add_argument("--model", default=CLI_DEFAULT_MODEL, help=model_help())
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -1,3 +1,4 @@
-"""The model side of planning: KV geometry (from a transformers config, a config.json, a
-GGUF file or a preset), layer groups, per-tier budgets, the planner, and loading real
-models (the embedded zoo, GGUF conversion, prompts)."""
+"""What the tiers need to know of a model: KV geometry (from a transformers config, a
+config.json or a preset), dtypes, layer groups, per-tier budgets and the support check.
+Loading real models and the memory planner live above the integrations, in
+`kvstrata.workload`."""

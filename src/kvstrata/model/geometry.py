@@ -34,7 +34,6 @@ from kvstrata.codecs.registry import get_codec
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.layout import BlockLayout
 from kvstrata.model.dtypes import DTYPES, dtype_name, is_dtype_name
-from kvstrata.model.gguf import gguf_file_dir
 from kvstrata.model.groups import LayerGroup
 from kvstrata.model.hf_config import geometry_fields, read_config_file
 from kvstrata.model.presets import PRESETS, packaged_config
@@ -299,22 +298,3 @@ class KVGeometry:
         if self.sliding_layers:
             text += f", sliding window {self.sliding_window} on {len(self.sliding_layers)} layers"
         return text
-
-
-def load_geometry(spec: str) -> KVGeometry:
-    """A geometry from a preset name, a config.json path, a model directory or a GGUF file.
-
-    Args:
-        spec: "llama-3-8b", "/models/x/config.json" or "/models/x".
-
-    Raises:
-        ConfigError: unknown preset / missing or malformed config (lists the presets).
-    """
-    path = Path(spec).expanduser()
-    if spec.lower() in PRESETS:
-        return KVGeometry.from_preset(spec)
-    if path.suffix.lower() == ".gguf" and path.is_file():
-        path = gguf_file_dir(path)  # converted into the cache once
-    if path.is_dir() or path.is_file():
-        return KVGeometry.from_json(path)
-    return KVGeometry.from_preset(spec)  # raises, listing the presets

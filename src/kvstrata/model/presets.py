@@ -79,5 +79,5 @@ PRESETS: dict[str, dict[str, Any]] = {
 def packaged_config(name: str) -> Path | None:
     """The config.json shipped inside kvstrata for preset `name` (the embedded model), or
     None when the preset has no packaged model."""
-    path = Path(__file__).parents[1] / "models" / name / "config.json"
+    path = Path(__file__).parents[1] / "checkpoints" / name / "config.json"
     return path if path.is_file() else None

@@ -38,8 +38,8 @@ from kvstrata.codecs._rope import RopeFrame, frame_from_rotary
 from kvstrata.codecs.calibration import Calibration, load_calibration, save_calibration
 from kvstrata.codecs.int4 import Int4Codec
 from kvstrata.core.errors import ConfigError
-from kvstrata.model.zoo import heldout_files
 from kvstrata.quality import kvsim
+from kvstrata.workload.zoo import heldout_files
 
 DEFAULT_TOKENS = 8192
 DEFAULT_CONTEXT = 2048

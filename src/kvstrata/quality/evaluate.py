@@ -28,7 +28,7 @@ from kvstrata.core.errors import ConfigError
 from kvstrata.integrations.hf import ATTENTION_NAME, TieredCache, enable
 from kvstrata.model.budgets import group_layout as block_layout  # noqa: F401 - re-exported
 from kvstrata.model.budgets import placement  # noqa: F401 - re-exported
-from kvstrata.model.zoo import EOS_ID, bytes_to_ids, heldout_files
+from kvstrata.workload.zoo import EOS_ID, bytes_to_ids, heldout_files
 
 if TYPE_CHECKING:
     import torch

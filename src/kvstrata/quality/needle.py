@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.errors import ConfigError
-from kvstrata.model.prompts import encode_prompt
 from kvstrata.quality.agreement import greedy_tokens
 from kvstrata.quality.evaluate import (
     EXACT,
@@ -32,6 +31,7 @@ from kvstrata.quality.evaluate import (
     exact_cache_factory,
     tiered_cache_factory,
 )
+from kvstrata.workload.prompts import encode_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -102,7 +102,7 @@ def choose_model(name: str) -> tuple[str, str]:
     Raises:
         ConfigError: a named model that is not there (a flag error, before measuring).
     """
-    from kvstrata.model.zoo import resolve_model_dir
+    from kvstrata.workload.zoo import resolve_model_dir
 
     if name != "auto":
         resolve_model_dir(name)
@@ -245,9 +245,9 @@ def measure(
     others still run. The report's "failed" lists this run's failed sections.
     """
     from kvstrata.bench._timing import check_positive, machine_load
-    from kvstrata.model.zoo import quiet_transformers
     from kvstrata.report.machine import describe
     from kvstrata.report.session import Session
+    from kvstrata.workload.zoo import quiet_transformers
 
     started = time.perf_counter()  # the minutes reported include loading the model
     scale = _scale(args)

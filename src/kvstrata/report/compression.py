@@ -292,9 +292,9 @@ def measure_calibrated(session: Session) -> dict[str, Any]:
     import torch
 
     from kvstrata.bench import lowrank_heads
-    from kvstrata.model.zoo import load_model
     from kvstrata.quality.calibrate import check_calibration, write_calibration
     from kvstrata.quality.evaluate import heldout_windows
+    from kvstrata.workload.zoo import load_model
 
     scale = session.scale
     torch.set_num_threads(session.threads)
@@ -308,7 +308,7 @@ def measure_calibrated(session: Session) -> dict[str, Any]:
             block_size=scale.block_size,
         )  # fmt: skip
         cal = check_calibration(model, path)
-    from kvstrata.model.zoo import is_byte_tokenizer
+    from kvstrata.workload.zoo import is_byte_tokenizer
 
     byte_level = is_byte_tokenizer(tokenizer)
     windows = heldout_windows(name, context, 1, tokenizer=None if byte_level else tokenizer)

@@ -122,8 +122,8 @@ def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int
         predicted / measured bytes per tier, the tolerance, step seconds and ratio.
     """
     from kvstrata.model.geometry import KVGeometry
-    from kvstrata.model.planner import HOST_USABLE_FRACTION, Workload, plan
     from kvstrata.platform.hardware import machine_ram
+    from kvstrata.workload.memory_plan import HOST_USABLE_FRACTION, Workload, plan
 
     geometry = KVGeometry(
         **{**c["geometry"], "sliding_layers": tuple(c["geometry"]["sliding_layers"])}

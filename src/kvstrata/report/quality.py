@@ -36,7 +36,7 @@ def load(session: Session) -> tuple[Any, Any]:
     """The quality sections' model (fp32, sdpa) and tokenizer, with the session's threads."""
     import torch
 
-    from kvstrata.model.zoo import load_model, quiet_transformers
+    from kvstrata.workload.zoo import load_model, quiet_transformers
 
     quiet_transformers()
     torch.set_num_threads(session.threads)
@@ -58,8 +58,8 @@ def geometry_of(model: Any) -> dict[str, Any]:
 
 def _text(session: Session, tokenizer: Any, tokens: int, count: int) -> tuple[list, Any]:
     """Held-out windows and the bytes-of-text function of `kvstrata eval ppl`."""
-    from kvstrata.model.zoo import is_byte_tokenizer
     from kvstrata.quality.evaluate import heldout_windows
+    from kvstrata.workload.zoo import is_byte_tokenizer
 
     byte_level = is_byte_tokenizer(tokenizer)
     windows = heldout_windows(
@@ -300,7 +300,7 @@ def codecs(session: Session) -> dict[str, Any]:
     from kvstrata.bench.codecs import bench_codec
     from kvstrata.model.budgets import placement
     from kvstrata.model.geometry import dtype_name
-    from kvstrata.model.zoo import load_model
+    from kvstrata.workload.zoo import load_model
 
     scale = session.scale
     torch.set_num_threads(session.threads)
@@ -373,6 +373,6 @@ def _block_size_for(model: Any, codec: str, block_size: int) -> int:
 
 
 def _byte_tokenizer() -> Any:
-    from kvstrata.model.zoo import load_tokenizer
+    from kvstrata.workload.zoo import load_tokenizer
 
     return load_tokenizer("tiny")

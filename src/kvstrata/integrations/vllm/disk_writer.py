@@ -36,8 +36,8 @@ import torch
 from kvstrata.core.errors import ConfigError, TierIOError
 from kvstrata.core.slots import slot_runs
 from kvstrata.core.units import format_bytes
+from kvstrata.integrations.vllm.backend_plan import BackendPlan
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import BackendPlan
 from kvstrata.tiers.base import SlotAllocator, Tier
 from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 from kvstrata.tiers.disk_format import SlotFormat

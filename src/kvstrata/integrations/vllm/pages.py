@@ -23,7 +23,7 @@ import torch
 
 from kvstrata.codecs.fp8_input import FP8_DTYPES
 from kvstrata.core.errors import UnsupportedModelError
-from kvstrata.integrations.vllm.plan import BackendPlan
+from kvstrata.integrations.vllm.backend_plan import BackendPlan
 
 
 class Pages:

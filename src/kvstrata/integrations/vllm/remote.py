@@ -43,8 +43,13 @@ import time
 from typing import Any
 
 from kvstrata.core.hashing import block_namespace, namespace_digest
+from kvstrata.integrations.vllm.backend_plan import (
+    NAMESPACE_VERSION,
+    BackendPlan,
+    _digest,
+    remote_codec,
+)
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import NAMESPACE_VERSION, BackendPlan, _digest, remote_codec
 from kvstrata.tiers.base import Encoded, Tier
 from kvstrata.tiers.remote import RemoteTier
 from kvstrata.tiers.remote_format import BadValue, RemoteFormat

@@ -21,9 +21,14 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvstrata.core.errors import UnsupportedModelError
+from kvstrata.integrations.vllm.backend_plan import (
+    VllmSide,
+    make_plan,
+    model_geometry,
+    model_identity,
+)
 from kvstrata.integrations.vllm.manager import KvstrataOffloadingManager
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import VllmSide, make_plan, model_geometry, model_identity
 from kvstrata.integrations.vllm.stats import metric_definitions
 from kvstrata.integrations.vllm.store import OffloadStore
 from kvstrata.integrations.vllm.worker import KvstrataOffloadingWorker

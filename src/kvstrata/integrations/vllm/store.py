@@ -30,12 +30,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.core.errors import TierIOError
+from kvstrata.integrations.vllm.backend_plan import BackendPlan
 from kvstrata.integrations.vllm.disk_reads import COUNTERS as READ_COUNTERS
 from kvstrata.integrations.vllm.disk_reads import DiskReads
 from kvstrata.integrations.vllm.disk_writer import DiskWriter, make_room
 from kvstrata.integrations.vllm.index import BlockIndex, Entry
 from kvstrata.integrations.vllm.options import VllmOptions
-from kvstrata.integrations.vllm.plan import BackendPlan
 from kvstrata.integrations.vllm.remote import ABSENT, RETRY, VllmRemote
 
 log = logging.getLogger(__name__)

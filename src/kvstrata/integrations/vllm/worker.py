@@ -33,9 +33,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvstrata.core.errors import UnsupportedModelError
+from kvstrata.integrations.vllm.backend_plan import BackendPlan
 from kvstrata.integrations.vllm.manager import HostSlotsSpec
 from kvstrata.integrations.vllm.pages import Pages
-from kvstrata.integrations.vllm.plan import BackendPlan
 
 
 class KvstrataOffloadingWorker(OffloadingWorker):

@@ -1,4 +1,4 @@
-// kvstrata query-aware decode attention on the CPU (attention/select.py, lossy,
+// kvstrata query-aware decode attention on the CPU (attention/selection/selector.py, lossy,
 // opt-in): one call per layer and sequence scores every page of keys from its summary,
 // chooses each KV head's best pages, and attends only those — plus the sinks and the
 // newest keys — reading them where they are stored, in any format the decode kernel

@@ -16,7 +16,7 @@ conversion is never used and two processes convert once. Later loads read the ca
 Everything here raises one-line :class:`~kvstrata.core.errors.ConfigError`\\ s: a model whose
 package or the ``gguf`` reader is not installed names the extra and the command that
 installs it; a cache directory that cannot be used, or a converted model that has been
-damaged, names the path and the fix. :func:`kvstrata.model.zoo.load_model` resolves these
+damaged, names the path and the fix. :func:`kvstrata.workload.zoo.load_model` resolves these
 names (``load_model("smollm2")``), so every command and the library share them.
 """
 

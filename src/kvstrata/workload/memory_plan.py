@@ -17,7 +17,7 @@ device memory (HBM bound), and every cold byte crosses the host link once per st
 staging path), disk bytes also crossing the disk link.
 
 `plan` runs in stages that each return a value (GPU memory, tier plan, step bounds,
-notes, the limit it hits); kvstrata.model.plan_advice weighs the reasons into a verdict
+notes, the limit it hits); kvstrata.workload.memory_advice weighs the reasons into a verdict
 and words what to change when a plan does not fit.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 from kvstrata.codecs.registry import codec_names
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import MAX_TOKENS, format_bytes
-from kvstrata.model import plan_advice
 from kvstrata.model.dtypes import DTYPES, dtype_name
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.platform.hardware import Hardware
+from kvstrata.workload import memory_advice
 
 PRIORITIES = ("throughput", "latency")
 PLAN_BLOCK_MIN, PLAN_BLOCK_MAX = 16, 512  # block sizes a plan models (the cache takes 1-4096)
@@ -155,7 +155,7 @@ class StepBounds:
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     """The planner's answer (see `plan`). `to_dict()` is the JSON form."""
 
     model: str
@@ -255,16 +255,16 @@ def _memory_table(geometry: KVGeometry, workload: Workload, kv_dtype: str, block
     return rows
 
 
-def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
+def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> MemoryPlan:
     """Size the KV cache of `workload` on `hardware` and decide whether to offload.
 
     Args:
-        geometry: the model's KV geometry (`kvstrata.model.geometry.load_geometry`).
+        geometry: the model's KV geometry (`kvstrata.workload.zoo.load_geometry`).
         hardware: GPU, links and host RAM (`kvstrata.platform.hardware.make_hardware`).
         workload: context, concurrency, priority, dtypes, codec.
 
     Returns:
-        A `Plan`: memory table, fit, tier budgets, decode-step bounds, verdict + reasons.
+        A `MemoryPlan`: memory table, fit, tier budgets, decode-step bounds, verdict + reasons.
 
     Raises:
         ConfigError: unknown codec/dtype, or no parameter count (pass `params`).
@@ -295,7 +295,7 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
     raise_hint = _raise_hint(
         hardware, workload, kv_room, tiers, weights, weights_dtype, reserve, block_size
     )
-    reasons_for, reasons_against = plan_advice.offload_reasons(
+    reasons_for, reasons_against = memory_advice.offload_reasons(
         hardware,
         context_tokens=ctx,
         concurrency=n,
@@ -305,7 +305,7 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
         stored_total=stored_total,
         tiered_step_s=bounds.tiered_s,
     )
-    return Plan(
+    return MemoryPlan(
         model=geometry.name,
         geometry=geometry,
         hardware=hardware,
@@ -327,7 +327,7 @@ def plan(geometry: KVGeometry, hardware: Hardware, workload: Workload) -> Plan:
         bounds=bounds,
         memory_saved=memory_saved(kv_total, tiers.device_bytes),
         feasible=raise_hint is None,
-        verdict=plan_advice.offload_verdict(kv_room, fits, reasons_for, reasons_against),
+        verdict=memory_advice.offload_verdict(kv_room, fits, reasons_for, reasons_against),
         reasons_for=reasons_for,
         reasons_against=reasons_against,
         raise_hint=raise_hint,
@@ -452,14 +452,16 @@ def _raise_hint(
     """What to change when the plan does not fit, for the first limit it hits (no room
     for KV, not one resident block, cold KV with nowhere to go); None when it fits."""
     if kv_room <= 0:
-        return plan_advice.no_kv_room_hint(weights, weights_dtype, reserve)
+        return memory_advice.no_kv_room_hint(weights, weights_dtype, reserve)
     if tiers.device_bytes + tiers.staging_bytes > kv_room:
-        return plan_advice.no_resident_block_hint(block_size, kv_room)
+        return memory_advice.no_resident_block_hint(block_size, kv_room)
     if tiers.unplaced_bytes > 0:
         cold = tiers.host_bytes + tiers.disk_bytes + tiers.unplaced_bytes
         need_host = int(math.ceil(cold / HOST_USABLE_FRACTION))
         has_disk = hardware.disk is not None
-        return plan_advice.unplaced_hint(tiers.unplaced_bytes, need_host, has_disk, workload.codec)
+        return memory_advice.unplaced_hint(
+            tiers.unplaced_bytes, need_host, has_disk, workload.codec
+        )
     return None
 
 

@@ -4,7 +4,7 @@ kvstrata ships one small model, ``kvstrata-code-tiny`` (a byte-level Llama train
 the Python standard library by ``scripts/train_embedded_model.py``), so every command works
 offline. :func:`load_model` takes a model name — ``tiny`` (that model; ``default`` is its old
 name) or ``smollm2`` (a real instruct model, converted once from a package's GGUF file into
-the user's cache by :mod:`kvstrata.model.gguf`) — or any local Hugging Face model directory
+the user's cache by :mod:`kvstrata.workload.gguf`) — or any local Hugging Face model directory
 whose architecture uses standard attention, and turns every broken-directory case into a
 one-line :class:`~kvstrata.core.errors.ConfigError` naming the file and the problem.
 
@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.errors import ConfigError, KvstrataError
-from kvstrata.model.gguf import MODELS, converted_dir, damaged_cache_hint, gguf_file_dir
+from kvstrata.model.geometry import KVGeometry
+from kvstrata.model.presets import PRESETS
 from kvstrata.model.support import check_cacheable
+from kvstrata.workload.gguf import MODELS, converted_dir, damaged_cache_hint, gguf_file_dir
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +59,10 @@ def default_model_dir() -> Path:
     """Return the directory of the embedded model inside the installed package.
 
     Returns:
-        ``<package>/models/kvstrata-code-tiny`` (it may be absent in a source checkout
+        ``<package>/checkpoints/kvstrata-code-tiny`` (it may be absent in a source checkout
         that has not been trained yet).
     """
-    return Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL_NAME
+    return Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_MODEL_NAME
 
 
 def is_byte_tokenizer(tokenizer: Any) -> bool:
@@ -276,7 +278,7 @@ def resolve_model_dir(path_or_default: str | Path) -> Path:
 
     Args:
         path_or_default: ``"tiny"`` (or ``"default"``) for the embedded model, a name of
-            :data:`kvstrata.model.gguf.MODELS` (converted into the cache on first use), a
+            :data:`kvstrata.workload.gguf.MODELS` (converted into the cache on first use), a
             local model directory, or a local ``.gguf`` file (converted likewise).
 
     Returns:
@@ -418,3 +420,22 @@ def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+def load_geometry(spec: str) -> KVGeometry:
+    """A geometry from a preset name, a config.json path, a model directory or a GGUF file.
+
+    Args:
+        spec: "llama-3-8b", "/models/x/config.json" or "/models/x".
+
+    Raises:
+        ConfigError: unknown preset / missing or malformed config (lists the presets).
+    """
+    path = Path(spec).expanduser()
+    if spec.lower() in PRESETS:
+        return KVGeometry.from_preset(spec)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        path = gguf_file_dir(path)  # converted into the cache once
+    if path.is_dir() or path.is_file():
+        return KVGeometry.from_json(path)
+    return KVGeometry.from_preset(spec)  # raises, listing the presets

@@ -1,4 +1,4 @@
-"""Key summaries shared between sequences with a common prefix (attention/select.py).
+"""Key summaries shared between sequences with a common prefix (attention/selection/selector.py).
 
 A prefix-cache hit gives a new sequence blocks that another one computed: the same
 keys, so the same page summaries. Without sharing, the new sequence's first selecting

@@ -24,7 +24,7 @@ from kvstrata.attention.native import (
     native_select_attention,
 )
 from kvstrata.attention.reads import ReadPlan
-from kvstrata.attention.select import Choice, union
+from kvstrata.attention.selection.selector import Choice, union
 
 
 def _clip(pieces: list[tuple[bool, Any, int, int]], ranges: list[tuple[int, int]]) -> list[tuple]:

@@ -1,4 +1,4 @@
-"""Scoring a sequence's pages from their summaries in torch / numpy (attention/select.py):
+"""Scoring a sequence's pages from their summaries in torch / numpy (selection/selector.py):
 the path of a device without the native kernel (CUDA, or a CPU where it did not
 build), and the reference the native kernel (platform/csrc/select.cpp) is tested
 against. A page's score for a query row is sum_d max(q_d max_d, q_d min_d) with

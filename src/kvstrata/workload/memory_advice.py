@@ -3,7 +3,7 @@ guide, section 5, with the numbers) and the verdict they add up to; and, when a 
 does not fit, what to change, in words naming the `kvstrata plan` flags that change it
 (--concurrency, --gpu-memory, --host-memory, --disk-link, --disk-capacity, --codec).
 The planner computes the numbers and decides which limit a plan hits; this module
-weighs and words them (`Plan.reasons_for / reasons_against / verdict / raise_hint`)."""
+weighs and words them (`MemoryPlan.reasons_for / reasons_against / verdict / raise_hint`)."""
 
 from __future__ import annotations
 

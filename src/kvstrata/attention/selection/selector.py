@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstrata.attention.select_scores import _choose, _scoring
-from kvstrata.attention.select_shared import (
+from kvstrata.attention.selection.scores import _choose, _scoring
+from kvstrata.attention.selection.sharing import (
     RETAINED,
     BlockHashes,
     best_donor,
