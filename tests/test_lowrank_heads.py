@@ -16,6 +16,7 @@ from kvstrata.codecs.lowrank import LowRankCodec
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import CodecError, ConfigError
+from kvstrata.core.fingerprint import weights_digest
 from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.hf import TieredCache, enable
 from kvstrata.quality import kvsim
@@ -23,7 +24,6 @@ from kvstrata.quality.calibrate import (
     calibrate,
     calibration_files,
     check_calibration,
-    model_fingerprint,
 )
 from kvstrata.workload.zoo import heldout_files
 
@@ -102,7 +102,7 @@ def test_calibration_round_trip(model, cal_file, cal):
     assert load_calibration(cal_file) is cal  # one load per content
     assert check_calibration(model, cal_file) is cal
     other = tiny_model("llama", num_hidden_layers=3, seed=1)
-    assert model_fingerprint(other) != model_fingerprint(model)
+    assert weights_digest(other) != weights_digest(model)
     with pytest.raises(ConfigError, match=r"^codec_calibration=.*not this one"):
         check_calibration(other, cal_file)
 

@@ -28,7 +28,7 @@ from kvstrata.integrations.vllm.backend_plan import (
     VllmSide,
     make_plan,
     model_identity,
-    weights_fingerprint,
+    weights_identity,
 )
 from kvstrata.integrations.vllm.index import BlockIndex
 from kvstrata.integrations.vllm.options import VllmOptions
@@ -200,18 +200,18 @@ def test_weights_are_hashed_whole_once(tmp_path: Path) -> None:
     data = bytearray(b"\1" * (1 << 18))
     weights.write_bytes(data)
     cache = tmp_path / "disk" / DIGEST_CACHE
-    first = weights_fingerprint(str(model), cache_file=cache)
+    first = weights_identity(str(model), cache_file=cache)
     data[1 << 17] ^= 0xFF  # a byte in the middle: 128 KiB from either end
     weights.write_bytes(data)
     os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))
-    second = weights_fingerprint(str(model), cache_file=cache)
+    second = weights_identity(str(model), cache_file=cache)
     assert first != second and str(weights.resolve()) in json.loads(cache.read_text())
     # the digest comes from the cache while size and mtime are unchanged (no re-read)
     st = weights.stat()
     data[1 << 17] ^= 0xFF
     weights.write_bytes(data)
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert weights_fingerprint(str(model), cache_file=cache) == second
+    assert weights_identity(str(model), cache_file=cache) == second
 
 
 def test_hub_weights_follow_the_revision(tmp_path: Path) -> None:
@@ -222,9 +222,9 @@ def test_hub_weights_follow_the_revision(tmp_path: Path) -> None:
         (repo / "snapshots" / commit).mkdir(parents=True)
         (repo / "snapshots" / commit / "config.json").write_text("{}")
     hub = str(tmp_path / "hub")
-    assert weights_fingerprint("org/tiny", None, hub) == "hub:" + "a" * 40
-    assert weights_fingerprint("org/tiny", "v2", hub) == "hub:" + "b" * 40
-    assert weights_fingerprint("org/tiny", "c" * 40, hub) == ""
+    assert weights_identity("org/tiny", None, hub) == "hub:" + "a" * 40
+    assert weights_identity("org/tiny", "v2", hub) == "hub:" + "b" * 40
+    assert weights_identity("org/tiny", "c" * 40, hub) == ""
     options = VllmOptions.from_extra_config(
         {"host_budget": "1MiB", "disk_dir": str(tmp_path / "disk"), "disk_budget": "1MiB"}
     )

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -139,43 +137,3 @@ def namespace_digest(extra: Mapping[str, str | int], **more: str | int) -> str:
     h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"kvstrata.ns")
     h.update(_canonical_extra({**extra, **{f"+{k}": v for k, v in more.items()}}))
     return h.hexdigest()
-
-
-# config id -> fingerprint of the weights of the model that owns it (set by
-# kvstrata.enable); a store names the weights in its block hashes with it, so two
-# models with one config name never share a block.
-_WEIGHTS: dict[int, str] = {}
-
-
-def weights_fingerprint(model: Any, sample_bytes: int = 4096) -> str:
-    """A short, process-independent digest of a model's weights.
-
-    Hashes every parameter's name, shape and dtype, and the first `sample_bytes`
-    bytes of its data (fast: a few KiB per tensor, not the whole model), so models
-    that differ in their weights (a fine-tune, another seed) get different keys.
-    """
-    import torch
-
-    h = hashlib.blake2b(digest_size=8, person=b"kvstrata.wts")
-    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        flat = param.detach().reshape(-1)
-        count = max(1, sample_bytes // max(1, flat.element_size()))
-        head = flat[:count].cpu().contiguous().view(torch.uint8)
-        h.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
-        h.update(head.numpy().tobytes())
-    return h.hexdigest()
-
-
-def remember_weights(model: Any) -> str:
-    """Record the fingerprint of `model`'s weights for its config (see `weights_of`)."""
-    fingerprint = weights_fingerprint(model)
-    config = model.config
-    if id(config) not in _WEIGHTS:
-        weakref.finalize(config, _WEIGHTS.pop, id(config), None)
-    _WEIGHTS[id(config)] = fingerprint
-    return fingerprint
-
-
-def weights_of(config: Any) -> str | None:
-    """The weights fingerprint recorded for this config object, if any."""
-    return _WEIGHTS.get(id(config))

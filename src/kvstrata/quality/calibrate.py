@@ -26,8 +26,6 @@ The scores are averaged over the KV head's query group and the calibration token
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -38,23 +36,12 @@ from kvstrata.codecs._rope import RopeFrame, frame_from_rotary
 from kvstrata.codecs.calibration import Calibration, load_calibration, save_calibration
 from kvstrata.codecs.int4 import Int4Codec
 from kvstrata.core.errors import ConfigError
+from kvstrata.core.fingerprint import weights_digest
 from kvstrata.quality import kvsim
 from kvstrata.workload.zoo import heldout_files
 
 DEFAULT_TOKENS = 8192
 DEFAULT_CONTEXT = 2048
-
-
-def model_fingerprint(model: Any) -> str:
-    """16 hex digits naming the model's geometry and weights (a few tensors' bytes)."""
-    cfg = model.config
-    h = hashlib.sha256()
-    keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    h.update(json.dumps({k: getattr(cfg, k, None) for k in keys}, sort_keys=True).encode())
-    attn = model.model.layers[0].self_attn
-    for t in (attn.k_proj.weight, model.model.layers[-1].self_attn.v_proj.weight):
-        h.update(t.detach().float().cpu().numpy().tobytes()[: 1 << 16])
-    return h.hexdigest()[:16]
 
 
 def calibration_files(model_name: str = "default") -> list[Path]:
@@ -222,7 +209,7 @@ def calibrate(
         rope_meta["max_positions"] = int(positions)
     meta = {
         "model": model_name,
-        "fingerprint": model_fingerprint(model),
+        "fingerprint": weights_digest(model),
         "tokens": len(ids) // context * context,
         "context": context,
         "block_size": block_size,
@@ -245,7 +232,7 @@ def check_calibration(
 ) -> Calibration:
     """Load `path` and check that it was made from `model` (its fingerprint)."""
     cal = load_calibration(path, field)
-    mine = model_fingerprint(model)
+    mine = weights_digest(model)
     if cal.fingerprint != mine:
         raise ConfigError.field(
             field,

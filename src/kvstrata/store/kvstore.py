@@ -30,7 +30,7 @@ from kvstrata.blocks.manager import BlockManager, Run, TokenWrites
 from kvstrata.codecs.registry import get_codec
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError, KvstrataError
-from kvstrata.core.hashing import weights_of
+from kvstrata.core.fingerprint import weights_of
 from kvstrata.core.layout import BlockLayout
 from kvstrata.model import budgets
 from kvstrata.model.geometry import KVGeometry

@@ -1,5 +1,7 @@
-"""The store's side of a remote tier: what to fetch, the checks, the cost rule, the
-import into a local tier, and the write-behind of every new full block.
+"""The store's side of a remote tier: which blocks to ask for, and where a fetched block
+is installed. The session (tiers/remote_session.py) times the steps, decides load or
+recompute, fetches and checks a batch and writes behind; this adapter walks the
+prompt's chain of block hashes and installs what comes back as cached blocks.
 
 Reads (`fill`, at admission, before the prefix index's own lookup): the prompt's
 chain of block hashes is walked per layer group; the blocks no local tier holds, past
@@ -25,7 +27,6 @@ block size or tenant salt is another key.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 
@@ -38,7 +39,8 @@ from kvstrata.model.groups import LayerGroup
 from kvstrata.store.sequences import longest_match
 from kvstrata.tiers.base import Encoded
 from kvstrata.tiers.remote import RemoteTier
-from kvstrata.tiers.remote_format import BadValue, RemoteFormat
+from kvstrata.tiers.remote_format import RemoteFormat
+from kvstrata.tiers.remote_session import RemoteSession, Wanted
 
 ExtraKeys = Callable[[int, str], dict[str, str | int]]
 
@@ -59,6 +61,7 @@ class RemoteBlocks:
         self.tier = tier
         self.layout = layout
         self.format = RemoteFormat(layout, codec)
+        self.session: RemoteSession | None = None
         self.groups = groups
         self.block_size = layout.block_size
         self.manager: BlockManager | None = None
@@ -70,7 +73,7 @@ class RemoteBlocks:
         """The store's block manager and its hash extra keys per (group, salt)."""
         self.manager, self._extra_keys = manager, extra_keys
         self._ns.clear()
-        self.tier.start(self.format.value_bytes)
+        self.session = RemoteSession(self.tier, self.format)
 
     def namespace(self, group: int, salt: str) -> str:
         ns = self._ns.get((group, salt))
@@ -91,7 +94,8 @@ class RemoteBlocks:
     def step_ended(self) -> None:
         if self._step is not None:
             t0, tokens = self._step
-            self.tier.link.observe_compute(tokens, time.perf_counter() - t0)
+            assert self.session is not None, "RemoteBlocks used before bind()"
+            self.session.observe_compute(tokens, time.perf_counter() - t0)
             self._step = None
 
     # -- reads --------------------------------------------------------------------------
@@ -125,31 +129,26 @@ class RemoteBlocks:
         ]
         if k0 >= limit or not want:
             return set()
-        value_bytes, link = self.format.value_bytes, self.tier.link
-        nbytes, tokens = len(want) * value_bytes, (limit - k0) * bs
-        if link.needs_measure():
-            self.tier.remeasure()  # in the background: never a request's own read
-        if not link.worth_loading(nbytes, tokens):
+        session = self.session
+        assert session is not None
+        deadline = session.worth_loading(len(want), (limit - k0) * bs)
+        if deadline is None:
             return set()
-        keys = [self.key(g, salt, hashes[g][i]) for g, i in want]
-        values = self.tier.get(keys, value_bytes, self.tier.deadline(nbytes, tokens))
-        if values is None:  # down, in backoff or past the deadline: counted by the tier
+        asked = [
+            Wanted(
+                self.key(g, salt, hashes[g][i]),
+                self.namespace(g, salt),
+                hashes[g][i],
+                tuple(token_ids[i * bs : (i + 1) * bs]),
+            )
+            for g, i in want
+        ]
+        answer = session.fetch(asked, deadline)
+        if answer is None:  # down, in backoff or past the deadline: counted by the tier
             return set()
-        fetched: dict[tuple[int, int], Encoded] = {}
-        bad: list[bytes] = []
-        for (g, i), key, value in zip(want, keys, values, strict=True):
-            if value is None:
-                continue
-            try:
-                tokens, fields = self.format.decode(value, self.namespace(g, salt), hashes[g][i])
-                if tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
-                    raise BadValue("token ids differ from the prompt's")
-            except BadValue:
-                stats.corrupt += 1
-                bad.append(key)
-                continue
-            fetched[(g, i)] = fields
-        self.tier.delete(bad)
+        fetched: dict[tuple[int, int], Encoded] = {
+            gi: fields for gi, fields in zip(want, answer.fields, strict=True) if fields is not None
+        }
         present: list[list[int | None]] = [list(ids) for ids in local]
         for g, i in fetched:
             present[g][i] = -1  # held remotely
@@ -161,7 +160,6 @@ class RemoteBlocks:
             if local[g][i] is None
         ]
         stats.hits += len(needed)
-        stats.misses += len(want) - len(fetched) - len(bad)
         if k <= k0 or not needed:
             return set()
         protect = {b for ids in local for b in ids if b is not None}
@@ -183,7 +181,8 @@ class RemoteBlocks:
         slots = tier.allocate(len(items))
         assert slots is not None, "room was checked"
         try:
-            self.format.write_tier(tier, slots, [fields for fields, _, _ in items])
+            assert self.session is not None
+            self.session.install(tier, slots, [fields for fields, _, _ in items])
         except BaseException:
             tier.free(slots)
             raise
@@ -220,8 +219,8 @@ class RemoteBlocks:
     def offer(self, fresh: list[tuple[Block, int]], salt: str) -> None:
         """Queue the just-hashed full blocks `(block, group)` of one sequence for the
         server (copied now; encoded and sent by the writer thread)."""
-        mgr = self.manager
-        if not fresh or mgr is None or not self.tier.available:
+        mgr, session = self.manager, self.session
+        if not fresh or mgr is None or session is None or not session.available:
             if fresh:
                 self.tier.stats.writes_dropped += len(fresh)
             return
@@ -229,21 +228,11 @@ class RemoteBlocks:
         for block, g in fresh:
             by_tier.setdefault(block.tier, []).append((block, g))
         for name, entries in by_tier.items():
-            data = self.format.read_tier(mgr.tiers[name], [b.slot for b, _ in entries])
             metas = [
                 (self.namespace(g, salt), b.block_hash, tuple(b.token_ids or ()))
                 for b, g in entries
             ]
-            make = functools.partial(self._values, metas, data)
-            self.tier.submit(make, len(entries) * self.format.value_bytes, len(entries))
-
-    def _values(self, metas: list, data: Encoded) -> list[tuple[bytes, bytes]]:
-        """(key, value) of queued blocks (on the writer thread)."""
-        fmt = self.format
-        return [
-            (fmt.key(ns, h), fmt.encode(ns, h, tokens, fmt.split(data, i)))
-            for i, (ns, h, tokens) in enumerate(metas)
-        ]
+            session.write_behind(mgr.tiers[name], [b.slot for b, _ in entries], metas)
 
     # -- lifecycle ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -21,7 +21,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvstrata.core.errors import UnsupportedModelError
-from kvstrata.core.hashing import remember_weights
+from kvstrata.core.fingerprint import remember_weights
 from kvstrata.integrations.hf.cache import TieredCache
 from kvstrata.integrations.hf.layers import TieredKV
 from kvstrata.model.support import check_cacheable

@@ -24,7 +24,6 @@ host arena both map (region.py); the scheduler names its plan with it (`named`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,12 +35,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from kvstrata.codecs.base import Codec
 from kvstrata.codecs.fp8_input import for_dtype
 from kvstrata.codecs.registry import get_codec
 from kvstrata.core.errors import ConfigError, UnsupportedModelError
+from kvstrata.core.fingerprint import files_digest, hub_commit, weight_files
 from kvstrata.core.layout import BlockLayout
 from kvstrata.integrations.vllm.kv_dtype import kv_cache_dtype
 from kvstrata.integrations.vllm.options import VllmOptions
@@ -56,8 +54,6 @@ KEY_BYTES = 16
 #               key rows, then its N value rows (vllm/v1/attention/backends/cpu_attn.py)
 #   "opaque":   any other backend: the page is copied as bytes (lossless codecs only)
 PAGE_LAYOUTS = ("cpu-hnd", "opaque")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_READ_CHUNK = 8 << 20  # bytes read at a time when hashing a weight file
 DIGEST_CACHE = "weights-digests.json"  # in disk_dir: weight file digests by path, size, mtime
 log = logging.getLogger(__name__)
 
@@ -288,7 +284,7 @@ def model_identity(options: VllmOptions, model_name: str, vllm_config: Any = Non
       the resolved Hugging Face config (rope scaling / theta, overrides as applied,
       the config.json's quantization_config: anything there that changes K or V);
     - with a disk or a remote tier (blocks outlive the process, or other processes
-      read them) and no `model_key`: the weights (`weights_fingerprint`), so that new
+      read them) and no `model_key`: the weights (`weights_identity`), so that new
       weights under the same name never meet the old blocks. Without either nothing
       outlives the engine, and the weights are not read.
 
@@ -318,7 +314,7 @@ def model_identity(options: VllmOptions, model_name: str, vllm_config: Any = Non
     disk_dir = options.cache.disk_dir
     if disk_dir is not None or options.cache.remote_url is not None:
         cache_file = Path(disk_dir) / DIGEST_CACHE if disk_dir is not None else None
-        weights = weights_fingerprint(model_name, revision, download_dir, cache_file)
+        weights = weights_identity(model_name, revision, download_dir, cache_file)
         if not weights:
             raise ConfigError.field(
                 "model_key",
@@ -364,97 +360,22 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-def weights_fingerprint(
+def weights_identity(
     model_name: str,
     revision: str | None = None,
     download_dir: str | None = None,
     cache_file: Path | None = None,
 ) -> str:
-    """A digest naming the weights, "" when they cannot be found:
-
-    - a local directory (or one weight file): XXH3-128 of every weight file's name
-      and whole contents; the digest of a file is kept in `cache_file` (a small JSON
-      next to the disk tiers) by path, size and mtime, so a restart reads it back
-      instead of reading the weights again;
-    - a Hugging Face hub id: the commit of the snapshot vLLM loaded, for `revision`
-      (a branch, tag or commit; "main" when None) in the hub cache (`download_dir`
-      when vLLM was given one).
-    """
+    """What names the weights vLLM loads, "" when they cannot be found: a local
+    directory (or one weight file) by its files' contents ("files:" +
+    `core.fingerprint.files_digest`, cached in `cache_file`), a Hugging Face hub id by
+    the commit of the cached snapshot for `revision` ("hub:" + `hub_commit`)."""
     path = Path(model_name)
     if path.is_dir() or path.is_file():
-        files = [path] if path.is_file() else _weight_files(path)
-        if not files:
-            return ""
-        cache = _DigestCache(cache_file)
-        h = hashlib.blake2b(digest_size=16, person=b"kvstrata.wts")
-        for file in files:
-            rel = file.name if path.is_file() else file.relative_to(path).as_posix()
-            h.update(f"{rel}:{cache.digest(file)}\n".encode())
-        cache.save()
-        return "files:" + h.hexdigest()
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(
-            model_name, "config.json", cache_dir=download_dir, revision=revision
-        )
-    except (ImportError, ValueError, OSError):  # not a hub id, or no hub library
-        return ""
-    if isinstance(found, str):
-        return "hub:" + Path(found).parent.name  # .../snapshots/<commit>/config.json
-    return ""
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
-
-
-class _DigestCache:
-    """path -> (size, mtime_ns, XXH3-128 of the contents), kept in a JSON file."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.entries: dict[str, dict[str, Any]] = {}
-        self.changed = False
-        if path is not None:
-            with contextlib.suppress(OSError, ValueError):
-                loaded = json.loads(path.read_text(encoding="utf-8"))
-                if isinstance(loaded, dict):
-                    self.entries = loaded
-
-    def digest(self, file: Path) -> str:
-        real = file.resolve()
-        st = real.stat()
-        key = str(real)
-        entry = self.entries.get(key)
-        if (
-            isinstance(entry, dict)
-            and entry.get("size") == st.st_size
-            and entry.get("mtime_ns") == st.st_mtime_ns
-            and isinstance(entry.get("digest"), str)
-        ):
-            return entry["digest"]
-        h = xxhash.xxh3_128()
-        with open(real, "rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                h.update(chunk)
-        digest = h.hexdigest()
-        self.entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
-        self.changed = True
-        return digest
-
-    def save(self) -> None:
-        if self.path is None or not self.changed:
-            return
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self.entries, indent=1, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, self.path)
-        except OSError as exc:  # the cache only saves time
-            log.warning("kvstrata: cannot write %s: %s", self.path, exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        files = [path] if path.is_file() else weight_files(path)
+        return "files:" + files_digest(path, files, cache_file) if files else ""
+    commit = hub_commit(model_name, revision, download_dir)
+    return "hub:" + commit if commit else ""
 
 
 def region_path(engine_id: str, digest: str) -> str:

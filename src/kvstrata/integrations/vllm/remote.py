@@ -20,6 +20,9 @@ remembered for ABSENT_S). A value failing a check is a miss, counted and deleted
 the server; a server that is down, in backoff or past the deadline costs misses,
 never a failed request.
 
+The session (tiers/remote_session.py, shared with the store) holds the link model,
+the load-or-recompute decision, the checked batched read and the write-behind; this
+adapter keeps what is vLLM's: its keys, the deferred lookups and the step timing.
 The load-or-recompute rule (tiers/remote_link.py) decides each step's batch: its bytes
 against its tokens. The scheduler sees vLLM's prefill speed through the store calls
 it makes: `prepare_store` names the blocks a step completes, and the time from one
@@ -52,7 +55,8 @@ from kvstrata.integrations.vllm.backend_plan import (
 from kvstrata.integrations.vllm.options import VllmOptions
 from kvstrata.tiers.base import Encoded, Tier
 from kvstrata.tiers.remote import RemoteTier
-from kvstrata.tiers.remote_format import BadValue, RemoteFormat
+from kvstrata.tiers.remote_format import RemoteFormat
+from kvstrata.tiers.remote_session import RemoteSession, Wanted
 
 log = logging.getLogger(__name__)
 ABSENT_S = 2.0  # a key the server did not have is a miss for this long (no re-asking)
@@ -85,9 +89,9 @@ class VllmRemote:
         self.tier = tier or RemoteTier(
             cache.remote_url, ttl=cache.remote_ttl, timeout=cache.remote_timeout
         )
-        self.tier.start(self.format.value_bytes)
+        self.session = RemoteSession(self.tier, self.format)
         self._lock = threading.Lock()
-        self._queued: dict[bytes, bytes] = {}  # our key -> remote key, not yet asked
+        self._queued: dict[bytes, bytes] = {}  # our key -> remote block hash, not yet asked
         self._asked: set[bytes] = set()  # in a round trip now
         self._found: dict[bytes, Encoded] = {}  # checked values, not yet installed
         self._absent: dict[bytes, float] = {}  # our key -> until when it is a miss
@@ -98,14 +102,15 @@ class VllmRemote:
         self._step_blocks = 0  # blocks prefilled by the step since then
         self.counters = dict.fromkeys(("remote_hits", "remote_misses", "remote_corrupt"), 0)
 
-    def remote_key(self, vllm_key: bytes) -> bytes:
+    def block_hash(self, vllm_key: bytes) -> bytes:
+        """The remote tier's block hash of a vLLM offload key (under the namespace)."""
         h = hashlib.blake2b(digest_size=16, person=b"kvstrata.vrem")
         h.update(bytes.fromhex(self.namespace))
         h.update(vllm_key)
-        return self.format.key(self.namespace, h.digest())
+        return h.digest()
 
-    def _block_hash(self, remote_key: bytes) -> bytes:
-        return bytes.fromhex(remote_key.rpartition(b":")[2].decode())
+    def remote_key(self, vllm_key: bytes) -> bytes:
+        return self.session.key(self.namespace, self.block_hash(vllm_key))
 
     # -- reads --------------------------------------------------------------------------
     def lookup(self, key: bytes, vllm_key: bytes) -> tuple[str, Encoded | None]:
@@ -125,7 +130,7 @@ class VllmRemote:
                 del self._absent[key]
             if not self.tier.available:
                 return ABSENT, None
-            self._queued[key] = self.remote_key(vllm_key)
+            self._queued[key] = self.block_hash(vllm_key)
             return RETRY, None
 
     def computed(self, vllm_keys: list[bytes]) -> None:
@@ -141,7 +146,7 @@ class VllmRemote:
         now = time.perf_counter()
         if self._step_blocks and self._step_began is not None:
             tokens = self._step_blocks * self._block_tokens
-            self.tier.link.observe_compute(tokens, now - self._step_began)
+            self.session.observe_compute(tokens, now - self._step_began)
         self._step_began, self._step_blocks = now, 0
 
     def end_step(self) -> bool:
@@ -163,16 +168,11 @@ class VllmRemote:
             batch, self._queued = self._queued, {}
             now = time.monotonic()
             self._absent = {k: t for k, t in self._absent.items() if t > now}
-            link = self.tier.link
-            nbytes = len(batch) * self.format.value_bytes
-            tokens = len(batch) * self._block_tokens
-            if link.needs_measure():
-                self.tier.remeasure()  # in the background: never a request's own read
-            if not link.worth_loading(nbytes, tokens):  # recomputing is faster
+            deadline = self.session.worth_loading(len(batch), len(batch) * self._block_tokens)
+            if deadline is None:  # recomputing is faster
                 self._absent.update(dict.fromkeys(batch, now + ABSENT_S))
                 return True
             self._asked.update(batch)
-        deadline = self.tier.deadline(nbytes, tokens)
         self._fetcher = threading.Thread(
             target=self._fetch,
             args=(batch, deadline),
@@ -183,29 +183,24 @@ class VllmRemote:
         return True
 
     def _fetch(self, batch: dict[bytes, bytes], deadline: float) -> None:
-        keys = list(batch.values())
+        ns = self.namespace
+        wanted = [Wanted(self.session.key(ns, h), ns, h, self._zeros) for h in batch.values()]
         found: dict[bytes, Encoded] = {}
-        bad: list[bytes] = []
+        refused = 0
         try:
-            values = self.tier.get(keys, self.format.value_bytes, deadline)
-            values = values or [None] * len(keys)
-            for ours, remote, value in zip(batch, keys, values, strict=True):
-                if value is None:
-                    continue
-                try:
-                    tokens, fields = self.format.decode(
-                        value, self.namespace, self._block_hash(remote)
-                    )
-                    if tokens != self._zeros:
-                        raise BadValue("token ids where the vLLM backend writes none")
-                except BadValue as exc:
-                    log.warning("kvstrata: a remote block was refused (%s): recomputed", exc)
-                    bad.append(remote)
-                    continue
-                found[ours] = fields
+            answer = self.session.fetch(wanted, deadline)
+            if answer is None:  # the server did not answer: every block is a miss
+                self.tier.stats.misses += len(batch)
+            else:
+                refused = len(answer.refused)
+                found = {
+                    ours: fields
+                    for ours, fields in zip(batch, answer.fields, strict=True)
+                    if fields is not None
+                }
         except Exception:  # noqa: BLE001 - a failed read is a miss, never a failed step
             log.exception("kvstrata: a remote read failed: the blocks are recomputed")
-        self.tier.delete(bad)
+            self.tier.stats.misses += len(batch)
         until = time.monotonic() + ABSENT_S
         with self._lock:
             self._asked.difference_update(batch)
@@ -213,40 +208,24 @@ class VllmRemote:
             for ours in batch:
                 if ours not in found:
                     self._absent[ours] = until
-            self.counters["remote_misses"] += len(batch) - len(found) - len(bad)
-            self.counters["remote_corrupt"] += len(bad)
-            self.tier.stats.corrupt += len(bad)
+            self.counters["remote_misses"] += len(batch) - len(found) - refused
+            self.counters["remote_corrupt"] += refused
             self.tier.stats.hits += len(found)
-            self.tier.stats.misses += len(batch) - len(found) - len(bad)
 
     def write_into(self, host: Tier, slot: int, fields: Encoded) -> None:
         """Install a fetched block in a host slot."""
-        self.format.write_tier(host, [slot], [fields])
+        self.session.install(host, [slot], [fields])
 
     # -- writes -------------------------------------------------------------------------
     def offer(self, host: Tier, entries: list[tuple[int, bytes]]) -> None:
         """Queue blocks just stored on the host tier, as (host slot, vLLM key), for the
         server (copied now, encoded and sent by the writer thread)."""
-        if not entries:
-            return
-        if not self.tier.available:
-            self.tier.stats.writes_dropped += len(entries)
-            return
-        data = self.format.read_tier(host, [slot for slot, _ in entries])
-        keys = [self.remote_key(vllm_key) for _, vllm_key in entries]
-
-        def make() -> list[tuple[bytes, bytes]]:
-            fmt, ns = self.format, self.namespace
-            return [
-                (key, fmt.encode(ns, self._block_hash(key), self._zeros, fmt.split(data, i)))
-                for i, key in enumerate(keys)
-            ]
-
-        self.tier.submit(make, len(entries) * self.format.value_bytes, len(entries))
+        metas = [(self.namespace, self.block_hash(k), self._zeros) for _, k in entries]
+        self.session.write_behind(host, [slot for slot, _ in entries], metas)
 
     # -- lifecycle ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out = self.tier.as_dict()
+        out = self.session.stats()
         out.pop("latency_counts", None)
         out.pop("latency_buckets_s", None)
         out["namespace"] = self.namespace
@@ -254,10 +233,10 @@ class VllmRemote:
         return out
 
     def flush(self, timeout: float = 30.0) -> bool:
-        return self.tier.flush(timeout)
+        return self.session.flush(timeout)
 
     def close(self) -> None:
         fetcher = self._fetcher
         if fetcher is not None:
             fetcher.join(timeout=max(1.0, 2 * self.tier.timeout))
-        self.tier.close(CLOSE_FLUSH_S)
+        self.session.close(CLOSE_FLUSH_S)
