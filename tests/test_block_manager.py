@@ -444,11 +444,11 @@ def test_skipped_sliding_blocks_kept_as_cache_copies_are_written_by_the_step() -
 def test_a_large_move_is_copied_in_chunks_with_the_same_result(host_codec, monkeypatch) -> None:
     """Demoting many blocks at once copies at most COPY_CHUNK_BYTES of raw blocks per
     step (bounded GPU scratch when blocks leave a GPU): the result is the same bytes."""
-    from kvstrata.blocks import apply
     from kvstrata.codecs.registry import get_codec
+    from kvstrata.tiers import movement
 
     def run(chunk_bytes: int) -> tuple[dict, list]:
-        monkeypatch.setattr(apply, "COPY_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(movement, "COPY_CHUNK_BYTES", chunk_bytes)
         layout = tiny_layout(2)
         tiers = [
             DeviceTier(layout, 12, device="cpu"),

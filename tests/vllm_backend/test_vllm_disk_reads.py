@@ -13,9 +13,9 @@ import torch
 from tests.vllm_backend.test_vllm_parts import N, _put, _store, read_back
 from tests.vllm_backend.tiny import VLLM_BLOCK, prompts
 
-from kvstrata.integrations.vllm.disk_writer import copy_blocks
 from kvstrata.integrations.vllm.remote import RETRY
 from kvstrata.integrations.vllm.store import HIT, MISS, OffloadStore
+from kvstrata.tiers.movement import copy_blocks
 
 BLOCK = 32768  # bytes of one raw block of the parts tests' layout
 LOSSLESS_ZSTD = {"disk_compress": True}
@@ -66,7 +66,9 @@ def test_a_prefix_on_disk_is_read_back_in_one_batch(tmp_path: Path, extra: dict)
 
         def one_at_a_time() -> None:
             for disk_slot, host_slot in zip(disk_slots, alone, strict=True):
-                copy_blocks(store.disk.tier, [disk_slot], store.host, [host_slot])
+                copy_blocks(
+                    store.host.layout, store.disk.tier, [disk_slot], store.host, [host_slot]
+                )
 
         store.disk.call(one_at_a_time)
         assert torch.equal(worker.read(alone), loaded)

@@ -4,28 +4,20 @@ write — steps that cannot fail, because the plan reserved every slot they take
 `PlacementApplier` is a part of the block manager: it takes the `BlockState` (pool,
 tiers, tables, eviction order, counters), the `CachedBlocks` that release blocks and
 the function that copies blocks between tiers. `blocks/placement.py` decides, this
-module carries it out; `copy_blocks` is the tier-to-tier copy it uses.
+module carries it out; `tiers.movement.copy_blocks` is the tier-to-tier copy it uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-
-import torch
+from collections.abc import Hashable
 
 from kvstrata.blocks.cached import CachedBlocks
 from kvstrata.blocks.placement import PendingBlock, Placement
 from kvstrata.blocks.pool import Block
 from kvstrata.blocks.state import BlockState
-from kvstrata.core.layout import BlockLayout
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.movement import CopyBlocks, copy_blocks, copy_chunk
 
-# The most raw block bytes one step of a tier-to-tier copy stages (on the GPU, when
-# blocks leave it through another codec).
-COPY_CHUNK_BYTES = 32 * 2**20
-
-# copy(src tier, src slots, dst tier, dst slots)
-CopyBlocks = Callable[[Tier, list[int], Tier, list[int]], None]
+__all__ = ["CopyBlocks", "PlacementApplier", "copy_blocks", "copy_chunk"]
 
 
 class PlacementApplier:
@@ -177,51 +169,3 @@ class PlacementApplier:
         state.runs_by_table.clear()
         if state.on_move is not None:
             state.on_move(blocks)
-
-
-def copy_blocks(
-    layout: BlockLayout,
-    src: Tier,
-    src_slots: list[int],
-    dst: Tier,
-    dst_slots: list[int],
-    copy_chunk: CopyBlocks,
-) -> None:
-    """Copy blocks between tiers with `copy_chunk`, at most COPY_CHUNK_BYTES of raw blocks
-    at a time: demoting a long sequence off a GPU must not need a raw copy of all of it
-    there."""
-    per = max(1, COPY_CHUNK_BYTES // max(1, layout.raw_block_bytes))
-    for i in range(0, len(src_slots), per):
-        copy_chunk(src, src_slots[i : i + per], dst, dst_slots[i : i + per])
-
-
-def copy_chunk(
-    layout: BlockLayout, src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]
-) -> None:
-    """Copy blocks between tiers in one go: encoded bytes as they are between tiers of
-    one codec, otherwise decoded and re-encoded (on the GPU when they leave it)."""
-    if src.codec.name == dst.codec.name:  # encoded as is: quantized once, never twice
-        dst.write_encoded(dst_slots, src.read_encoded(src_slots))
-        return
-    n = len(src_slots)
-    # Blocks leaving a GPU are decoded and re-encoded there: only encoded bytes cross
-    # (a memory tier's write encodes where the data is; others get the fields here).
-    gpu = getattr(src, "device", None)
-    gpu = gpu if gpu is not None and gpu.type == "cuda" else None
-    k = torch.empty(layout.raw_shape("k", n), dtype=layout.dtype, device=gpu)
-    v = torch.empty(layout.raw_shape("v", n), dtype=layout.dtype, device=gpu)
-    src.read_blocks(src_slots, k, v)
-    if gpu is None or getattr(dst, "device", None) is not None:
-        dst.write_blocks(dst_slots, k, v)
-        return
-    encoded = {}
-    for kind, raw in (("k", k), ("v", v)):
-        specs = dst.codec.fields(kind, layout)
-        lead = raw.shape[:-2]
-        fields = {
-            f: torch.empty((*lead, n * s.rows, s.cols), dtype=s.dtype, device=gpu)
-            for f, s in specs.items()
-        }
-        dst.codec.encode(kind, raw, fields)
-        encoded.update({f"{kind}.{f}": t.cpu() for f, t in fields.items()})
-    dst.write_encoded(dst_slots, encoded)

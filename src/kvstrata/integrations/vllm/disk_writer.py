@@ -31,10 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # builtin only fro
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from kvstrata.core.errors import ConfigError, TierIOError
-from kvstrata.core.slots import slot_runs
 from kvstrata.core.units import format_bytes
 from kvstrata.integrations.vllm.backend_plan import BackendPlan
 from kvstrata.integrations.vllm.options import VllmOptions
@@ -42,10 +39,9 @@ from kvstrata.tiers.base import SlotAllocator, Tier
 from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 from kvstrata.tiers.disk_format import SlotFormat
 from kvstrata.tiers.disk_lock import DirLock
-from kvstrata.tiers.memory import MemoryTier
+from kvstrata.tiers.movement import copy_blocks, read_verified
 
 T = TypeVar("T")
-MAX_RUNS_IN_PLACE = 16  # more runs of host slots than this: read into a staging tensor
 log = logging.getLogger(__name__)
 NAMESPACE_DIR = re.compile(r"^.+-[0-9a-f]{16}$")  # plan.BackendPlan.named's subdirectories
 _TIER_FILES = {ARENA_FILE, INDEX_FILE, LOCK_FILE} | {
@@ -173,7 +169,7 @@ class DiskWriter:
 
         def write() -> None:
             self.tier.allocator.take(slots)
-            copy_blocks(host, host_slots, self.tier, slots)
+            copy_blocks(host.layout, host, host_slots, self.tier, slots)
             self.tier.put_keys([(s, k, []) for s, k in zip(slots, keys, strict=True)])
 
         self.submit(write).add_done_callback(self._report(token))
@@ -227,74 +223,6 @@ class DiskWriter:
             log.warning("kvstrata: closing the disk tier failed: %s", exc)
         self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return True
-
-
-def copy_blocks(src: Tier, src_slots: list[int], dst: Tier, dst_slots: list[int]) -> None:
-    """Copy blocks between tiers: encoded as is when the codecs match (a block is
-    quantized once), else decoded to the model dtype and encoded again."""
-    if src.codec.name == dst.codec.name:
-        dst.write_encoded(dst_slots, src.read_encoded(src_slots))
-        return
-    n = len(src_slots)
-    layout = src.layout
-    k = torch.empty(layout.raw_shape("k", n), dtype=layout.dtype)
-    v = torch.empty(layout.raw_shape("v", n), dtype=layout.dtype)
-    src.read_blocks(src_slots, k, v)
-    dst.write_blocks(dst_slots, k, v)
-
-
-def read_into(disk: DiskTier, disk_slots: list[int], host: Tier, host_slots: list[int]) -> None:
-    """`copy_blocks` from the disk tier to the host tier; when their codecs match, the
-    blocks are read straight into the host arena's rows (one read per run of
-    consecutive host slots: no staging tensor, no second copy)."""
-    runs = slot_runs(host_slots)
-    if (
-        not isinstance(host, MemoryTier)
-        or disk.codec.name != host.codec.name
-        or len(runs) > MAX_RUNS_IN_PLACE
-    ):
-        copy_blocks(disk, disk_slots, host, host_slots)
-        return
-    rows = {f"{kind}.{f}": s.rows for kind, fs in host.field_specs.items() for f, s in fs.items()}
-    for j, first, count in runs:
-        arena = host.arenas
-        views = {key: t.narrow(2, first * rows[key], count * rows[key]) for key, t in arena.items()}
-        disk.read_encoded_into(disk_slots[j : j + count], views)
-    host.stats.blocks_written += len(host_slots)
-    host.stats.bytes_written += len(host_slots) * host.block_bytes
-
-
-def read_verified(
-    disk: DiskTier, disk_slots: list[int], host: Tier, host_slots: list[int]
-) -> dict[int, TierIOError]:
-    """`copy_blocks` of a batch from the disk tier, serving only verified blocks.
-
-    One call reads them all (the disk tier's vectored reads; compressed slots are
-    decompressed across its threads; a codec change runs in torch's threads). A
-    block that fails its checksum or cannot be read is left out and the rest read
-    again (the tier raises for the batch, naming the bad slots).
-
-    Returns:
-        index in `disk_slots` -> TierIOError, for the blocks not copied.
-
-    Raises:
-        TierIOError naming no slot, or anything else: the batch failed as a whole.
-    """
-    bad: dict[int, TierIOError] = {}
-    todo = list(range(len(disk_slots)))
-    while todo:
-        try:
-            read_into(disk, [disk_slots[i] for i in todo], host, [host_slots[i] for i in todo])
-            break
-        except TierIOError as exc:
-            failed = set(getattr(exc, "slots", None) or ())
-            refused = [i for i in todo if disk_slots[i] in failed]
-            if not refused:
-                raise
-            for i in refused:
-                bad[i] = exc
-            todo = [i for i in todo if disk_slots[i] not in failed]
-    return bad
 
 
 # -- one budget per disk_dir -------------------------------------------------------------------
