@@ -39,13 +39,14 @@ def write_step(
         writes: what `mgr.append` returned for this step.
         ks, vs: one tensor per layer, [batch, Hkv, num_new, D].
     """
-    bs = mgr.layout.block_size
+    state = mgr.state
+    bs = state.layout.block_size
     for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
         batch, heads, num_new, _ = k.shape
         flat_k = k.transpose(0, 1).reshape(heads, batch * num_new, -1)
         flat_v = v.transpose(0, 1).reshape(heads, batch * num_new, -1)
         for tw in writes:
-            tier = mgr.tiers[tw.tier]
+            tier = state.tiers[tw.tier]
             if getattr(tier, "k_arena", None) is not None:
                 tier.k_arena[layer].index_copy_(1, tw.rows, flat_k[:, tw.src])
                 tier.v_arena[layer].index_copy_(1, tw.rows, flat_v[:, tw.src])
@@ -57,17 +58,18 @@ def write_step(
 
 def read_sequence(mgr: BlockManager, seq_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [Hkv, tokens held, D] of one table and layer, read run by run."""
-    lay = mgr.layout
+    state = mgr.state
+    lay = state.layout
     bs = lay.block_size
     k_parts, v_parts = [], []
     # a sliding-window table starts at its first live block (0 for every other table)
-    expected_start = mgr.tables[seq_id].first_block * bs
+    expected_start = state.tables[seq_id].first_block * bs
     for run in mgr.runs(seq_id):
         assert run.token_start == expected_start, "runs must tile the sequence in order"
         assert 0 < run.num_tokens <= run.num_slots * bs
         assert run.num_tokens > (run.num_slots - 1) * bs, "only a run's last block may be partial"
         expected_start += run.num_tokens
-        tier = mgr.tiers[run.tier]
+        tier = state.tiers[run.tier]
         if isinstance(tier, MemoryTier) and tier.zero_copy:
             k, v = tier.layer_view(layer, run.first_slot, run.num_slots)
         else:
@@ -129,37 +131,39 @@ class SeqModel:
 
 def snapshot(mgr: BlockManager) -> dict:
     """Everything a refused operation must leave as it was."""
+    state = mgr.state
     return {
-        "tables": {s: (list(t.block_ids), t.num_tokens) for s, t in mgr.tables.items()},
+        "tables": {s: (list(t.block_ids), t.num_tokens) for s, t in state.tables.items()},
         "blocks": {
-            i: (b.tier, b.slot, b.num_tokens, b.ref_count) for i, b in mgr.pool.blocks.items()
+            i: (b.tier, b.slot, b.num_tokens, b.ref_count) for i, b in state.pool.blocks.items()
         },
         # Free-list order may change (an undone copy on write frees its slot and id).
-        "num_free": {n: t.num_free for n, t in mgr.tiers.items()},
-        "budgets": dict(mgr.budget_slots),
-        "on_tier": {n: sorted(ids) for n, ids in mgr.on_tier.items()},
+        "num_free": {n: t.num_free for n, t in state.tiers.items()},
+        "budgets": dict(state.budget_slots),
+        "on_tier": {n: sorted(ids) for n, ids in state.on_tier.items()},
     }
 
 
 def check_accounting(mgr: BlockManager) -> None:
     """Invariants (b) and (c): slots, ref counts and bytes agree everywhere."""
-    bs = mgr.layout.block_size
+    state = mgr.state
+    bs = state.layout.block_size
     refs: dict[int, int] = {}
-    for table in mgr.tables.values():
+    for table in state.tables.values():
         assert len(table.block_ids) == -(-table.num_tokens // bs)
         for block_id in table.block_ids:
             refs[block_id] = refs.get(block_id, 0) + 1
     # Every live block is referenced by exactly its ref count; no leaked blocks.
-    assert refs == {i: b.ref_count for i, b in mgr.pool.blocks.items()}
-    assert not set(mgr.pool.free_ids()) & set(mgr.pool.blocks)
+    assert refs == {i: b.ref_count for i, b in state.pool.blocks.items()}
+    assert not set(state.pool.free_ids()) & set(state.pool.blocks)
     occ = mgr.occupancy()
-    device = mgr.tier_order[0]
-    for name in mgr.tier_order:
-        tier: Tier = mgr.tiers[name]
-        placed = [b for b in mgr.pool.blocks.values() if b.tier == name]
+    device = state.tier_order[0]
+    for name in state.tier_order:
+        tier: Tier = state.tiers[name]
+        placed = [b for b in state.pool.blocks.values() if b.tier == name]
         slots = [b.slot for b in placed]
         assert len(set(slots)) == len(slots), f"{name}: a slot owned by two blocks"
-        assert {b.block_id for b in placed} == mgr.on_tier[name]
+        assert {b.block_id for b in placed} == state.on_tier[name]
         free = tier.allocator.free_slots()
         assert len(set(free)) == len(free)
         assert sorted(free + slots) == list(range(tier.num_slots)), f"{name}: slot leak"
@@ -167,7 +171,7 @@ def check_accounting(mgr: BlockManager) -> None:
         assert tier.used_bytes == len(placed) * tier.block_bytes
         assert occ[name]["used_blocks"] == len(placed)
         assert occ[name]["used_bytes"] == len(placed) * tier.block_bytes
-        assert occ[name]["budget_blocks"] == mgr.budget_slots[name]
+        assert occ[name]["budget_blocks"] == state.budget_slots[name]
         if name != device:
             # A partially filled block lives on the device (lossy codecs see full blocks).
             for b in placed:
@@ -177,8 +181,9 @@ def check_accounting(mgr: BlockManager) -> None:
 def check_step(mgr: BlockManager, seq_ids: list[int], writes: list[TokenWrites]) -> None:
     """After a step: open blocks are on the device, and lower tiers only receive whole
     blocks (lossy codecs only ever see full blocks)."""
-    bs = mgr.layout.block_size
-    device = mgr.tier_order[0]
+    state = mgr.state
+    bs = state.layout.block_size
+    device = state.tier_order[0]
     for seq_id in seq_ids:
         if mgr.num_tokens(seq_id) % bs:
             last = mgr.blocks_of(seq_id)[-1]
@@ -194,10 +199,11 @@ def check_step(mgr: BlockManager, seq_ids: list[int], writes: list[TokenWrites])
 
 def check_contents(mgr: BlockManager, model: SeqModel) -> None:
     """Invariant (a): every token of every live sequence reads back bit-exact."""
-    assert set(mgr.tables) == set(model.k)
-    for seq_id in mgr.tables:
+    state = mgr.state
+    assert set(state.tables) == set(model.k)
+    for seq_id in state.tables:
         assert mgr.num_tokens(seq_id) == model.num_tokens(seq_id)
-        for layer in range(mgr.layout.num_layers):
+        for layer in range(state.layout.num_layers):
             k, v = read_sequence(mgr, seq_id, layer)
             assert torch.equal(k, model.k[seq_id][layer]), f"seq {seq_id} layer {layer} K"
             assert torch.equal(v, model.v[seq_id][layer]), f"seq {seq_id} layer {layer} V"

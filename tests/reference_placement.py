@@ -98,31 +98,32 @@ def rank_keys(mgr: BlockManager, pending: list[PendingBlock], stepping: set) -> 
     """Policy keep-keys of every block (shared blocks: newest / most used owner),
     live blocks above cached ones; `pending` blocks come after their table's;
     tables in `stepping` are seen as accessed by this step."""
+    state = mgr.state
     new_count: dict[Hashable, int] = {}
     for p in pending:
         if p.copy_of is None:
             new_count[p.table] = new_count.get(p.table, 0) + 1
     keys: dict[int, tuple] = {}
-    for seq_id, table in mgr.tables.items():
+    for seq_id, table in state.tables.items():
         n = table.num_blocks + new_count.get(seq_id, 0)
-        last, count = mgr.seq_last_access[seq_id], mgr.seq_access_count[seq_id]
+        last, count = state.seq_last_access[seq_id], state.seq_access_count[seq_id]
         if seq_id in stepping:
-            last, count = mgr.clock + 1, count + 1
+            last, count = state.clock + 1, count + 1
         for i, block_id in enumerate(table.block_ids, start=table.first_block):
-            v = BlockView(block_id, i < mgr.num_sink_blocks, n - 1 - i, last, count)
-            key = (1, *mgr.policy.keep_key(v))
+            v = BlockView(block_id, i < state.num_sink_blocks, n - 1 - i, last, count)
+            key = (1, *state.policy.keep_key(v))
             old = keys.get(block_id)
             if old is None or key > old:
                 keys[block_id] = key
-    for block_id in mgr.cached:
-        keys[block_id] = (0, mgr.pool.blocks[block_id].last_access, -block_id)
+    for block_id in state.cached:
+        keys[block_id] = (0, state.pool.blocks[block_id].last_access, -block_id)
     for i, p in enumerate(pending):
-        n = mgr.tables[p.table].num_blocks + new_count.get(p.table, 0)
+        n = state.tables[p.table].num_blocks + new_count.get(p.table, 0)
         v = BlockView(
-            -(i + 1), p.is_sink, n - 1 - p.index, mgr.clock + 1,
-            mgr.seq_access_count[p.table] + 1,
+            -(i + 1), p.is_sink, n - 1 - p.index, state.clock + 1,
+            state.seq_access_count[p.table] + 1,
         )  # fmt: skip
-        keys[-(i + 1)] = (1, *mgr.policy.keep_key(v))
+        keys[-(i + 1)] = (1, *state.policy.keep_key(v))
     return keys
 
 
@@ -136,17 +137,18 @@ def reference_plan(
     mgr: BlockManager, pending: list[PendingBlock], fixed: set[int], budgets: dict, stepping=()
 ) -> Placement:
     """The old `BlockManager._plan`."""
+    state = mgr.state
     keys = rank_keys(mgr, pending, set(stepping))
     pending_key = {id(p): -(i + 1) for i, p in enumerate(pending)}
-    fixed = fixed | {b for t in mgr.tables.values() for _, b in t.step_history + t.step_extra}
+    fixed = fixed | {b for t in state.tables.values() for _, b in t.step_history + t.step_extra}
 
     def rank(b: object) -> tuple:
         return keys[pending_key[id(b)] if isinstance(b, PendingBlock) else b.block_id]
 
-    resident = {n: [mgr.pool.blocks[i] for i in mgr.on_tier[n]] for n in mgr.tier_order}
+    resident = {n: [state.pool.blocks[i] for i in state.on_tier[n]] for n in state.tier_order}
     return plan_placement(
-        mgr.tiers, mgr.tier_order, budgets, resident, pending, fixed, rank,
-        mgr.layout.block_size, len(mgr.tables), mgr.layout.raw_block_bytes,
+        state.tiers, state.tier_order, budgets, resident, pending, fixed, rank,
+        state.layout.block_size, len(state.tables), state.layout.raw_block_bytes,
     )  # fmt: skip
 
 
@@ -184,21 +186,24 @@ def compare_with_reference(mgr: BlockManager) -> None:
 def check_order(mgr: BlockManager) -> None:
     """The incremental eviction order equals one rebuilt from the tables, and ranks
     blocks exactly as the reference sort."""
-    bs_sinks = mgr.num_sink_blocks
-    live: dict[str, dict[Hashable, list]] = {n: {} for n in mgr.tier_order}
+    state = mgr.state
+    bs_sinks = state.num_sink_blocks
+    live: dict[str, dict[Hashable, list]] = {n: {} for n in state.tier_order}
     owners: dict[int, dict[Hashable, int]] = {}
-    for seq_id, table in mgr.tables.items():
+    for seq_id, table in state.tables.items():
         for i, block_id in enumerate(table.block_ids, start=table.first_block):
-            tier = mgr.pool.blocks[block_id].tier
+            tier = state.pool.blocks[block_id].tier
             live[tier].setdefault(seq_id, []).append((i < bs_sinks, i, block_id))
             owners.setdefault(block_id, {})[seq_id] = i
-    got_live = {n: {t: list(e) for t, e in d.items()} for n, d in mgr.order.live.items()}
+    got_live = {n: {t: list(e) for t, e in d.items()} for n, d in state.order.live.items()}
     assert got_live == {n: {t: sorted(e) for t, e in d.items()} for n, d in live.items()}
-    assert mgr.order.owners == owners
-    cached = {n: [] for n in mgr.tier_order}
-    for block_id in mgr.cached:
-        block = mgr.pool.blocks[block_id]
+    assert state.order.owners == owners
+    cached = {n: [] for n in state.tier_order}
+    for block_id in state.cached:
+        block = state.pool.blocks[block_id]
         cached[block.tier].append((block.last_access, -block_id))
-    got_cached = {n: [rank for rank, _ in mgr.hash_to_block.ascending(n)] for n in mgr.tier_order}
+    got_cached = {
+        n: [rank for rank, _ in state.hash_to_block.ascending(n)] for n in state.tier_order
+    }
     assert got_cached == {n: sorted(c) for n, c in cached.items()}
     assert mgr.eviction_order() == reference_order(mgr)

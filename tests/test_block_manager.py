@@ -77,27 +77,28 @@ class BlockStoreMachine(RuleBasedStateMachine):
 
     # helpers
     def _seq_ids(self) -> list[int]:
-        return sorted(self.mgr.tables)
+        return sorted(self.mgr.state.tables)
 
     def _refused(self, before: dict, err: OutOfBlocksError) -> None:
         assert_actionable(err)
         assert snapshot(self.mgr) == before, "a refused operation changed the state"
 
     def _within_budgets(self) -> None:
-        for name, tier in self.mgr.tiers.items():
-            assert tier.num_used <= self.mgr.budget_slots[name], (
-                f"{name}: {tier.num_used} blocks over a budget of {self.mgr.budget_slots[name]}"
+        state = self.mgr.state
+        for name, tier in state.tiers.items():
+            assert tier.num_used <= state.budget_slots[name], (
+                f"{name}: {tier.num_used} blocks over a budget of {state.budget_slots[name]}"
             )
 
     # rules
-    @precondition(lambda self: len(self.mgr.tables) < 4)
+    @precondition(lambda self: len(self.mgr.state.tables) < 4)
     @rule()
     def add_sequence(self) -> None:
-        seq_id = max(self.mgr.tables, default=-1) + 1
+        seq_id = max(self.mgr.state.tables, default=-1) + 1
         self.mgr.add_sequence(seq_id)
         self.model.add(seq_id)
 
-    @precondition(lambda self: self.mgr.tables)
+    @precondition(lambda self: self.mgr.state.tables)
     @rule(data=st.data(), num_new=st.integers(1, 5), seed=st.integers(0, 2**16))
     def append(self, data: st.DataObject, num_new: int, seed: int) -> None:
         seq_ids = data.draw(
@@ -120,22 +121,22 @@ class BlockStoreMachine(RuleBasedStateMachine):
         # (d) the device (and every tier) is within its budget after a step.
         self._within_budgets()
 
-    @precondition(lambda self: self.mgr.tables and len(self.mgr.tables) < 4)
+    @precondition(lambda self: self.mgr.state.tables and len(self.mgr.state.tables) < 4)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         src = data.draw(st.sampled_from(self._seq_ids()))
-        dst = max(self.mgr.tables) + 1
+        dst = max(self.mgr.state.tables) + 1
         self.mgr.fork(src, dst)
         self.model.fork(src, dst)
 
-    @precondition(lambda self: self.mgr.tables)
+    @precondition(lambda self: self.mgr.state.tables)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(self._seq_ids()))
         self.mgr.free_sequence(seq_id)
         self.model.free(seq_id)
 
-    @precondition(lambda self: self.mgr.tables)
+    @precondition(lambda self: self.mgr.state.tables)
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(self._seq_ids()))
@@ -148,7 +149,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
             return
         self.model.truncate(seq_id, n)
 
-    @precondition(lambda self: self.mgr.tables)
+    @precondition(lambda self: self.mgr.state.tables)
     @rule(data=st.data())
     def remap(self, data: st.DataObject) -> None:
         sources = data.draw(st.lists(st.sampled_from(self._seq_ids()), min_size=0, max_size=4))
@@ -157,15 +158,15 @@ class BlockStoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def set_budget(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(self.mgr.tier_order))
-        n = data.draw(st.integers(0, self.mgr.tiers[name].num_slots))
+        name = data.draw(st.sampled_from(self.mgr.state.tier_order))
+        n = data.draw(st.integers(0, self.mgr.state.tiers[name].num_slots))
         before = snapshot(self.mgr)
         try:
             self.mgr.set_budget(name, n)
         except OutOfBlocksError as err:
             self._refused(before, err)
             return
-        assert self.mgr.budget_slots[name] == n
+        assert self.mgr.state.budget_slots[name] == n
         self._within_budgets()
 
     @invariant()
@@ -234,17 +235,18 @@ def _placement(mgr: BlockManager, seq_id: int) -> list[tuple[str, int]]:
 
 
 def _on_tier(mgr: BlockManager) -> dict[str, list[int]]:
-    return {name: sorted(ids) for name, ids in mgr.on_tier.items()}
+    return {name: sorted(ids) for name, ids in mgr.state.on_tier.items()}
 
 
 def test_window_keeps_sinks_and_newest_demotes_oldest() -> None:
     mgr = _manager("window", [3, 6], sink_tokens=2)
+    state = mgr.state
     mgr.add_sequence(0)
     mgr.append([0], 8)  # 4 full blocks: sink + the 2 newest fit on the device
-    assert mgr.tables[0].block_ids == [0, 3, 1, 2]
+    assert state.tables[0].block_ids == [0, 3, 1, 2]
     assert _placement(mgr, 0) == [("device", 0), ("host", 0), ("device", 1), ("device", 2)]
     mgr.append([0], 1)  # an open block: the oldest non-sink device block goes down
-    assert mgr.tables[0].block_ids == [0, 3, 1, 2, 4]
+    assert state.tables[0].block_ids == [0, 3, 1, 2, 4]
     assert _placement(mgr, 0) == [
         ("device", 0),
         ("host", 0),
@@ -259,18 +261,19 @@ def test_window_keeps_sinks_and_newest_demotes_oldest() -> None:
         Run("device", 2, 1, 6, 2),
         Run("device", 1, 1, 8, 1),
     ]
-    assert mgr.bytes_moved == {"device->host": 256}
+    assert state.bytes_moved == {"device->host": 256}
     assert mgr.blocks_of(0)[0].is_sink and not mgr.blocks_of(0)[1].is_sink
 
 
 def test_window_with_two_sequences() -> None:
     mgr = _manager("window", [4, 8])
+    state = mgr.state
     mgr.add_sequence(0)
     mgr.add_sequence(1)
     mgr.append([0, 1], 4)
-    assert mgr.tables == {0: mgr.tables[0], 1: mgr.tables[1]}
+    assert state.tables == {0: state.tables[0], 1: state.tables[1]}
     # Installed in rank order: seq 1's newest block ranks first (ties: newer step index).
-    assert [mgr.tables[0].block_ids, mgr.tables[1].block_ids] == [[2, 3], [0, 1]]
+    assert [state.tables[0].block_ids, state.tables[1].block_ids] == [[2, 3], [0, 1]]
     assert _placement(mgr, 0) == [("device", 2), ("device", 3)]
     assert _placement(mgr, 1) == [("device", 0), ("device", 1)]
     mgr.set_budget("device", 2)  # each sequence keeps its newest block
@@ -297,15 +300,16 @@ def test_policy_decides_the_demoted_block(policy: str, device: list[int], host: 
     assert _on_tier(mgr) == {"device": [0, 1, 2], "host": []}
     mgr.append([1], 2)
     assert _on_tier(mgr) == {"device": device, "host": host}
-    assert mgr.num_moves == 1
+    assert mgr.state.num_moves == 1
 
 
 def test_cascade_three_tiers_moves_each_block_to_its_final_tier() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mgr = _manager("window", [2, 2, 4], tmp=tmp)
+        state = mgr.state
         mgr.add_sequence(0)
         mgr.append([0], 10)  # 5 full blocks: 2 device, 2 host, the oldest on disk
-        assert mgr.tables[0].block_ids == [4, 2, 3, 0, 1]
+        assert state.tables[0].block_ids == [4, 2, 3, 0, 1]
         assert _placement(mgr, 0) == [
             ("disk", 0),
             ("host", 0),
@@ -314,7 +318,7 @@ def test_cascade_three_tiers_moves_each_block_to_its_final_tier() -> None:
             ("device", 1),
         ]
         mgr.append([0], 2)  # one more: every tier passes its oldest block down
-        assert mgr.tables[0].block_ids == [4, 2, 3, 0, 1, 5]
+        assert state.tables[0].block_ids == [4, 2, 3, 0, 1, 5]
         assert _placement(mgr, 0) == [
             ("disk", 0),
             ("disk", 1),
@@ -324,17 +328,18 @@ def test_cascade_three_tiers_moves_each_block_to_its_final_tier() -> None:
             ("device", 0),
         ]
         assert _on_tier(mgr) == {"device": [1, 5], "host": [0, 3], "disk": [2, 4]}
-        assert mgr.bytes_moved == {"host->disk": 256, "device->host": 256}
+        assert state.bytes_moved == {"host->disk": 256, "device->host": 256}
         # A shrinking device budget sends blocks two tiers down in one move.
         mgr.set_budget("host", 0)
         assert _on_tier(mgr) == {"device": [1, 5], "host": [], "disk": [0, 2, 3, 4]}
-        assert mgr.bytes_moved == {"host->disk": 768, "device->host": 256}
-        for t in mgr.tiers.values():
+        assert state.bytes_moved == {"host->disk": 768, "device->host": 256}
+        for t in state.tiers.values():
             t.close()
 
 
 def test_out_of_blocks_messages_and_refused_budget() -> None:
     mgr = _manager("window", [2, 2])
+    state = mgr.state
     for s in range(3):
         mgr.add_sequence(s)
     with pytest.raises(OutOfBlocksError) as err:
@@ -343,12 +348,12 @@ def test_out_of_blocks_messages_and_refused_budget() -> None:
         "device tier needs 768 B for blocks being written (open blocks of 3 sequences) "
         "but its budget is 512 B: raise device_budget or lower block_size"
     )
-    assert mgr.pool.num_live == 0 and mgr.num_tokens(0) == 0
+    assert state.pool.num_live == 0 and mgr.num_tokens(0) == 0
     mgr.append([0, 1], 1)
     with pytest.raises(OutOfBlocksError) as err:
         mgr.set_budget("device", 1)
     assert_actionable(err.value)
-    assert mgr.budget_slots["device"] == 2  # a refused budget does not stick
+    assert state.budget_slots["device"] == 2  # a refused budget does not stick
     with pytest.raises(ConfigError, match=r"device_budget=3 is invalid: between 0 and"):
         mgr.set_budget("device", 3)
     with pytest.raises(OutOfBlocksError) as err:
@@ -364,7 +369,8 @@ def test_out_of_blocks_messages_and_refused_budget() -> None:
 
 def test_fork_copy_on_write_and_free() -> None:
     mgr = _manager("window", [4, 4])
-    model = SeqModel(mgr.layout)
+    state = mgr.state
+    model = SeqModel(state.layout)
     mgr.add_sequence(0)
     model.add(0)
     gen = torch.Generator().manual_seed(0)
@@ -381,12 +387,12 @@ def test_fork_copy_on_write_and_free() -> None:
     model.fork(0, 1)
     assert [b.ref_count for b in mgr.blocks_of(1)] == [2, 2]
     step([1], 1)  # the shared open block is copied for seq 1
-    assert mgr.tables == {0: mgr.tables[0], 1: mgr.tables[1]}
-    assert [mgr.tables[0].block_ids, mgr.tables[1].block_ids] == [[0, 1], [0, 2]]
+    assert state.tables == {0: state.tables[0], 1: state.tables[1]}
+    assert [state.tables[0].block_ids, state.tables[1].block_ids] == [[0, 1], [0, 2]]
     check_contents(mgr, model)
     mgr.free_sequence(0)
     model.free(0)
-    assert mgr.pool.free_ids() == [1]
+    assert state.pool.free_ids() == [1]
     assert _on_tier(mgr) == {"device": [0, 2], "host": []}
     check_accounting(mgr)
     check_contents(mgr, model)
@@ -398,17 +404,18 @@ def test_sliding_table_drops_blocks_outside_its_window_and_limits_crops() -> Non
     # block size 2, window 4: after n tokens the table keeps blocks from
     # (n - 3 - 2) // 2 on (one block of slack below the window)
     mgr = _manager("window", [16, 4])
+    state = mgr.state
     mgr.add_sequence(0, window=4)
     mgr.add_sequence(1, window=4)
     mgr.truncate(1, 0)  # nothing dropped yet: a crop to 0 is fine
     mgr.append([0], 3)
-    assert mgr.tables[0].first_block == 0
+    assert state.tables[0].first_block == 0
     mgr.append([0], 1)
     mgr.append([0], 1)
     mgr.append([0], 1)  # 6 tokens: the step starts at 5 -> first live block (5-5)//2 = 0
     mgr.append([0], 1)  # starts at 6: (6 - 5) // 2 = 0
     mgr.append([0], 1)  # starts at 7: block 1 is the first live one
-    table = mgr.tables[0]
+    table = state.tables[0]
     assert (table.first_block, len(table.block_ids), table.num_tokens) == (1, 3, 8)
     assert [r.token_start for r in mgr.runs(0)] == [2]
     mgr.truncate(0, 7)  # one token back: still inside what the window kept
@@ -416,28 +423,29 @@ def test_sliding_table_drops_blocks_outside_its_window_and_limits_crops() -> Non
         mgr.truncate(0, 2)
     # a long step stores only what its window keeps; history is held until it ends
     mgr.append([0], 20)
-    table = mgr.tables[0]
+    table = state.tables[0]
     assert table.first_block == (27 - 5) // 2 and table.step_history
     mgr.end_step([0])
     assert not table.step_history
-    assert mgr.tables[0].num_tokens == 27
+    assert state.tables[0].num_tokens == 27
 
 
 def test_skipped_sliding_blocks_kept_as_cache_copies_are_written_by_the_step() -> None:
     # window 4, block size 2: a 20-token first step keeps blocks 7.. live; with free
     # slots the full blocks 0..7 are stored too (written by this step, from token 0)
     mgr = _manager("window", [16, 4])
-    mgr.keep_skipped_blocks = True
+    state = mgr.state
+    state.keep_skipped_blocks = True
     mgr.add_sequence(0, window=4)
     writes = mgr.append([0], 20)
-    table = mgr.tables[0]
+    table = state.tables[0]
     assert table.first_block == (20 - 5) // 2
     assert [i for i, _ in table.step_extra] == list(range(7))  # all fit in free device slots
     src = sorted(s for w in writes for s in w.src.tolist())
     assert src == list(range(0, 20))  # every token of a kept block is written
-    assert mgr.live_bytes() == len(table.block_ids) * mgr.tiers["device"].block_bytes
+    assert mgr.live_bytes() == len(table.block_ids) * state.tiers["device"].block_bytes
     mgr.end_step([0])
-    assert not table.step_extra and not mgr.cached  # unhashed copies are released
+    assert not table.step_extra and not state.cached  # unhashed copies are released
 
 
 @pytest.mark.parametrize("host_codec", ["none", "int8"])
@@ -514,16 +522,17 @@ def test_cached_blocks_are_ranked_in_the_hash_index() -> None:
     """A hashed block whose last reference goes is ranked on its tier by (last access,
     -id) in the same index that maps its hash; a re-reference takes it out again."""
     mgr = BlockManager(tiny_layout(), [DeviceTier(tiny_layout(), 8)], EvictionPolicy("lru"))
+    state = mgr.state
     mgr.add_sequence(0)
     mgr.append([0], 4)
     mgr.end_step([0])
-    block_id = mgr.tables[0].block_ids[0]
+    block_id = state.tables[0].block_ids[0]
     assert mgr.set_hash(block_id, b"h0", (1, 2))
-    assert mgr.hash_to_block.get(b"h0") == block_id
+    assert state.hash_to_block.get(b"h0") == block_id
     mgr.free_sequence(0)
-    ranks = list(mgr.hash_to_block.ascending("device"))
-    assert ranks == [((mgr.pool.blocks[block_id].last_access, -block_id), block_id)]
-    assert mgr.cached == {block_id} and mgr.occupancy()["device"]["cached_blocks"] == 1
+    ranks = list(state.hash_to_block.ascending("device"))
+    assert ranks == [((state.pool.blocks[block_id].last_access, -block_id), block_id)]
+    assert state.cached == {block_id} and mgr.occupancy()["device"]["cached_blocks"] == 1
 
 
 def test_a_crop_into_a_lower_tier_block_makes_room_among_the_cut_blocks_left_cached() -> None:
@@ -531,19 +540,17 @@ def test_a_crop_into_a_lower_tier_block_makes_room_among_the_cut_blocks_left_cac
     held the device stay cached (they are hashed), so one of them moves down to make the
     slot — still found by its hash — instead of the crop failing."""
     mgr = _manager("window", [2, 8])
+    state = mgr.state
     mgr.add_sequence(0)
     mgr.append([0], 8)
     mgr.end_step([0])
-    for i, block_id in enumerate(mgr.tables[0].block_ids):
+    for i, block_id in enumerate(state.tables[0].block_ids):
         assert mgr.set_hash(block_id, bytes([i]), (i,))
     assert [b.tier for b in mgr.blocks_of(0)] == ["host", "host", "device", "device"]
     mgr.truncate(0, 3)
     blocks = mgr.blocks_of(0)
     assert mgr.num_tokens(0) == 3 and [b.tier for b in blocks] == ["host", "device"]
     assert blocks[1].num_tokens == 1 and blocks[1].block_hash is None  # reopened
-    for h in (bytes([2]), bytes([3])):  # the cut blocks: cached, one moved to the host
-        assert mgr.pool.blocks[mgr.hash_to_block.get(h)].ref_count == 0
-    assert sorted(mgr.pool.blocks[mgr.hash_to_block.get(h)].tier for h in (b"\x02", b"\x03")) == [
-        "device",
-        "host",
-    ]
+    cut = [state.pool.blocks[state.hash_to_block.get(h)] for h in (b"\x02", b"\x03")]
+    assert all(b.ref_count == 0 for b in cut)  # the cut blocks: cached, one moved to the host
+    assert sorted(b.tier for b in cut) == ["device", "host"]

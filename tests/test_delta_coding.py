@@ -296,7 +296,7 @@ def _disk_cache(model, directory, **kw) -> TieredCache:
 
 def _frames(cache: TieredCache) -> list[bytes]:
     """The magic of layer 0's frame of every written, compressed disk slot."""
-    disk = cache.manager.tiers["disk"]
+    disk = cache.manager.state.tiers["disk"]
     used = [s for s in range(disk.num_slots) if disk._index.written[s]]
     return [_magic(disk, s) for s in used if disk._lens[s, 0] < disk.layer_bytes]
 
@@ -323,7 +323,7 @@ def test_generation_through_delta_disk_matches(tmp_path, disk_codec):
         )
         out = _greedy(model, ids, cache)
         assert _frames(cache) and set(_frames(cache)) == {b"KVZ2"}
-        assert cache.manager.tiers["disk"].stats.blocks_read > 0  # tokens came back from disk
+        assert cache.manager.state.tiers["disk"].stats.blocks_read > 0  # tokens came back from disk
     finally:
         model.set_attn_implementation("sdpa")
     assert torch.equal(out, ref), (out != ref).nonzero()[:5].tolist()

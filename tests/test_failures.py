@@ -231,7 +231,7 @@ def test_a_failed_move_to_disk_leaves_the_store_as_it_was(llama, tmp_path):
     seq, _ = store.add_sequence(None)
     _step(store, seq, 16, 0)
     store.step_done([seq])
-    moved = store.manager.bytes_moved.get("host->disk", 0)
+    moved = store.manager.state.bytes_moved.get("host->disk", 0)
     failing = [
         _Once(DiskTier, name, TierFullError("injected: disk full"), 0)
         for name in ("write_encoded", "write_blocks")
@@ -242,7 +242,7 @@ def test_a_failed_move_to_disk_leaves_the_store_as_it_was(llama, tmp_path):
             n = store.num_tokens(seq)
             _step(store, seq, 16, i)
             store.step_done([seq])
-    assert store.manager.bytes_moved.get("host->disk", 0) == moved
+    assert store.manager.state.bytes_moved.get("host->disk", 0) == moved
     assert store.num_tokens(seq) == n
     check_accounting(store.manager)
     for layer in range(3):
@@ -251,7 +251,7 @@ def test_a_failed_move_to_disk_leaves_the_store_as_it_was(llama, tmp_path):
     _step(store, seq, 16, 200)
     store.step_done([seq])
     assert store.num_tokens(seq) == n + 16
-    assert store.manager.bytes_moved.get("host->disk", 0) > moved
+    assert store.manager.state.bytes_moved.get("host->disk", 0) > moved
     store.close()
 
 

@@ -248,7 +248,7 @@ def test_peak_device_bytes_bounded_by_budget_plus_staging():
         assert cache.get_seq_length() == context + 64 - 1 or cache.get_seq_length() == context + 64
         assert stats["peak_device_bytes"] <= stats["device_budget_bytes"] + stats["staging_bytes"]
         # and the tensors really allocated on the device are no bigger than that
-        arenas = cache.manager.tiers["device"].arenas.values()
+        arenas = cache.manager.state.tiers["device"].arenas.values()
         allocated = sum(t.numel() * t.element_size() for t in arenas)
         assert allocated == stats["device_budget_bytes"]
         peaks[context] = stats["peak_device_bytes"]

@@ -257,7 +257,7 @@ def test_tiered_generate_with_a_calibrated_host_codec(model, cal_file, codec):
         model.set_attn_implementation("sdpa")
     assert out.shape == (1, 184) and torch.equal(out[:, :160], ids)
     assert cache.stats()["tiers"]["host"]["used_blocks"] >= 6
-    host = cache.manager.tiers["host"]
+    host = cache.manager.state.tiers["host"]
     assert host.codec.name.startswith(codec + "@") and host.stats.blocks_read > 0
 
 

@@ -98,7 +98,7 @@ def test_int4_attention_error_does_not_trend_upward_over_2000_steps():
         )
         exact = unpack_gqa(exact, 4).transpose(0, 1)[None]
         errors.append(((out - exact).norm() / exact.norm()).item())
-        host_tokens = cache.manager.tiers["host"].num_used * 64
+        host_tokens = cache.manager.state.tiers["host"].num_used * 64
         quantized.append(host_tokens / (t + 1))
     err = np.array(errors)
     frac = np.array(quantized)

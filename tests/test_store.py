@@ -232,11 +232,11 @@ def test_a_step_that_never_finished_stops_indexing_its_sequence():
     seq, _ = store.add_sequence([])
     store.extend([seq], 8, [list(range(3, 11))])
     store.step_done([seq])  # two full blocks, indexed
-    assert len(store.manager.hash_to_block) == 2
+    assert len(store.manager.state.hash_to_block) == 2
     store.extend([seq], 8, [list(range(11, 19))])  # the forward fails: no step_done
     store.extend([seq], 1, [[19]])
     store.step_done([seq])
-    assert len(store.manager.hash_to_block) == 2  # the possibly partial blocks are not
+    assert len(store.manager.state.hash_to_block) == 2  # the possibly partial blocks are not
 
 
 @pytest.mark.parametrize(
@@ -257,7 +257,7 @@ def test_capacity_names_the_lower_tiers_a_step_reads_in_place(fields, in_place):
         geometry, CacheConfig(block_size=4, max_tokens=64, device_budget=4096, **fields)
     )
     store.build(torch.float32)
-    slots = store.manager.budget_slots
+    slots = store.manager.state.budget_slots
     assert store.capacity().in_place_blocks == (slots[in_place] if in_place else 0)
     assert store.capacity().device_blocks == slots["device"]
     store.close()
@@ -442,7 +442,7 @@ class StoreMachine(RuleBasedStateMachine):
         for key in store.tables(seq_id):
             for block in mgr.blocks_of(key):
                 full_private = block.num_tokens == 4 and block.ref_count == 1
-                room = any(after[t] < mgr.budget_slots[t] for t in ("host", "disk"))
+                room = any(after[t] < mgr.state.budget_slots[t] for t in ("host", "disk"))
                 assert block.tier != "device" or not full_private or not room
 
     @precondition(lambda self: self.tokens)

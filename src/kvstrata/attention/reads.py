@@ -62,7 +62,7 @@ class ReadPlanner:
         native: set[str],
     ) -> None:
         self.manager = manager
-        self.tiers = manager.tiers
+        self.tiers = manager.state.tiers
         self.layout = layout
         self.groups = groups
         self.local = local

@@ -124,8 +124,9 @@ class AttentionRuntime:
         self.device = device
         self.groups = groups
         self.layer_map = layer_map
-        tiers = [mgr.tiers[n] for n in mgr.tier_order]
-        self.tiers = mgr.tiers
+        state = mgr.state
+        tiers = [state.tiers[n] for n in state.tier_order]
+        self.tiers = state.tiers
         self.device_name = tiers[0].name
         self._lone: bool | None = None  # one sequence in the store (this step)
         self.closed = False
@@ -156,14 +157,14 @@ class AttentionRuntime:
             Stager(self.tiers, layout, device, tokens, self.device_name) if staged else None
         )
         self.reads = ReadPlanner(mgr, layout, groups, self.local, self.native)
-        blocks = mgr.pool.blocks  # selection's summaries follow the blocks' hashes
+        blocks = state.pool.blocks  # selection's summaries follow the blocks' hashes
         self._hashes = BlockHashes(
             lambda b: getattr(blocks.get(b), "block_hash", None), layout.block_size
         )
         self.selector: KeySelector | None = None
         self.set_selection(cc)
         # a table cut back (a crop, an undone step): its summaries past the cut go
-        mgr.on_truncate = lambda key, n: self.selector and self.selector.truncate(key, n)
+        state.on_truncate = lambda key, n: self.selector and self.selector.truncate(key, n)
 
     def set_selection(self, cc: CacheConfig) -> None:
         """Query-aware key selection as `cc`'s attention_* fields give it (None: exact
@@ -183,7 +184,7 @@ class AttentionRuntime:
         self.reads.begin_step(num_new)
         self._lone = None
         if self.selector is not None:
-            self.selector.forget(self.manager.tables.get)
+            self.selector.forget(self.manager.state.tables.get)
 
     @property
     def staging_bytes(self) -> int:
@@ -258,7 +259,7 @@ class AttentionRuntime:
         if self.stager is None or layer + 1 >= len(self.layer_map):
             return None
         if self._lone is None:  # every sequence has one block table per group
-            self._lone = len(self.manager.tables) == len(self.groups)
+            self._lone = len(self.manager.state.tables) == len(self.groups)
         if not self._lone:
             return None
         group, local = self.layer_map[layer + 1]
@@ -300,10 +301,15 @@ class AttentionRuntime:
         plan = self.reads.read_plan(group, seq_id, start, end, native)
         if select and self.selector is not None and layer >= self.selector.dense_layers:
             choice = self.selector.prepare(
-                (seq_id, group), self.manager.tables[(seq_id, group)],
-                len(self.groups[group].layers), local, qp, start, end,
+                (seq_id, group),
+                self.manager.state.tables[(seq_id, group)],
+                len(self.groups[group].layers),
+                local,
+                qp,
+                start,
+                end,
                 lambda lo, hi: read_keys(self, local, group, seq_id, lo, hi),
-            )  # fmt: skip
+            )
             if choice is not None:
                 fused = native_selected(self, local, plan, choice, qp, scale, softcap)
                 if fused is not None:
@@ -452,16 +458,12 @@ class AttentionRuntime:
         sel = self.selector
         if sel is not None and num_q > 1 and group.window is None and layer >= sel.dense_layers:
             gi, local = self.layer_map[layer]
-            self.selector.observe(
-                (seq_id, gi), self.manager.tables[(seq_id, gi)], len(group.layers), local,
-                new_k, past,
-            )  # fmt: skip
+            table = self.manager.state.tables[(seq_id, gi)]
+            self.selector.observe((seq_id, gi), table, len(group.layers), local, new_k, past)
         if num_q == 1 and dense is None:
             start = first_valid if window is None else max(first_valid, total - window)
-            parts = self._history_partials(
-                layer, seq_id, pack_gqa(q, hkv), start, total, scale, softcap,
-                select=window is None and group.window is None,
-            )  # fmt: skip
+            qp, select = pack_gqa(q, hkv), window is None and group.window is None
+            parts = self._history_partials(layer, seq_id, qp, start, total, scale, softcap, select)
             acc = merge_all(parts) if parts else None
         elif dense is None and window is None and first_valid <= past:
             qp = pack_gqa(q, hkv)

@@ -20,7 +20,6 @@ not moved until the step ends; a shared or cached block is never written.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from operator import attrgetter
 
 from kvstrata.blocks import apply
 from kvstrata.blocks.apply import PlacementApplier
@@ -40,41 +39,11 @@ from kvstrata.tiers.base import Tier
 __all__ = ["BlockManager", "Run", "TokenWrites"]
 
 
-def _shared(name: str) -> property:
-    """A manager attribute that is the block state's: read and set there."""
-
-    def set_value(mgr: BlockManager, value: object) -> None:
-        setattr(mgr.state, name, value)
-
-    return property(attrgetter(f"state.{name}"), set_value)
-
-
 class BlockManager:
-    """Block tables, their placement, and cached (unreferenced, hashed) blocks."""
+    """Block tables, their placement, and cached (unreferenced, hashed) blocks.
 
-    # the block state, as the manager's attributes (see `BlockState`)
-    layout = _shared("layout")
-    tiers = _shared("tiers")
-    tier_order = _shared("tier_order")
-    policy = _shared("policy")
-    num_sink_blocks = _shared("num_sink_blocks")
-    pool = _shared("pool")
-    tables = _shared("tables")
-    budget_slots = _shared("budget_slots")
-    on_tier = _shared("on_tier")
-    cached = _shared("cached")
-    order = _shared("order")
-    hash_to_block = _shared("hash_to_block")
-    clock = _shared("clock")
-    seq_last_access = _shared("seq_last_access")
-    seq_access_count = _shared("seq_access_count")
-    peak_live_bytes = _shared("peak_live_bytes")
-    num_moves = _shared("num_moves")
-    num_evicted_cached = _shared("num_evicted_cached")
-    bytes_moved = _shared("bytes_moved")
-    keep_skipped_blocks = _shared("keep_skipped_blocks")
-    on_move = _shared("on_move")
-    on_truncate = _shared("on_truncate")
+    The blocks' state (tables, pool, tiers, budgets, order, counters, hooks) is
+    `self.state` (a `BlockState`); read and set it there."""
 
     def __init__(
         self,
@@ -230,7 +199,7 @@ class BlockManager:
             self._applier.move([block], lower)
         else:
             self._cached.evict_cached(block.block_id)
-            self.num_evicted_cached += 1
+            state.num_evicted_cached += 1
 
     def abort_step(self, seq_id: Hashable, num_tokens: int) -> None:
         """Undo a step that failed before `end_step`: the table goes back to its

@@ -159,8 +159,8 @@ class KVStore(OneThread):
         tiers = build_tiers(cc, self.codecs, layout, self.groups, num_sequences, self.device)
         self.layout = layout
         self.manager = BlockManager(layout, tiers, self.policy, sink_tokens=cc.sink_tokens)
-        self.manager.on_move = self.prefix_index.key_on_disk
-        self.manager.keep_skipped_blocks = self.prefix_caching
+        self.manager.state.on_move = self.prefix_index.key_on_disk
+        self.manager.state.keep_skipped_blocks = self.prefix_caching
         self.disk_tier = tiers[-1] if cc.disk_dir else None
         self.prefix_index.bind(
             self.manager,
@@ -224,7 +224,7 @@ class KVStore(OneThread):
 
     @property
     def tiers(self) -> dict:
-        return self.checked_manager().tiers
+        return self.checked_manager().state.tiers
 
     # -- sequences ----------------------------------------------------------------------------
     def tables(self, seq_id: int) -> list[tuple[int, int]]:
@@ -423,20 +423,20 @@ class KVStore(OneThread):
     # -- the engine's view (store.contract) -----------------------------------------------
     def capacity(self) -> Capacity:
         """Blocks the built store holds (see `Capacity`)."""
-        mgr = self.checked_manager()
+        state = self.checked_manager().state
         cc = self.config
-        device, *lower = mgr.tier_order
+        device, *lower = state.tier_order
         in_place = self.runtime.in_place if self.runtime is not None else ()
         per_group = budgets.device_floor_blocks(
             cc.block_size, cc.sink_tokens, cc.residual_tokens, lossy=self.lossy_below, crossing=True
         )
         return Capacity(
             block_size=cc.block_size,
-            block_bytes=mgr.tiers[device].block_bytes,
-            device_blocks=mgr.budget_slots[device],
-            total_blocks=sum(mgr.budget_slots.values()),
+            block_bytes=state.tiers[device].block_bytes,
+            device_blocks=state.budget_slots[device],
+            total_blocks=sum(state.budget_slots.values()),
             floor_blocks=len(self.groups) * per_group,
-            in_place_blocks=sum(mgr.budget_slots[n] for n in lower if n in in_place),
+            in_place_blocks=sum(state.budget_slots[n] for n in lower if n in in_place),
         )
 
     def blocks_held(self, num_tokens: int) -> int:
@@ -446,7 +446,7 @@ class KVStore(OneThread):
     def usage(self) -> Usage:
         """Occupancy per tier and the cached blocks evicted so far."""
         mgr = self.checked_manager()
-        return Usage(mgr.occupancy(), mgr.num_evicted_cached)
+        return Usage(mgr.occupancy(), mgr.state.num_evicted_cached)
 
     def runs(self, seq_id: int, group: int) -> list[Run]:
         return self.checked_manager().runs((seq_id, group))
@@ -456,21 +456,21 @@ class KVStore(OneThread):
         """Tier occupancy, bytes moved, prefix-cache counters, tokens per sequence."""
         if self.manager is None:
             return {"initialized": False}
-        mgr, runtime = self.manager, self.runtime
+        mgr, state, runtime = self.manager, self.manager.state, self.runtime
         staging = runtime.staging_bytes if runtime else 0
-        dev = mgr.tiers[mgr.tier_order[0]]
+        dev = state.tiers[state.tier_order[0]]
         return {
             "initialized": True,
             "block_size": self.config.block_size,
             "groups": [{"layers": list(g.layers), "window": g.window} for g in self.groups],
             "tiers": mgr.occupancy(),
-            "bytes_moved": dict(mgr.bytes_moved),
-            "blocks_moved": mgr.num_moves,
+            "bytes_moved": dict(state.bytes_moved),
+            "blocks_moved": state.num_moves,
             "device_budget_bytes": dev.num_slots * dev.block_bytes,
             "staging_bytes": staging,
             "peak_device_bytes": dev.stats.peak_used_slots * dev.block_bytes + staging,
             "kv_bytes": mgr.live_bytes(),
-            "peak_kv_bytes": mgr.peak_live_bytes,
+            "peak_kv_bytes": state.peak_live_bytes,
             "transfers": runtime.transfer_stats() if runtime else None,
             "selection": runtime.selector.stats.as_dict() if runtime and runtime.selector else None,
             "prefix": self.prefix.as_dict(),
@@ -490,7 +490,7 @@ class KVStore(OneThread):
             self.prefix_index.close()
             if self.runtime is not None:
                 self.runtime.close()
-            for tier in self.manager.tiers.values():
+            for tier in self.manager.state.tiers.values():
                 tier.close()
 
     def __enter__(self) -> KVStore:

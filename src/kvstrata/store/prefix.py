@@ -133,7 +133,7 @@ class PrefixIndex:
         bs = self.block_size
         num_full = min(len(seq.token_ids), num_tokens) // bs
         indexed, fresh = [], []
-        keys, blocks = table_keys(seq_id, self.groups), mgr.pool.blocks
+        keys, blocks = table_keys(seq_id, self.groups), mgr.state.pool.blocks
         for i in range(seq.num_hashed, num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             for g, key in enumerate(keys):
@@ -151,8 +151,8 @@ class PrefixIndex:
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),
         for up to `limit` full blocks."""
-        mgr = self._mgr()
-        hash_to_block, blocks = mgr.hash_to_block, mgr.pool.blocks
+        state = self._mgr().state
+        hash_to_block, blocks = state.hash_to_block, state.pool.blocks
         bs = self.block_size
         found: list[int | None] = []
         parent = None
@@ -192,13 +192,13 @@ class PrefixIndex:
             seq.token_ids = list(token_ids[: k * bs])
             seq.num_hashed = k
             seq.parents = [
-                mgr.pool.blocks[ids[-1]].block_hash if ids else None for _, ids in chosen
+                mgr.state.pool.blocks[ids[-1]].block_hash if ids else None for _, ids in chosen
             ]
             if any(p is None for p in seq.parents):  # a group keeps no block: re-derive
                 seq.num_hashed, seq.parents = 0, [None] * len(self.groups)
                 self._rechain(seq, k)
             self.stats.hit_tokens += k * bs
-            blocks = mgr.pool.blocks
+            blocks = mgr.state.pool.blocks
             for block_id in chosen[0][1]:
                 tier = "remote" if block_id in remote else blocks[block_id].tier
                 self.stats.hit_tokens_by_tier[tier] = (
@@ -225,7 +225,7 @@ class PrefixIndex:
         mgr = self._mgr()
         if self.disk is None:
             return False
-        disk, blocks = self.disk.name, mgr.pool.blocks
+        disk, blocks = self.disk.name, mgr.state.pool.blocks
         slots = [blocks[b].slot for b in block_ids if blocks[b].tier == disk]
         if not slots:
             return False
@@ -277,19 +277,22 @@ class PrefixIndex:
         mgr, disk = self.manager, self.disk
         if mgr is None or disk is None or not self._caching():
             return 0
+        state = mgr.state
         todo = [
-            b for b in mgr.pool.blocks.values() if b.block_hash is not None and b.tier != disk.name
+            b
+            for b in state.pool.blocks.values()
+            if b.block_hash is not None and b.tier != disk.name
         ]
         todo.sort(key=lambda b: b.block_id)
         todo = todo[: disk.num_free]
-        for tier_name in mgr.tier_order[:-1]:
+        for tier_name in state.tier_order[:-1]:
             group = [b for b in todo if b.tier == tier_name]
             if not group:
                 continue
             slots = disk.allocate(len(group))
             assert slots is not None
             try:
-                mgr.copy_blocks(mgr.tiers[tier_name], [b.slot for b in group], disk, slots)
+                mgr.copy_blocks(state.tiers[tier_name], [b.slot for b in group], disk, slots)
                 disk.put_keys(
                     [
                         (slot, block.block_hash, list(block.token_ids or ()))

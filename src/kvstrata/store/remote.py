@@ -107,13 +107,13 @@ class RemoteBlocks:
         bs, stats = self.block_size, self.tier.stats
         hashes: list[list[bytes]] = []
         local: list[list[int | None]] = []
-        blocks = mgr.pool.blocks
+        blocks = mgr.state.pool.blocks
         for g in range(len(self.groups)):
             extra, parent, chain, ids = self._extra_keys(g, salt), None, [], []
             for i in range(limit):
                 tokens = tuple(token_ids[i * bs : (i + 1) * bs])
                 parent = block_hash(parent, tokens, extra)
-                block_id = mgr.hash_to_block.get(parent)
+                block_id = mgr.state.hash_to_block.get(parent)
                 if block_id is not None and blocks[block_id].token_ids != tokens:
                     block_id = None
                 chain.append(parent)
@@ -177,7 +177,7 @@ class RemoteBlocks:
         if target is None:
             self.tier.stats.no_room += 1
             return set()
-        tier = mgr.tiers[target]
+        tier = mgr.state.tiers[target]
         slots = tier.allocate(len(items))
         assert slots is not None, "room was checked"
         try:
@@ -196,21 +196,22 @@ class RemoteBlocks:
         gets them by evicting cached blocks this lookup did not match."""
         mgr = self.manager
         assert mgr is not None
+        state = mgr.state
 
         def free(name: str) -> int:
-            tier = mgr.tiers[name]
-            return min(tier.num_free, mgr.budget_slots[name] - len(mgr.on_tier[name]))
+            tier = state.tiers[name]
+            return min(tier.num_free, state.budget_slots[name] - len(state.on_tier[name]))
 
-        for name in mgr.tier_order:
+        for name in state.tier_order:
             if free(name) >= n:
                 return name
-        for name in reversed(mgr.tier_order):
+        for name in reversed(state.tier_order):
             short = n - max(0, free(name))
-            evictable = [b for _, b in mgr.hash_to_block.ascending(name) if b not in protect]
+            evictable = [b for _, b in state.hash_to_block.ascending(name) if b not in protect]
             if len(evictable) >= short:
                 for block_id in evictable[:short]:
                     mgr.evict_cached(block_id)
-                    mgr.num_evicted_cached += 1
+                    state.num_evicted_cached += 1
                 if free(name) >= n:
                     return name
         return None
@@ -232,7 +233,7 @@ class RemoteBlocks:
                 (self.namespace(g, salt), b.block_hash, tuple(b.token_ids or ()))
                 for b, g in entries
             ]
-            session.write_behind(mgr.tiers[name], [b.slot for b, _ in entries], metas)
+            session.write_behind(mgr.state.tiers[name], [b.slot for b, _ in entries], metas)
 
     # -- lifecycle ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -326,10 +326,11 @@ class TieredCache(Cache):
         bytes ("256MiB") of that tier's stored blocks; at most the arena it was built
         with. Blocks over budget move down now."""
         mgr = self.manager
-        if tier not in mgr.tiers:
-            raise ConfigError.field("tier", tier, f"one of {', '.join(mgr.tier_order)}")
+        tiers = mgr.state.tiers
+        if tier not in tiers:
+            raise ConfigError.field("tier", tier, f"one of {', '.join(mgr.state.tier_order)}")
         nbytes = parse_size(budget, f"{tier}_budget", allow_zero=True)
-        mgr.set_budget(tier, min(nbytes // mgr.tiers[tier].block_bytes, mgr.tiers[tier].num_slots))
+        mgr.set_budget(tier, min(nbytes // tiers[tier].block_bytes, tiers[tier].num_slots))
 
     # -- reporting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
