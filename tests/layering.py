@@ -1,5 +1,6 @@
 """The import contract of src/kvstrata, read from the code's own imports (ast, no import
-of the package): the layers bottom-up, and the checks test_architecture.py runs.
+of the package): the layers bottom-up, and the checks test_architecture.py runs (with
+the size of a room, its few long modules, and the formatter's few escapes).
 
 Every import of a kvstrata module counts: at module level, inside functions, under
 `if TYPE_CHECKING:`. A module may import its own layer's modules (without a cycle) and
@@ -38,6 +39,17 @@ LAZY_OK = {"cli", "bench", "report"}
 LAZY_EXTRAS = {
     ("server", "server.app"): "FastAPI and uvicorn (the serve extra)",
 }
+
+# A module is a room of at most MAX_LINES lines. One that grows past it is split by noun
+# (what its parts are), never by line count; the few that are long for a reason are
+# listed here, path under src/kvstrata -> why. An entry goes when its module shrinks.
+MAX_LINES = 500
+LONG_MODULES = {
+    "config.py": "CacheConfig and its field checks: every field checked at construction",
+}
+# `# fmt: skip` / `# fmt: off` lines in src/kvstrata: the formatter formats the code; a
+# marker is kept only for a table (an aligned literal of rows) clearer by hand.
+MAX_FORMAT_MARKERS = 20
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvstrata.bench import _peer_servers as srv
-from kvstrata.bench import _peer_workloads as wl
 from kvstrata.bench import peer
+from kvstrata.bench.peer import command
+from kvstrata.bench.peer import report as rep
+from kvstrata.bench.peer import servers as srv
+from kvstrata.bench.peer import workloads as wl
 from kvstrata.core.errors import ConfigError, KvstrataError
 
 
@@ -357,16 +359,16 @@ def test_without_vllm_the_vllm_side_is_skipped(tmp_path, capsys, monkeypatch):
     def no_run(o):
         raise AssertionError("nothing should run")
 
-    monkeypatch.setattr(peer, "measure", no_run)
+    monkeypatch.setattr(command, "measure", no_run)
     missing = str(tmp_path / "no-venv" / "python")
     assert peer.run(args_of("--variants", "vllm,vllm_kvstrata", "--vllm-python", missing)) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "vLLM side skipped" in out and missing in out
-    o = peer._options(args_of("--vllm-python", missing))
-    assert peer._settle_vllm(o) and o.variants == ["kvstrata", "kvstrata_host", "kvstrata_int8"]
+    o = command._options(args_of("--vllm-python", missing))
+    assert command._settle_vllm(o) and o.variants == ["kvstrata", "kvstrata_host", "kvstrata_int8"]
     assert o.vllm_skipped.endswith("(make venv-vllm creates it)")
-    o = peer._options(args_of("--no-vllm", "--variants", "vllm,kvstrata"))
-    assert peer._settle_vllm(o) and o.variants == ["kvstrata"] and o.vllm_skipped == "--no-vllm"
+    o = command._options(args_of("--no-vllm", "--variants", "vllm,kvstrata"))
+    assert command._settle_vllm(o) and o.variants == ["kvstrata"] and o.vllm_skipped == "--no-vllm"
 
 
 def test_quick_docqa_against_kvstrata_serve(tmp_path, capsys):
@@ -431,7 +433,7 @@ def test_compare_and_report_against_vllm(capsys):
         "notes": [], "vllm_skipped": None, "machine_warning": None, "log_dir": "/tmp/x",
     }  # fmt: skip
     assert wl.failures(report) == 0
-    peer.rep.print_report(report)
+    rep.print_report(report)
     out = capsys.readouterr().out
     assert "fits: ratio (variant ÷ vllm)" in out and "chat wall s" in out
     assert "lower is better" in out and "higher is better" in out and "50 % / 75 %" in out
@@ -457,7 +459,7 @@ def test_backend_counters_summed_over_repeats_and_printed(capsys):
         },
     }
     result_ = {"rounds": rounds, "summary": wl.compare(rounds)}
-    peer._add_backend_counters(result_)
+    command._add_backend_counters(result_)
     row = result_["summary"]["variants"]["vllm_kvstrata_disk"]["docqa_queries"]
     assert row["kvstrata"] == {"lookups": 20.0, "hits{tier=disk}": 10.0, "misses": 1.0,
                                "hits{tier=host}": 3.0}  # fmt: skip
@@ -469,7 +471,7 @@ def test_backend_counters_summed_over_repeats_and_printed(capsys):
                                             "startup_s": {}}},
         "notes": [], "vllm_skipped": None, "machine_warning": None, "log_dir": "/tmp/x",
     }  # fmt: skip
-    peer.rep.print_report(report)
+    rep.print_report(report)
     out = capsys.readouterr().out
     assert "kvstrata under vLLM" in out
     backend_table = out[out.index("kvstrata under vLLM") :]
@@ -480,7 +482,7 @@ def test_backend_counters_summed_over_repeats_and_printed(capsys):
 
 
 def test_vllm_runs_on_every_core_unless_the_caller_chose(monkeypatch):
-    from kvstrata.bench._peer_servers import server_env
+    from kvstrata.bench.peer.servers import server_env
 
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     assert server_env("vllm")["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"

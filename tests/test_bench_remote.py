@@ -11,6 +11,8 @@ import json
 import pytest
 
 from kvstrata.bench import remote
+from kvstrata.bench.remote import command
+from kvstrata.bench.remote import report as remote_report
 from redis_harness import needs_redis
 
 
@@ -21,7 +23,7 @@ def args_of(*argv: str) -> argparse.Namespace:
 
 
 def _record(ttft: float, text: str = "same", hits: float = 0, recompute: float = 0) -> dict:
-    counts = dict.fromkeys((*remote.REMOTE_KEYS, "load", "recompute", "read_s", "reads"), 0.0)
+    counts = dict.fromkeys((*command.REMOTE_KEYS, "load", "recompute", "read_s", "reads"), 0.0)
     counts.update(hits=hits, recompute=recompute, load=float(hits > 0))
     if hits:
         counts.update(read_s=0.004 * hits, reads=1.0, bytes_read=1000.0 * hits)
@@ -41,7 +43,7 @@ def _out(**records: list[dict]) -> dict:
         "slow_link": {"latency_s": 0.2, "bytes_per_s": 1e6, "compute_tok_s": 1000.0,
                       "load": 1.0, "recompute": 2.0, "timeouts": 0.0, "reads": 1.0},
     }  # fmt: skip
-    out["summary"] = remote.summarize(out)
+    out["summary"] = remote_report.summarize(out)
     return out
 
 
@@ -68,7 +70,7 @@ def test_summary_ratios_agreement_round_trip_and_verdicts():
     assert v["slow_vs_cold"] == pytest.approx(2.15 / 2.1 - 1)
     assert s["predicted"] == {"load_s": pytest.approx(0.2 + 8 * 1000 / 1e6), "blocks": 8,
                               "recompute_s": pytest.approx(0.512)}  # fmt: skip
-    text = "\n".join(remote.report_lines(out))
+    text = "\n".join(remote_report.report_lines(out))
     assert "B remote hit (A's blocks)" in text and "-> met" in text
     assert "4.000 ms/block" in text and "load average (1 min) at start 1.00" in text
 
@@ -78,22 +80,22 @@ def test_a_slow_speedup_or_different_tokens_miss_the_target():
                slow_remote=[_record(3.0)])  # fmt: skip
     v = out["summary"]["verdicts"]
     assert not v["remote_target_met"] and not v["slow_target_met"]
-    assert "NOT met" in "\n".join(remote.report_lines(out))
+    assert "NOT met" in "\n".join(remote_report.report_lines(out))
 
 
 def test_quick_defaults_and_bad_flags():
-    o = remote._options(args_of("--quick"))
+    o = command._options(args_of("--quick"))
     assert (o.repeats, o.doc_tokens, o.max_tokens, o.delay_ms, o.link_mb_s) == (1, 512, 4, 300, 2)
-    o = remote._options(args_of("--link-mb-s", "0"))
+    o = command._options(args_of("--link-mb-s", "0"))
     assert (o.repeats, o.doc_tokens, o.max_tokens, o.delay_ms, o.link_mb_s) == (3, 4096, 16, 100, 0)
     from kvstrata.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--repeats"):
-        remote._options(args_of("--repeats", "0"))
+        command._options(args_of("--repeats", "0"))
 
 
 def test_without_redis_server_the_bench_says_so_and_skips(monkeypatch, capsys):
-    monkeypatch.setattr(remote._redis, "REDIS_SERVER", None)
+    monkeypatch.setattr(command._redis, "REDIS_SERVER", None)
     assert remote.run(args_of("--quick")) == 0
     assert "skipped: redis-server is not installed" in capsys.readouterr().out
 

@@ -18,7 +18,7 @@ import pytest
 from kvstrata.cli import main
 from kvstrata.core.errors import ConfigError
 from kvstrata.report import command as bench_report
-from kvstrata.report import compression, figures, markdown
+from kvstrata.report import compression, figures, markdown, predicted
 
 FIGURES = ("strategy", "resident", "context", "block_size", "codecs", "serving", "planner")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -352,7 +352,7 @@ def test_step_time_off_by_2x_is_said_with_each_case_s_reason(smoke):
         r["step_ratio"], r["step_off_by_more_than_2x"] = 3.5, True
     data["summary"].update(step_off_by_more_than_2x=[r["case"] for r in flagged],
                            step_ratio_min=1.0, step_ratio_max=3.5)  # fmt: skip
-    text = markdown.planner(data)
+    text = predicted.render(data)
     assert re.search(r"off by more than 2x in 2 of \d+ cases\*\*", text)
     lines = {line.split(" (3.5x)")[0]: line for line in text.splitlines() if "(3.5x)" in line}
     dynamic = lines["- strategy: DynamicCache (transformers)"]
@@ -365,7 +365,7 @@ def test_step_time_off_by_2x_is_said_with_each_case_s_reason(smoke):
     for r in rows:
         r["step_off_by_more_than_2x"] = False
     data["summary"]["step_off_by_more_than_2x"] = []
-    assert "within 2x of the measured step in all" in markdown.planner(data)
+    assert "within 2x of the measured step in all" in predicted.render(data)
 
 
 def test_every_printed_sections_value_runs(smoke):
@@ -412,7 +412,7 @@ def test_a_planner_whose_caches_were_measured_again_is_marked_stale(smoke):
     assert "stale" not in data["planner"]  # not one of its cases
     bench_report._mark_stale_planner(data, ["context"], "context")
     assert "--sections strategy,context,planner" in data["planner"]["stale"]
-    assert markdown.planner(data["planner"]).startswith("> **Stale:** its context cases")
+    assert predicted.render(data["planner"]).startswith("> **Stale:** its context cases")
 
 
 def test_a_failing_section_is_reported_and_the_others_still_run(monkeypatch, tmp_path, capsys):

@@ -12,7 +12,11 @@ import json
 import pytest
 import torch
 
-from kvstrata.bench import _gpu_report, _gpu_sections, _gpu_setup, gpu
+from kvstrata.bench import gpu
+from kvstrata.bench.gpu import command as gpu_command
+from kvstrata.bench.gpu import report as gpu_report
+from kvstrata.bench.gpu import sections as gpu_sections
+from kvstrata.bench.gpu import setup as gpu_setup
 from kvstrata.cli import main
 
 
@@ -23,14 +27,14 @@ def quick_run(tmp_path_factory):
     argv = ["bench", "gpu", "--quick", "--device", "cpu", "--dtype", "fp32",
             "--contexts", "256", "--fractions", "1,0.25", "--out", str(out)]  # fmt: skip
     saves = []
-    real = gpu.write_report
+    real = gpu_command.write_report
 
     def write(path, report):
         real(path, report)
         saves.append(json.loads(out.read_text()))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gpu, "write_report", write)
+        mp.setattr(gpu_command, "write_report", write)
         code = main(argv)
     return code, json.loads(out.read_text()), saves
 
@@ -80,11 +84,11 @@ def test_fused_dequant_must_cover_a_cuda_run(monkeypatch):
     }  # fmt: skip
     monkeypatch.setattr(triton_dequant, "available", lambda: False)
     monkeypatch.setattr(triton_dequant, "disabled", "RuntimeError: no kernel image")
-    problems = _gpu_report.fused_dequant_problems(torch.device("cuda"), report)
+    problems = gpu_report.fused_dequant_problems(torch.device("cuda"), report)
     assert len(problems) == 4, problems
     assert "kvstrata[cuda]" in problems[0] and "no kernel image" in problems[1]
     assert "skipped" in problems[2] and "int4: the fused kernel never ran" in problems[3]
-    assert _gpu_report.fused_dequant_problems(torch.device("cpu"), report) == []
+    assert gpu_report.fused_dequant_problems(torch.device("cpu"), report) == []
 
 
 def test_quick_cpu_run_reports_every_section(quick_report):
@@ -134,15 +138,15 @@ def test_memory_section_with_stand_in_statistics():
         quick=True, contexts=None, memory_contexts="256,1024", codecs=None, steps=None,
         repeats=None, copy_mib=None, fractions="1", dtype="fp32",
     )  # fmt: skip
-    s = _gpu_setup.settings(args)
+    s = gpu_setup.settings(args)
     device = torch.device("cpu")
-    model = _gpu_setup.build_model(s, device)
+    model = gpu_setup.build_model(s, device)
     probe = Probe()
-    out = _gpu_sections.memory(
-        model, device, s, lambda ctx: _gpu_setup.prefill(model, ctx), _gpu_setup.Budget(60), probe
+    out = gpu_sections.memory(
+        model, device, s, lambda ctx: gpu_setup.prefill(model, ctx), gpu_setup.Budget(60), probe
     )
     assert out["flat"] is True and probe.calls == ["reset", "reset"]
-    per_token = _gpu_setup.kv_bytes_per_token(model)
+    per_token = gpu_setup.kv_bytes_per_token(model)
     for row, ctx in zip(out["rows"], (256, 1024), strict=True):
         assert row["context"] == ctx and row["peak_kv_bytes"] == 4000
         assert row["device_budget_bytes"] == 128 * per_token  # fixed, whatever the context
@@ -163,7 +167,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def test_junit_summary(tmp_path):
     path = tmp_path / "junit.xml"
     path.write_text(JUNIT)
-    summary = _gpu_report.junit_summary(str(path))
+    summary = gpu_report.junit_summary(str(path))
     assert (summary["tests"], summary["failures"], summary["errors"], summary["skipped"]) == (
         3, 1, 0, 1,
     )  # fmt: skip

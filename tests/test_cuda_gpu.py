@@ -279,17 +279,18 @@ def test_bf16_within_tolerance():
 def test_device_kv_peak_is_budget_plus_staging_and_flat_from_4k_to_64k():
     import argparse
 
-    from kvstrata.bench import _gpu_sections, _gpu_setup
+    from kvstrata.bench.gpu import sections as gpu_sections
+    from kvstrata.bench.gpu import setup as gpu_setup
 
     args = argparse.Namespace(
         quick=True, contexts=None, memory_contexts="4k,16k,64k", codecs=None, steps=8,
         repeats=None, copy_mib=None, fractions="1", dtype="fp32",
     )  # fmt: skip
-    s = _gpu_setup.settings(args)
+    s = gpu_setup.settings(args)
     s["memory_budget_tokens"], s["memory_staging_tokens"] = 2048, 2048
-    model = _gpu_setup.build_model(s, CUDA)
-    out = _gpu_sections.memory(
-        model, CUDA, s, lambda ctx: _gpu_setup.prefill(model, ctx), _gpu_setup.Budget(600)
+    model = gpu_setup.build_model(s, CUDA)
+    out = gpu_sections.memory(
+        model, CUDA, s, lambda ctx: gpu_setup.prefill(model, ctx), gpu_setup.Budget(600)
     )
     rows = out["rows"]
     assert [r["context"] for r in rows] == [4096, 16384, 65536]

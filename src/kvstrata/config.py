@@ -233,8 +233,12 @@ class CacheConfig:
             if getattr(self, name) and self.disk_dir is None:
                 raise ConfigError.field(name, True, "set disk_dir (and disk_budget) to add a disk")
         put("attention_budget", check_budget(self.attention_budget))
-        check_selection(self.attention_summary, self.attention_score, self.attention_page,
-                        self.attention_dense_layers)  # fmt: skip
+        check_selection(
+            self.attention_summary,
+            self.attention_score,
+            self.attention_page,
+            self.attention_dense_layers,
+        )
         put("attention_refine", check_two_level(self.attention_coarse, self.attention_refine))
         check_channels(self.attention_channels)
         _bind_calibrated(self, put)

@@ -79,9 +79,14 @@ def flashinfer_kernel(fn: Callable) -> Kernel:
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple:
         out, lse = fn(
-            q.transpose(0, 1), k, v, kv_layout="HND", causal=False, sm_scale=scale,
+            q.transpose(0, 1),
+            k,
+            v,
+            kv_layout="HND",
+            causal=False,
+            sm_scale=scale,
             return_lse=True,
-        )  # fmt: skip
+        )
         return out.transpose(0, 1), lse.transpose(0, 1)
 
     return run
@@ -192,10 +197,12 @@ def select_kernel(
             break
         if forced is not None:
             raise ConfigError.field(
-                ENV_FORCE, forced, f"this kernel fails or disagrees with the math path on "
+                ENV_FORCE,
+                forced,
+                f"this kernel fails or disagrees with the math path on "
                 f"{device} {dtype} (head dims {dim}/{dim_v}); unset it to pick the first "
                 f"kernel that passes, or choose another of: {', '.join(available)}",
-            )  # fmt: skip
+            )
     if kernels is None:
         _checked[key] = chosen
     return chosen

@@ -100,9 +100,19 @@ def native_attention_desc(
     out = torch.empty((hkv, m, dim_v), dtype=torch.float32)
     lse = torch.empty((hkv, m), dtype=torch.float32)
     rc = lib.kv_attn_decode(
-        num_parts, desc, qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d, dim_v,
-        scale, softcap or 0.0, torch.get_num_threads(),
-    )  # fmt: skip
+        num_parts,
+        desc,
+        qf.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        hkv,
+        m,
+        d,
+        dim_v,
+        scale,
+        softcap or 0.0,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"native decode attention failed with status {rc}")
     return _back(out, q), _back(lse, q, torch.float32)
@@ -146,9 +156,20 @@ def native_attention_batch(
     descs = np.ascontiguousarray(descs, dtype=np.uint64)
     nparts = np.ascontiguousarray(nparts, dtype=np.intc)
     rc = lib.kv_attn_decode_batch(
-        num, nparts.ctypes.data, descs.ctypes.data, qf.data_ptr(), out.data_ptr(),
-        lse.data_ptr(), hkv, m, d, dim_v, scale, softcap or 0.0, torch.get_num_threads(),
-    )  # fmt: skip
+        num,
+        nparts.ctypes.data,
+        descs.ctypes.data,
+        qf.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        hkv,
+        m,
+        d,
+        dim_v,
+        scale,
+        softcap or 0.0,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"native batched decode attention failed with status {rc}")
     return out.to(q.device, q.dtype), lse.to(q.device)
@@ -207,12 +228,36 @@ def native_select_attention(
         two = (None, 0, 0, 0, 0)
     assert summaries.stride(-1) == 1
     rc = lib.kv_attn_select_decode(
-        num_parts, desc, part_start, qf.data_ptr(), out.data_ptr(), lse.data_ptr(), hkv, m, d,
-        dim_v, scale, softcap or 0.0, summaries.data_ptr(), summaries.dtype == torch.float16,
-        score == "max", summaries.stride(0), summaries.stride(1), summaries.shape[1], page,
-        c0, c1, choose, *keys, attended, None if chosen is None else chosen.ctypes.data, *two,
-        channels, scored, torch.get_num_threads(),
-    )  # fmt: skip
+        num_parts,
+        desc,
+        part_start,
+        qf.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        hkv,
+        m,
+        d,
+        dim_v,
+        scale,
+        softcap or 0.0,
+        summaries.data_ptr(),
+        summaries.dtype == torch.float16,
+        score == "max",
+        summaries.stride(0),
+        summaries.stride(1),
+        summaries.shape[1],
+        page,
+        c0,
+        c1,
+        choose,
+        *keys,
+        attended,
+        None if chosen is None else chosen.ctypes.data,
+        *two,
+        channels,
+        scored,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"native query-aware decode attention failed with status {rc}")
     return _back(out, q), _back(lse, q, torch.float32), sum(attended), sum(scored)
@@ -279,9 +324,14 @@ class LayerDescs:
         return self._addr + layer * self._stride
 
     def per_head(
-        self, layer: int, heads: np.ndarray, parts: np.ndarray, offsets: np.ndarray,
-        tokens: np.ndarray, num_heads: int,
-    ) -> HeadParts:  # fmt: skip
+        self,
+        layer: int,
+        heads: np.ndarray,
+        parts: np.ndarray,
+        offsets: np.ndarray,
+        tokens: np.ndarray,
+        num_heads: int,
+    ) -> HeadParts:
         """Local layer `layer`'s descriptors for attending each KV head alone (query-aware
         selection): entry i is `tokens[i]` keys of part `parts[i]` from its key
         `offsets[i]` on, in head `heads[i]` only (entries sorted by head). A part's rows

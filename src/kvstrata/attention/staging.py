@@ -167,8 +167,11 @@ class StagingGuards:
         with self._lock:
             while self._pending:
                 load, wait_at = self._pending[0]
-                events = (load.start, load.ready) if wait_at is None else (
-                    load.start, load.ready, wait_at)  # fmt: skip
+                events = (
+                    (load.start, load.ready)
+                    if wait_at is None
+                    else (load.start, load.ready, wait_at)
+                )
                 if block:
                     for e in events:
                         e.synchronize()
@@ -178,9 +181,12 @@ class StagingGuards:
                 seconds = load.start.elapsed_time(load.ready) / 1e3
                 stall = 0.0 if wait_at is None else wait_at.elapsed_time(load.ready) / 1e3
                 self.engine.account(
-                    load.link, load.nbytes, max(0.0, seconds),
-                    stall_s=max(0.0, stall), waited=wait_at is not None,
-                )  # fmt: skip
+                    load.link,
+                    load.nbytes,
+                    max(0.0, seconds),
+                    stall_s=max(0.0, stall),
+                    waited=wait_at is not None,
+                )
 
 
 class Stager:

@@ -102,13 +102,15 @@ def engine_decode(
             min(len(got), len(ref)),
         )
         step, attn = med(name, "step_s"), med(name, "attention_s")
-        rows.append({
-            "config": name,
-            "decode_ms": 1000 * step,
-            "attention_ms": 1000 * attn,
-            "decode_speedup": med(base, "step_s") / step,
-            "attention_speedup": med(base, "attention_s") / attn if attn else None,
-            "agreement": same / max(1, len(ref)),
-            "cached_tokens": min(run["cached"] for run in runs[name]),
-        })  # fmt: skip
+        rows.append(
+            {
+                "config": name,
+                "decode_ms": 1000 * step,
+                "attention_ms": 1000 * attn,
+                "decode_speedup": med(base, "step_s") / step,
+                "attention_speedup": med(base, "attention_s") / attn if attn else None,
+                "agreement": same / max(1, len(ref)),
+                "cached_tokens": min(run["cached"] for run in runs[name]),
+            }
+        )
     return rows

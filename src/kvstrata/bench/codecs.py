@@ -174,9 +174,14 @@ def model_kv(model_dir: str | None, tokens: int = 512) -> torch.Tensor:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     else:
         cfg = LlamaConfig(
-            vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
-        )  # fmt: skip
+            vocab_size=1000,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.3,
+        )
         model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))
     with torch.no_grad():
@@ -242,15 +247,28 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"codecs, {args.dtype}, {args.size_mib} MiB per kind (medians)")
-    for col in ("codec", "enc GB/s", "dec GB/s", "copy GB/s", "enc/copy", "dec/copy", "bits/elem",
-                "attn rel err"):  # fmt: skip
+    for col in (
+        "codec",
+        "enc GB/s",
+        "dec GB/s",
+        "copy GB/s",
+        "enc/copy",
+        "dec/copy",
+        "bits/elem",
+        "attn rel err",
+    ):
         table.add_column(col, justify="left" if col == "codec" else "right")
     for r in rows:
         table.add_row(
-            r["codec"], f"{r['enc']:.2f}", f"{r['dec']:.2f}", f"{r['copy']:.2f}",
-            f"{r['enc_ratio']:.2f}x", f"{r['dec_ratio']:.2f}x", f"{r['bits']:.3f}",
+            r["codec"],
+            f"{r['enc']:.2f}",
+            f"{r['dec']:.2f}",
+            f"{r['copy']:.2f}",
+            f"{r['enc_ratio']:.2f}x",
+            f"{r['dec_ratio']:.2f}x",
+            f"{r['bits']:.3f}",
             f"{100 * r['attn_rel_err']:.2f} %",
-        )  # fmt: skip
+        )
     console = Console()
     console.print(table)
     if lossless:

@@ -71,11 +71,19 @@ def tiny_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=259, hidden_size=256, intermediate_size=688, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=max_positions, initializer_range=initializer_range,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=259,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=max_positions,
+        initializer_range=initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
@@ -196,19 +204,17 @@ def _variants(args: argparse.Namespace, sdpa: torch.nn.Module) -> list[Variant]:
     def dynamic() -> Any:
         return DynamicCache(config=sdpa.config)
 
+    host90 = tiered_cache(long, resident_fraction=0.1)
     specs = [
         ("a", f"DynamicCache + sdpa @ {short}", short, sdpa, dynamic),
         ("b", f"TieredCache resident @ {short}", short, tiered, tiered_cache(short)),
         ("c", f"TieredCache resident @ {long}", long, tiered, tiered_cache(long)),
-        ("d", f"TieredCache 90 % host @ {long}", long, tiered,
-         tiered_cache(long, resident_fraction=0.1)),
+        ("d", f"TieredCache 90 % host @ {long}", long, tiered, host90),
         ("e", f"DynamicCache + sdpa @ {long}", long, sdpa, dynamic),
-    ]  # fmt: skip
+    ]
     if not args.no_stage:
-        specs.append(
-            ("f", f"TieredCache 90 % host, staged @ {long}", long, tiered,
-             tiered_cache(long, resident_fraction=0.1, cold_attention="stage")),
-        )  # fmt: skip
+        staged = tiered_cache(long, resident_fraction=0.1, cold_attention="stage")
+        specs.append(("f", f"TieredCache 90 % host, staged @ {long}", long, tiered, staged))
     return [Variant(k, label, ctx, m, make, []) for k, label, ctx, m, make in specs]
 
 
@@ -298,8 +304,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sensitive = {}
     for ctx, tokens in reference.items():
         flipped = prefill(sdpa, ctx, args.seed + 1, flip=min(32, ctx // 2))
-        alt = decode(sdpa, replay(DynamicCache(config=sdpa.config), flipped),
-                     flipped.first_token, args.steps)  # fmt: skip
+        alt = decode(
+            sdpa, replay(DynamicCache(config=sdpa.config), flipped), flipped.first_token, args.steps
+        )
         sensitive[ctx] = not torch.equal(alt.tokens, tokens)
     rows = []
     all_identical = True
@@ -307,15 +314,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         identical = all(torch.equal(r.tokens, reference[v.context]) for r in v.results)
         all_identical &= identical
         secs = times[v.key]
-        rows.append({
-            "key": v.key,
-            "variant": v.label,
-            "context": v.context,
-            "tok_per_s": args.steps / _timing.median(secs),
-            "spread": _timing.spread(secs),
-            "host_fraction": v.host_fraction,
-            "tokens_identical": identical,
-        })  # fmt: skip
+        rows.append(
+            {
+                "key": v.key,
+                "variant": v.label,
+                "context": v.context,
+                "tok_per_s": args.steps / _timing.median(secs),
+                "spread": _timing.spread(secs),
+                "host_fraction": v.host_fraction,
+                "tokens_identical": identical,
+            }
+        )
     tps = {r["key"]: r["tok_per_s"] for r in rows}
     ratios = {
         "resident_vs_dynamic": tps["b"] / tps["a"],
@@ -339,7 +348,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "fp32",
             "threads": args.threads,
             "initializer_range": args.init_range,
-        },  # fmt: skip
+        },
         "contexts": list(args.contexts),
         "steps": args.steps,
         "repeats": args.repeats,

@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     device_budget=dev_blocks * layout.raw_block_bytes,
                     host_budget=kv_bytes_per_token(sdpa) * (max_tokens + 2 * bs),
                 ),
-            ),  # fmt: skip
+            ),
         }
         if quant_factory is not None:
             variants[f"hf-{backend}"] = (sdpa, quant_factory)
@@ -150,8 +150,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for key, secs in times.items():
         ctx = meta[key]["context"]
         exact = runs[f"exact@{ctx}"][0]
-        row = {**meta[key], "tok_per_s": args.steps / _timing.median(secs),
-               "spread": _timing.spread(secs), **_errors(runs[key][-1], exact)}  # fmt: skip
+        row = {
+            **meta[key],
+            "tok_per_s": args.steps / _timing.median(secs),
+            "spread": _timing.spread(secs),
+            **_errors(runs[key][-1], exact),
+        }
         rows.append(row)
     tps = {(r["variant"], r["context"]): r["tok_per_s"] for r in rows}
     ratios: dict[str, float | None] = {}
@@ -173,7 +177,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "fp32",
             "threads": args.threads,
             "initializer_range": args.init_range,
-        },  # fmt: skip
+        },
         "contexts": list(args.contexts),
         "steps": args.steps,
         "repeats": args.repeats,
@@ -182,7 +186,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "residual_tokens": args.residual,
             "device_blocks": dev_blocks,
             "block_size": bs,
-        },  # fmt: skip
+        },
         "quantized_cache": {
             "backend": backend if quant_factory else None,
             "available": quant_factory is not None,

@@ -75,14 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk", action="store_true", help="the cold half of the KV on disk")
     parser.add_argument("--needle", action="store_true", help="also passkey retrieval accuracy")
     parser.add_argument(
-        "--engine", type=int, default=0, metavar="N",
+        "--engine",
+        type=int,
+        default=0,
+        metavar="N",
         help="also decode N tokens greedily through the Engine, per configuration",
-    )  # fmt: skip
+    )
     parser.add_argument("--repeats", type=int, default=2, help="engine decode repeats")
     parser.add_argument(
-        "--positions", type=int, default=0, metavar="P",
+        "--positions",
+        type=int,
+        default=0,
+        metavar="P",
         help="raise the model's max_position_embeddings to P (same weights; speed only)",
-    )  # fmt: skip
+    )
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -151,12 +157,19 @@ def measure(
     coarse = CacheConfig.attention_coarse if coarse is None else coarse
     refine = CacheConfig.attention_refine if refine is None else refine
     channels = CacheConfig.attention_channels if channels is None else channels
-    fields = {FULL: {}} | {n: {"attention_budget": b, "attention_summary": summary,
-                               "attention_page": page, "attention_score": score,
-                               "attention_coarse": coarse, "attention_refine": refine,
-                               "attention_channels": channels,
-                               "attention_dense_layers": dense_layers}
-                          for n, b in zip(names[1:], budgets, strict=True)}  # fmt: skip
+    fields = {FULL: {}} | {
+        n: {
+            "attention_budget": b,
+            "attention_summary": summary,
+            "attention_page": page,
+            "attention_score": score,
+            "attention_coarse": coarse,
+            "attention_refine": refine,
+            "attention_channels": channels,
+            "attention_dense_layers": dense_layers,
+        }
+        for n, b in zip(names[1:], budgets, strict=True)
+    }
     acc = {n: {"nll": 0.0, "top1": 0, "steps": [], "attn": [], "kv": 0, "sum": 0} for n in names}
     heads = cfg.num_key_value_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -167,9 +180,12 @@ def measure(
             caches, timers = {}, {}
             for i, name in enumerate(names):
                 place = placement(
-                    model, context, resident=resident, block_size=block_size,
+                    model,
+                    context,
+                    resident=resident,
+                    block_size=block_size,
                     disk_dir=f"{tmp}/{w}-{i}" if disk else None,
-                )  # fmt: skip
+                )
                 cache = TieredCache(cfg, **place, **fields[name])
                 with torch.inference_mode():
                     model(ids[None, : context - scored], cache=cache, use_cache=True)
@@ -210,27 +226,40 @@ def measure(
     for name in names if windows else []:
         a = acc[name]
         step, attn = _timing.median(a["steps"]), _timing.median(a["attn"])
-        rows.append({
-            "config": name,
-            "ppl": math.exp(a["nll"] / n),
-            "delta_ppl_pct": 100 * (math.exp((a["nll"] - full["nll"]) / n) - 1),
-            "top1_agreement": a["top1"] / n,
-            "attended_share": a["chosen"] / a["pairs"] if a.get("pairs") else 1.0,
-            "kv_bytes_per_step": a["kv"] / n,
-            "summary_bytes_per_step": a["sum"] / n,
-            "kv_share": a["kv"] / full["kv"],
-            "summary_share": a["sum"] / full["kv"],
-            "decode_ms": 1000 * step,
-            "attention_ms": 1000 * attn,
-            "decode_speedup": _timing.median(full["steps"]) / step,
-            "attention_speedup": _timing.median(full["attn"]) / attn if attn else None,
-        })  # fmt: skip
-    result = {"model": model_name, "context": context, "scored": scored, "windows": windows,
-              "summary": summary, "page": page, "score": score, "coarse": coarse,
-              "refine": refine, "channels": channels,
-              "dense_layers": dense_layers, "resident": resident,
-              "disk": disk, "rows": rows,
-              "positions": getattr(cfg, "max_position_embeddings", None)}  # fmt: skip
+        rows.append(
+            {
+                "config": name,
+                "ppl": math.exp(a["nll"] / n),
+                "delta_ppl_pct": 100 * (math.exp((a["nll"] - full["nll"]) / n) - 1),
+                "top1_agreement": a["top1"] / n,
+                "attended_share": a["chosen"] / a["pairs"] if a.get("pairs") else 1.0,
+                "kv_bytes_per_step": a["kv"] / n,
+                "summary_bytes_per_step": a["sum"] / n,
+                "kv_share": a["kv"] / full["kv"],
+                "summary_share": a["sum"] / full["kv"],
+                "decode_ms": 1000 * step,
+                "attention_ms": 1000 * attn,
+                "decode_speedup": _timing.median(full["steps"]) / step,
+                "attention_speedup": _timing.median(full["attn"]) / attn if attn else None,
+            }
+        )
+    result = {
+        "model": model_name,
+        "context": context,
+        "scored": scored,
+        "windows": windows,
+        "summary": summary,
+        "page": page,
+        "score": score,
+        "coarse": coarse,
+        "refine": refine,
+        "channels": channels,
+        "dense_layers": dense_layers,
+        "resident": resident,
+        "disk": disk,
+        "rows": rows,
+        "positions": getattr(cfg, "max_position_embeddings", None),
+    }
     if needle:
         result["needle"] = _needle(model, tokenizer, context, fields, resident, block_size)
     if engine_tokens:
@@ -238,8 +267,13 @@ def measure(
 
         prompt = list(texts[0][: context - engine_tokens])
         with tempfile.TemporaryDirectory(prefix="kvstrata-selection-") as tmp:
-            place = placement(model, context, resident=resident, block_size=block_size,
-                              disk_dir=tmp if disk else None)  # fmt: skip
+            place = placement(
+                model,
+                context,
+                resident=resident,
+                block_size=block_size,
+                disk_dir=tmp if disk else None,
+            )
             configs = {name: {**place, **f} for name, f in fields.items()}
             result["engine"] = engine_decode(
                 model, tokenizer, prompt, configs, engine_tokens, repeats, progress
@@ -263,9 +297,11 @@ def _check_span(cfg: Any, context: int, windows: int, positions: int, other: Any
         cfg.max_position_embeddings = limit = positions
     if limit is not None and context > limit:
         raise ConfigError.field(
-            "context", context, f"at most the model's max_position_embeddings ({limit}); "
+            "context",
+            context,
+            f"at most the model's max_position_embeddings ({limit}); "
             "--positions P runs it with longer positions (speed only)",
-        )  # fmt: skip
+        )
 
 
 def _needle(model, tokenizer, context, fields, resident, block_size) -> dict[str, float]:
@@ -298,47 +334,93 @@ def run(args: argparse.Namespace) -> int:
         for v in args.budget.split(",")
         if v.strip()
     ]
-    chosen = {"attention_page": args.page, "attention_score": args.score,
-              "attention_coarse": args.coarse, "attention_refine": args.refine,
-              "attention_channels": args.channels}  # fmt: skip
+    chosen = {
+        "attention_page": args.page,
+        "attention_score": args.score,
+        "attention_coarse": args.coarse,
+        "attention_refine": args.refine,
+        "attention_channels": args.channels,
+    }
     CacheConfig(**{k: v for k, v in chosen.items() if v is not None})  # one-line errors first
     torch.set_num_threads(args.threads)
     result = measure(
-        _model_name(args.model), context, budgets, scored=args.scored, windows=args.windows,
-        summary=args.summary, page=args.page, score=args.score, coarse=args.coarse,
-        refine=args.refine, channels=args.channels,
-        dense_layers=args.dense_layers, resident=args.resident,
-        disk=args.disk, block_size=args.block_size, needle=args.needle,
-        engine_tokens=args.engine, repeats=args.repeats, positions=args.positions,
-    )  # fmt: skip
+        _model_name(args.model),
+        context,
+        budgets,
+        scored=args.scored,
+        windows=args.windows,
+        summary=args.summary,
+        page=args.page,
+        score=args.score,
+        coarse=args.coarse,
+        refine=args.refine,
+        channels=args.channels,
+        dense_layers=args.dense_layers,
+        resident=args.resident,
+        disk=args.disk,
+        block_size=args.block_size,
+        needle=args.needle,
+        engine_tokens=args.engine,
+        repeats=args.repeats,
+        positions=args.positions,
+    )
     if args.json:
         _timing.print_json(result)
         return 0
-    cols = ["config", "ΔPPL %", "top-1", "attended", "KV read/step", "KV + summaries",
-            "decode ms", "attn ms", "decode ×", "attn ×"]  # fmt: skip
+    cols = [
+        "config",
+        "ΔPPL %",
+        "top-1",
+        "attended",
+        "KV read/step",
+        "KV + summaries",
+        "decode ms",
+        "attn ms",
+        "decode ×",
+        "attn ×",
+    ]
     rows = [
-        [r["config"], f"{r['delta_ppl_pct']:+.2f}", f"{r['top1_agreement']:.1%}",
-         f"{r['attended_share']:.1%}",
-         f"{(r['kv_bytes_per_step'] + r['summary_bytes_per_step']) / 2**20:.1f} MiB",
-         f"{r['kv_share']:.1%} + {r['summary_share']:.1%}",
-         f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}", f"{r['decode_speedup']:.2f}",
-         f"{r['attention_speedup']:.2f}" if r["attention_speedup"] else "-"]
+        [
+            r["config"],
+            f"{r['delta_ppl_pct']:+.2f}",
+            f"{r['top1_agreement']:.1%}",
+            f"{r['attended_share']:.1%}",
+            f"{(r['kv_bytes_per_step'] + r['summary_bytes_per_step']) / 2**20:.1f} MiB",
+            f"{r['kv_share']:.1%} + {r['summary_share']:.1%}",
+            f"{r['decode_ms']:.1f}",
+            f"{r['attention_ms']:.1f}",
+            f"{r['decode_speedup']:.2f}",
+            f"{r['attention_speedup']:.2f}" if r["attention_speedup"] else "-",
+        ]
         for r in result["rows"]
-    ]  # fmt: skip
+    ]
     if rows:
         title = f"Query-aware selection, {result['model']} @ {context} tokens"
         _timing.print_table(title, cols, rows)
     if "needle" in result:
         print("needle accuracy:", {k: f"{v:.0%}" for k, v in result["needle"].items()})
     if "engine" in result:
-        cols = ["config", "decode ms/token", "attn ms/token", "decode ×", "attn ×", "greedy =",
-                "prompt cached"]  # fmt: skip
+        cols = [
+            "config",
+            "decode ms/token",
+            "attn ms/token",
+            "decode ×",
+            "attn ×",
+            "greedy =",
+            "prompt cached",
+        ]
         rows = [
-            [r["config"], f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}",
-             f"{r['decode_speedup']:.2f}", f"{r['attention_speedup']:.2f}",
-             f"{r['agreement']:.0%}", str(r["cached_tokens"])]
+            [
+                r["config"],
+                f"{r['decode_ms']:.1f}",
+                f"{r['attention_ms']:.1f}",
+                f"{r['decode_speedup']:.2f}",
+                f"{r['attention_speedup']:.2f}",
+                f"{r['agreement']:.0%}",
+                str(r["cached_tokens"]),
+            ]
             for r in result["engine"]
-        ]  # fmt: skip
+        ]
         title = f"Engine greedy decode, {args.engine} tokens after {context - args.engine}"
         _timing.print_table(title, cols, rows)
     return 0

@@ -110,10 +110,12 @@ class _Bench:
         with torch.inference_mode():
             for p in self.prompts:
                 out = model.generate(
-                    torch.tensor([p]), max_new_tokens=args.max_tokens,
-                    min_new_tokens=args.max_tokens, do_sample=False,
+                    torch.tensor([p]),
+                    max_new_tokens=args.max_tokens,
+                    min_new_tokens=args.max_tokens,
+                    do_sample=False,
                     cache=DynamicCache(config=model.config),
-                )  # fmt: skip
+                )
                 outs.append(out[0, len(p) :].tolist())
         seconds = time.perf_counter() - t0
         self.expected[:] = outs
@@ -138,12 +140,17 @@ class _Bench:
             self.device_share = slots / running
             kwargs.update(device_budget=slots * self.block_bytes, host_budget="1GiB")
         eng = Engine(
-            model, self.tok, prefix_caching=False, **kwargs,
+            model,
+            self.tok,
+            prefix_caching=False,
+            **kwargs,
             config=EngineConfig(
-                max_num_seqs=seqs, max_batched_tokens=max(512, args.prompt_tokens * 2),
-                preemption="off", threads=args.threads,
+                max_num_seqs=seqs,
+                max_batched_tokens=max(512, args.prompt_tokens * 2),
+                preemption="off",
+                threads=args.threads,
             ),
-        )  # fmt: skip
+        )
         if self.block_bytes is None:
             stats = eng.stats()["store"]["tiers"]
             self.block_bytes = next(iter(stats.values()))["block_bytes"]
@@ -305,8 +312,11 @@ def _under_load(args: argparse.Namespace) -> dict[str, Any]:
         fields = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         done = subprocess.run(
             [sys.executable, "-c", code, json.dumps(fields)],
-            env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         child = json.loads(done.stdout.strip().splitlines()[-1])
         med = child["median_s"]
         out[policy] = {
@@ -330,8 +340,10 @@ def run(args: argparse.Namespace) -> int:
         + [f"{v.get(k, float('nan')) * 1e3:.0f}" for k in ("ttft_p50_s", "tpot_p50_s")]
         for name, v in report["variants"].items()
     ]
-    notes = [f"{k}: {v:.2f}x (target {report['targets'].get(k, '-')})" for k, v in
-             report["ratios"].items()]  # fmt: skip
+    notes = [
+        f"{k}: {v:.2f}x (target {report['targets'].get(k, '-')})"
+        for k, v in report["ratios"].items()
+    ]
     for policy, res in (report["under_load"] or {}).items():
         notes.append(
             f"under a competing CPU-bound process, OpenMP wait policy {policy}: c4/baseline "

@@ -308,8 +308,11 @@ def bench_prefetch(args: argparse.Namespace) -> dict[str, object]:
         with TransferEngine(max_workers=1, links={"host->device": link}) as engine:
             # measured transfer time per layer, then a matmul sized to ~1.5x of it
             for i in range(4):
-                engine.wait(engine.submit(lambda i=i: load(i, buffers[0]), link="host->device",
-                                          nbytes=layer_bytes))  # fmt: skip
+                engine.wait(
+                    engine.submit(
+                        lambda i=i: load(i, buffers[0]), link="host->device", nbytes=layer_bytes
+                    )
+                )
             st = engine.stats
             transfer = st.transfer_s / st.num_transfers
             m = 128
@@ -319,13 +322,17 @@ def bench_prefetch(args: argparse.Namespace) -> dict[str, object]:
 
             def serial() -> None:
                 for i in range(steps):
-                    engine.wait(engine.submit(lambda i=i: load(i, buffers[0]),
-                                              link="host->device", nbytes=layer_bytes))  # fmt: skip
+                    engine.wait(
+                        engine.submit(
+                            lambda i=i: load(i, buffers[0]), link="host->device", nbytes=layer_bytes
+                        )
+                    )
                     a @ a
 
             def pipelined() -> None:
-                for _i, _buf in Prefetcher(engine, load, buffers, steps, link="host->device",
-                                           nbytes=layer_bytes):  # fmt: skip
+                for _i, _buf in Prefetcher(
+                    engine, load, buffers, steps, link="host->device", nbytes=layer_bytes
+                ):
                     a @ a
 
             engine.reset_stats()
@@ -410,8 +417,7 @@ def _print_tables(report: dict[str, object]) -> None:
             ratio = g[f"tier {op}"] / raw
             # the 0.8x target is for sequential moves; random slot order is shown as is
             verdict = "-" if "shuffled" in op else ("ok" if ratio >= 0.8 else "< 0.8x")
-            t.add_row(tier, op, f"{g[f'tier {op}']:.2f}", f"{raw:.2f}", f"{ratio:.2f}x",
-                      verdict)  # fmt: skip
+            t.add_row(tier, op, f"{g[f'tier {op}']:.2f}", f"{raw:.2f}", f"{ratio:.2f}x", verdict)
     console.print(t)
     sw = report["sweep"]
     names = [k for k in sw[0] if isinstance(sw[0][k], dict)]
@@ -433,8 +439,13 @@ def _print_tables(report: dict[str, object]) -> None:
         t.add_column(col, justify="left" if col == "tier" else "right")
     for name in [k for k in jt if isinstance(jt[k], dict)]:
         d = jt[name]
-        t.add_row(name, f"{d['p50_us']:.0f}", f"{d['p99_us']:.0f}", f"{d['std_us']:.0f}",
-                  f"{d['p99_us'] / d['p50_us']:.2f}")  # fmt: skip
+        t.add_row(
+            name,
+            f"{d['p50_us']:.0f}",
+            f"{d['p99_us']:.0f}",
+            f"{d['std_us']:.0f}",
+            f"{d['p99_us'] / d['p50_us']:.2f}",
+        )
     console.print(t)
     pf = report["prefetch"]
     console.print(

@@ -275,10 +275,11 @@ def windowed_model(model_dir: Path, window: int, dest: Path) -> Path:
             " with layer_types" * bool(config.get("layer_types"))
         )
         raise ConfigError.field(
-            "sliding_window", window,
+            "sliding_window",
+            window,
             f"--sliding-window rewrites a Llama model's config (this one is {what}); pass a "
             "sliding-window model with --model instead",
-        )  # fmt: skip
+        )
     layers = int(config["num_hidden_layers"])
     if layers < 2:
         raise ConfigError.field("sliding_window", window, "needs a model of 2 layers or more")
@@ -406,9 +407,11 @@ def _settle(args: argparse.Namespace) -> argparse.Namespace:
         ignored = [f"--{n.replace('_', '-')}" for n, d in defaults.items() if getattr(args, n) != d]
         if ignored:
             raise ConfigError.field(
-                "docqa", True, f"takes none of {', '.join(ignored)} (its servers are "
+                "docqa",
+                True,
+                f"takes none of {', '.join(ignored)} (its servers are "
                 "`kvstrata bench peer`'s; its --json PATH keeps the raw numbers)",
-            )  # fmt: skip
+            )
     return args
 
 
@@ -417,8 +420,8 @@ def _docqa(args: argparse.Namespace) -> int:
     kvstrata as its backend (host / int8 host / disk)."""
     from kvstrata.bench import peer
 
-    argv = ["--sizes", "quarter", "--only", "docqa", "--variants", ",".join(DOCQA_VARIANTS),
-            "--repeats", str(args.repeats)]  # fmt: skip
+    argv = ["--sizes", "quarter", "--only", "docqa", "--variants", ",".join(DOCQA_VARIANTS)]
+    argv += ["--repeats", str(args.repeats)]
     if args.model:
         argv += ["--model", args.model]
     if args.quick:

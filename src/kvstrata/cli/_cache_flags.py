@@ -1,8 +1,9 @@
-"""CacheConfig flags shared by every command that builds a store, beyond the placement
-flags of `generate.add_placement_flags`: the remote tier's (`--remote-*`) and query-aware
-key selection's (`--attention-budget`, `--attention-summary`, `--attention-page`,
-`--attention-score`, `--attention-dense-layers`, `--attention-coarse`,
-`--attention-refine`, `--attention-channels`)."""
+"""CacheConfig flags shared by every command that builds a store: the placement flags
+(`add_placement_flags`: block size, budgets, codecs, disk tier, residual window ...), the
+remote tier's (`--remote-*`) and query-aware key selection's (`--attention-budget`,
+`--attention-summary`, `--attention-page`, `--attention-score`,
+`--attention-dense-layers`, `--attention-coarse`, `--attention-refine`,
+`--attention-channels`)."""
 
 from __future__ import annotations
 
@@ -14,44 +15,92 @@ from kvstrata.core.units import parse_float, parse_int
 
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
 ATTENTION_FIELDS = (
-    "attention_budget", "attention_summary", "attention_page", "attention_score",
-    "attention_dense_layers", "attention_coarse", "attention_refine", "attention_channels",
-)  # fmt: skip
+    "attention_budget",
+    "attention_summary",
+    "attention_page",
+    "attention_score",
+    "attention_dense_layers",
+    "attention_coarse",
+    "attention_refine",
+    "attention_channels",
+)
+
+
+def add_placement_flags(p: argparse.ArgumentParser) -> None:
+    """The CacheConfig flags shared by commands that build a TieredCache."""
+    g = p.add_argument_group("KV placement (CacheConfig fields)")
+    g.add_argument("--block-size", default="64", help="tokens per block (default 64)")
+    g.add_argument("--max-tokens", default=None, help="cache capacity (default prompt + new)")
+    g.add_argument("--resident-fraction", default=None, help="KV kept on the device, e.g. 0.1")
+    g.add_argument("--device-budget", default=None, help="device KV bytes, e.g. 64MiB")
+    g.add_argument("--host-budget", default=None, help="host KV bytes (default: enough)")
+    g.add_argument("--host-codec", default="none", help="none, int8, fp8, int4, int4-g32 ...")
+    g.add_argument("--disk-dir", default=None, help="directory of a disk tier (none)")
+    g.add_argument("--disk-budget", default=None, help="disk KV bytes (default: enough)")
+    g.add_argument("--disk-codec", default=None, help="disk codec (default: the host codec)")
+    g.add_argument(
+        "--disk-compress", action="store_true", help="lossless zstd on disk blocks (extra)"
+    )
+    g.add_argument(
+        "--disk-delta",
+        action="store_true",
+        help="with --disk-compress: delta-code keys "
+        "first (lossless; int8 keys ~9 %% smaller, others 0-2 %%, for 2-3x zstd's CPU time)",
+    )
+    g.add_argument("--disk-o-direct", action="store_true", help="disk I/O with O_DIRECT")
+    g.add_argument("--residual", default="128", help="newest tokens kept exact (lossy codecs)")
+    g.add_argument("--sinks", default="4", help="first tokens kept on the device (default 4)")
+    g.add_argument("--staging-tokens", default=None, help="device staging buffer (4096)")
+    g.add_argument("--cold-attention", default="auto", help="auto, local or stage")
+    add_cache_flags(g)
 
 
 def add_cache_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
-        "--attention-budget", default=None, help="lossy: keys each decode step attends, as "
-        "tokens (1k) or a share of the context (0.125); the query picks them (Quest-style)"
-    )  # fmt: skip
+        "--attention-budget",
+        default=None,
+        help="lossy: keys each decode step attends, as "
+        "tokens (1k) or a share of the context (0.125); the query picks them (Quest-style)",
+    )
     g.add_argument(
         "--attention-summary", default=None, help="page summary it scores: minmax or mean"
     )
     g.add_argument(
-        "--attention-page", type=int, default=None,
+        "--attention-page",
+        type=int,
+        default=None,
         help="keys per scored page (4): fewer choose more precisely, for more summary bytes",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--attention-score", default=None,
+        "--attention-score",
+        default=None,
         help="a page's score for a KV head: its query heads' best (max) or their sum",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--attention-dense-layers", type=int, default=None,
+        "--attention-dense-layers",
+        type=int,
+        default=None,
         help="with a budget: the first this many layers still attend every key",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--attention-coarse", type=int, default=None,
+        "--attention-coarse",
+        type=int,
+        default=None,
         help="pages per group summary (e.g. 16): a head scores groups, then its best "
         "groups' pages; 0 (the default) scores every page",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--attention-refine", type=float, default=None,
+        "--attention-refine",
+        type=float,
+        default=None,
         help="with --attention-coarse: groups refined per page chosen (2)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--attention-channels", type=int, default=None,
+        "--attention-channels",
+        type=int,
+        default=None,
         help="query channels (largest |q|) each row scores pages over (16; 0: all)",
-    )  # fmt: skip
+    )
     add_remote_flags(g)
 
 

@@ -352,9 +352,11 @@ SECTIONS: list[Section] = [
     Section("plan", section_plan),
     Section(f"the job, {RESIDENT_FRACTION:.0%} of its KV on the device", section_answer),
     Section("exactness", section_exact),
-    Section("serving: several long-context requests at once, 25 % of their KV on the device",
-            section_engine),
-]  # fmt: skip
+    Section(
+        "serving: several long-context requests at once, 25 % of their KV on the device",
+        section_engine,
+    ),
+]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -143,9 +143,11 @@ def run(
     for i, p in enumerate(prompts):
         with torch.inference_mode():
             ref = ref_model.generate(
-                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                torch.tensor([p]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
                 cache=DynamicCache(config=ref_model.config),
-            )[0, len(p) :].tolist()  # fmt: skip
+            )[0, len(p) :].tolist()
         exact.append(outputs[i].token_ids == ref[: len(outputs[i].token_ids)])
     table = Table(title=f"answers ({seconds:.1f} s for all)")
     for col in ("request", "prompt tokens", "cached", "answer", "= DynamicCache"):

@@ -320,9 +320,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ppl.add_argument("--context", default="2048", help="tokens per window (default 2048)")
     ppl.add_argument(
-        "--prefill", default=None, help="tokens of each window fed in one first forward; only "
-        "the rest, predicted one step at a time, is scored (default: 1, all scored)"
-    )  # fmt: skip
+        "--prefill",
+        default=None,
+        help="tokens of each window fed in one first forward; only "
+        "the rest, predicted one step at a time, is scored (default: 1, all scored)",
+    )
     add_budget_option(ppl)
     ppl.add_argument("--windows", default="2", help="held-out windows (default 2)")
     ppl.add_argument(

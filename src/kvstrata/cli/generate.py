@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvstrata.cli._cache_flags import add_cache_flags, cache_fields
+from kvstrata.cli._cache_flags import add_placement_flags, cache_fields
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import (
@@ -428,33 +428,6 @@ def model_help() -> str:
         "embedded byte model; 'default' is its old name), a model directory, or a .gguf "
         "file (converted once into the cache)"
     )
-
-
-def add_placement_flags(p: argparse.ArgumentParser) -> None:
-    """The CacheConfig flags shared by commands that build a TieredCache."""
-    g = p.add_argument_group("KV placement (CacheConfig fields)")
-    g.add_argument("--block-size", default="64", help="tokens per block (default 64)")
-    g.add_argument("--max-tokens", default=None, help="cache capacity (default prompt + new)")
-    g.add_argument("--resident-fraction", default=None, help="KV kept on the device, e.g. 0.1")
-    g.add_argument("--device-budget", default=None, help="device KV bytes, e.g. 64MiB")
-    g.add_argument("--host-budget", default=None, help="host KV bytes (default: enough)")
-    g.add_argument("--host-codec", default="none", help="none, int8, fp8, int4, int4-g32 ...")
-    g.add_argument("--disk-dir", default=None, help="directory of a disk tier (none)")
-    g.add_argument("--disk-budget", default=None, help="disk KV bytes (default: enough)")
-    g.add_argument("--disk-codec", default=None, help="disk codec (default: the host codec)")
-    g.add_argument(
-        "--disk-compress", action="store_true", help="lossless zstd on disk blocks (extra)"
-    )
-    g.add_argument(
-        "--disk-delta", action="store_true", help="with --disk-compress: delta-code keys "
-        "first (lossless; int8 keys ~9 %% smaller, others 0-2 %%, for 2-3x zstd's CPU time)"
-    )  # fmt: skip
-    g.add_argument("--disk-o-direct", action="store_true", help="disk I/O with O_DIRECT")
-    g.add_argument("--residual", default="128", help="newest tokens kept exact (lossy codecs)")
-    g.add_argument("--sinks", default="4", help="first tokens kept on the device (default 4)")
-    g.add_argument("--staging-tokens", default=None, help="device staging buffer (4096)")
-    g.add_argument("--cold-attention", default="auto", help="auto, local or stage")
-    add_cache_flags(g)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -24,11 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvstrata.cli._cache_flags import cache_fields
-from kvstrata.cli.generate import (
-    add_placement_flags,
-    parse_threads,
-)
+from kvstrata.cli._cache_flags import add_placement_flags, cache_fields
+from kvstrata.cli.generate import parse_threads
 from kvstrata.config import BLOCK_SIZE_MAX
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import format_bytes, parse_float, parse_int, parse_size, parse_tokens

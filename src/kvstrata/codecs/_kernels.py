@@ -98,14 +98,40 @@ def kernel_call(
     fn = getattr(lib, f"kv_{op}_{direction}")
     if direction == "enc":
         flags = fn(
-            code, raw.data_ptr(), geo_raw[1], geo_raw[2], data.data_ptr(), dsh,
-            scale.data_ptr(), ssh, zero_t.data_ptr(), zsh, heads, rows, dim, group, threads,
-        )  # fmt: skip
+            code,
+            raw.data_ptr(),
+            geo_raw[1],
+            geo_raw[2],
+            data.data_ptr(),
+            dsh,
+            scale.data_ptr(),
+            ssh,
+            zero_t.data_ptr(),
+            zsh,
+            heads,
+            rows,
+            dim,
+            group,
+            threads,
+        )
     else:
         flags = fn(
-            code, data.data_ptr(), dsh, scale.data_ptr(), ssh, zero_t.data_ptr(), zsh,
-            raw.data_ptr(), geo_raw[1], geo_raw[2], heads, rows, dim, group, threads,
-        )  # fmt: skip
+            code,
+            data.data_ptr(),
+            dsh,
+            scale.data_ptr(),
+            ssh,
+            zero_t.data_ptr(),
+            zsh,
+            raw.data_ptr(),
+            geo_raw[1],
+            geo_raw[2],
+            heads,
+            rows,
+            dim,
+            group,
+            threads,
+        )
     raise_for_flags(flags)
     return True
 

@@ -74,10 +74,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _dequant(data, scale, zero, out, num_rows, dim,
-             d_sh, d_sr, s_sh, s_sr, z_sh, z_sr, o_sh, o_sr,
-             MODE: tl.constexpr, GROUP: tl.constexpr, BF16: tl.constexpr,
-             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _dequant(
+    data,
+    scale,
+    zero,
+    out,
+    num_rows,
+    dim,
+    d_sh,
+    d_sr,
+    s_sh,
+    s_sr,
+    z_sh,
+    z_sr,
+    o_sh,
+    o_sr,
+    MODE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """The Triton kernel (jitted by `_kernel`). One program: BLOCK_R rows x all D
     columns of one head; strides in elements (d_: data, s_: scale, z_: zero, o_: out;
     _sh: head, _sr: row)."""
@@ -212,10 +229,27 @@ def decode(codec: Codec, kind: str, enc: dict[str, torch.Tensor], out: torch.Ten
     grid = (heads, triton.cdiv(rows, block_r))
     try:
         _kernel()[grid](
-            data, scale, zero, target, rows, dim, d_sh, d_sr, s_sh, s_sr, z_sh, z_sr, o_sh, o_sr,
-            MODE=mode, GROUP=group, BF16=bf16, BLOCK_R=block_r, BLOCK_D=block_d,
+            data,
+            scale,
+            zero,
+            target,
+            rows,
+            dim,
+            d_sh,
+            d_sr,
+            s_sh,
+            s_sr,
+            z_sh,
+            z_sr,
+            o_sh,
+            o_sr,
+            MODE=mode,
+            GROUP=group,
+            BF16=bf16,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
             enable_fp_fusion=False,
-        )  # fmt: skip
+        )
     except Exception as err:  # e.g. a Triton / driver without this GPU: torch ops instead
         _disable(err)
         return False

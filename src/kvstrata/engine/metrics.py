@@ -164,20 +164,26 @@ class EngineMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram(
-            "kvstrata_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY,
+            "kvstrata_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_LATENCY,
             registry=r,
-        )  # fmt: skip
+        )
         self.tpot = Histogram(
-            "kvstrata_time_per_output_token_seconds", "time between a request's tokens",
-            buckets=_LATENCY, registry=r,
-        )  # fmt: skip
+            "kvstrata_time_per_output_token_seconds",
+            "time between a request's tokens",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.e2e = Histogram(
             "kvstrata_request_seconds", "arrival to finish", buckets=_LATENCY, registry=r
         )
         self.step = Histogram(
-            "kvstrata_step_seconds", "one engine step (forward + sampling)", buckets=_LATENCY,
+            "kvstrata_step_seconds",
+            "one engine step (forward + sampling)",
+            buckets=_LATENCY,
             registry=r,
-        )  # fmt: skip
+        )
         self.finished = Counter(
             "kvstrata_requests_finished", "finished requests", ["reason"], registry=r
         )
@@ -185,9 +191,10 @@ class EngineMetrics:
             "kvstrata_prompt_tokens", "prompt tokens of finished requests", registry=r
         )
         self.cached_tokens = Counter(
-            "kvstrata_cached_prompt_tokens", "prompt tokens served from the prefix cache",
+            "kvstrata_cached_prompt_tokens",
+            "prompt tokens served from the prefix cache",
             registry=r,
-        )  # fmt: skip
+        )
         self.generation_tokens = Counter(
             "kvstrata_generation_tokens", "tokens generated", registry=r
         )

@@ -126,9 +126,12 @@ class StepRunner:
         if self.lean is not None:
             return self.lean(ids, pos, self.step_cache, keep)[0]
         out = self.model(
-            input_ids=ids, position_ids=pos, cache=self.step_cache, use_cache=True,
+            input_ids=ids,
+            position_ids=pos,
+            cache=self.step_cache,
+            use_cache=True,
             logits_to_keep=keep,
-        )  # fmt: skip
+        )
         return out.logits[0]
 
     def _recover(self, batch: list[tuple[Request, int]], err: Exception) -> None:

@@ -164,9 +164,13 @@ class KVGeometry:
         if self.is_mla:
             assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
             return BlockLayout(
-                num_layers=self.num_layers, num_kv_heads=1, head_dim=self.kv_lora_rank,
-                block_size=block_size, dtype=torch_dtype, v_head_dim=self.qk_rope_head_dim,
-            )  # fmt: skip
+                num_layers=self.num_layers,
+                num_kv_heads=1,
+                head_dim=self.kv_lora_rank,
+                block_size=block_size,
+                dtype=torch_dtype,
+                v_head_dim=self.qk_rope_head_dim,
+            )
         return self.head_layout(block_size, torch_dtype)
 
     def head_layout(

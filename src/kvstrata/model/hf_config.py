@@ -96,15 +96,29 @@ def geometry_fields(config: Any, name: str = "") -> dict[str, Any]:
     params = data.get("num_params")
     if not isinstance(params, int):
         params = gated_mlp_params(
-            data, model_type=model_type, num_layers=num_layers, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, head_dim=head_dim,
-        )  # fmt: skip
+            data,
+            model_type=model_type,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
     return dict(
-        model_type=model_type, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
-        sliding_window=window, sliding_layers=sliding, kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=rope_dim, num_params=params, name=name, shared_kv_layers=shared,
-    )  # fmt: skip
+        model_type=model_type,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        dtype=dtype,
+        sliding_window=window,
+        sliding_layers=sliding,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=rope_dim,
+        num_params=params,
+        name=name,
+        shared_kv_layers=shared,
+    )
 
 
 def sliding_layers(data: dict[str, Any], num_layers: int, where: str):

@@ -255,9 +255,14 @@ def perplexity(
         cache = cache_factory(window.numel())
         try:
             result = window_perplexity(
-                model, window, cache, prefill=prefill, num_bytes=num_bytes, progress=progress,
+                model,
+                window,
+                cache,
+                prefill=prefill,
+                num_bytes=num_bytes,
+                progress=progress,
                 score_prefill=score_prefill,
-            )  # fmt: skip
+            )
         finally:
             if hasattr(cache, "close"):  # a TieredCache releases its tiers (disk files)
                 cache.close()

@@ -9,7 +9,8 @@ promises measured in one run, then rendered from the measured data alone.
     system.py     block size vs tier transfers, prefix reuse, engine concurrency
     compression.py  modes that store or read fewer KV bytes (delta coding ...): each a
                   sub-table measured on real K/V, measured and rendered there
-    predicted.py  `kvstrata plan` next to the measured bytes and step times
+    predicted.py  `kvstrata plan` next to the measured bytes and step times (measured
+                  and rendered there)
     figures.py    the PNG figures (matplotlib, the `report` extra)
     markdown.py   report.md (tables.py: its Markdown tables)
     output.py     writes report.json, the figures and report.md from the data alone

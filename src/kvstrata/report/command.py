@@ -44,8 +44,17 @@ from kvstrata.core.errors import ConfigError
 NAME = "report"
 HELP = "evidence report: all scenarios in one run -> DIR/report.md, PNG figures, JSON"
 IN_ALL = False  # `kvstrata bench all` runs the scenarios themselves
-SECTIONS = ("strategy", "resident", "context", "block_size", "codecs", "compression", "prefix",
-            "serve", "planner")  # fmt: skip
+SECTIONS = (
+    "strategy",
+    "resident",
+    "context",
+    "block_size",
+    "codecs",
+    "compression",
+    "prefix",
+    "serve",
+    "planner",
+)
 DEFAULT_OUT = "kvstrata-report"
 
 
@@ -54,21 +63,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="the <= 15-minute run of a 2-core machine"
     )
     parser.add_argument(
-        "--smoke", action="store_true", help="a seconds-long run that checks the pipeline "
-        "(tests); its numbers mean nothing"
-    )  # fmt: skip
+        "--smoke",
+        action="store_true",
+        help="a seconds-long run that checks the pipeline (tests); its numbers mean nothing",
+    )
     parser.add_argument("--out", default=DEFAULT_OUT, help="output directory (created)")
     parser.add_argument(
-        "--model", default="auto", help="model of the strategy and compression tables: auto "
-        "(smollm2 when installed, else the embedded one), smollm2, tiny or a model directory"
-    )  # fmt: skip
+        "--model",
+        default="auto",
+        help="model of the strategy and compression tables: auto "
+        "(smollm2 when installed, else the embedded one), smollm2, tiny or a model directory",
+    )
     parser.add_argument(
         "--sections", default="all", help=f"comma-separated, of: {', '.join(SECTIONS)}"
     )
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads of the timed work (1: least "
-        "distorted on a shared 2-core machine)"
-    )  # fmt: skip
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the timed work (1: least distorted on a shared 2-core machine)",
+    )
 
 
 def _sections(text: str) -> list[str]:
@@ -154,16 +168,20 @@ def previous_report(args: argparse.Namespace) -> dict[str, Any] | None:
         usable = False
     if not usable:
         raise ConfigError.field(
-            "out", args.out, "its report.json is not a kvstrata report to merge --sections "
-            "into: give an empty or new --out"
-        )  # fmt: skip
+            "out",
+            args.out,
+            "its report.json is not a kvstrata report to merge --sections "
+            "into: give an empty or new --out",
+        )
     scale = _scale(args).name
     if data.get("scale") != scale:
         flag = _scale_flag(data.get("scale", "")) or "neither --quick nor --smoke"
         raise ConfigError.field(
-            "out", args.out, f"it holds a {data.get('scale')}-scale report and --sections "
-            f"merges into it at the same scale only: use {flag}, or give another --out"
-        )  # fmt: skip
+            "out",
+            args.out,
+            f"it holds a {data.get('scale')}-scale report and --sections "
+            f"merges into it at the same scale only: use {flag}, or give another --out",
+        )
     return data
 
 
@@ -178,15 +196,21 @@ def _runs(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
         return []
     if previous.get("runs"):
         return list(previous["runs"])
-    return [{key: previous.get(key) for key in ("command", "date", "seconds")}
-            | {"sections": list(previous["sections"])}]  # fmt: skip
+    return [
+        {key: previous.get(key) for key in ("command", "date", "seconds")}
+        | {"sections": list(previous["sections"])}
+    ]
 
 
 def _ticks(scale: Any, sections: list[str]) -> int:
     from kvstrata.report import compression
 
-    per = {"strategy": 3, "block_size": 2, "codecs": len(scale.codecs) + 1,
-           "compression": compression.ticks(scale)}  # fmt: skip
+    per = {
+        "strategy": 3,
+        "block_size": 2,
+        "codecs": len(scale.codecs) + 1,
+        "compression": compression.ticks(scale),
+    }
     return sum(per.get(name, 1) for name in sections)
 
 
@@ -196,16 +220,25 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
     from tqdm import tqdm
 
     start = time.perf_counter()
-    with tqdm(total=total, desc="kvstrata bench report", unit="step", file=sys.stderr,
-              disable=None, leave=True) as bar:  # fmt: skip
+    with tqdm(
+        total=total,
+        desc="kvstrata bench report",
+        unit="step",
+        file=sys.stderr,
+        disable=None,
+        leave=True,
+    ) as bar:
         done = [0]
 
         def tick(label: str) -> None:
             done[0] += 1
             if bar.disable:
                 elapsed = time.perf_counter() - start
-                print(f"kvstrata bench report: [{done[0]}/{total}] {label} ({elapsed:.0f} s)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"kvstrata bench report: [{done[0]}/{total}] {label} ({elapsed:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
                 bar.set_postfix_str(label)
                 bar.update(1)
@@ -264,8 +297,14 @@ def measure(
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     # "sections": those this run measured (appended as each finishes); "errors": why
     # the others failed
-    run_entry: dict[str, Any] = {"command": _command(args), "date": date, "seconds": 0.0,
-                                 "sections": [], "failed": [], "errors": {}}  # fmt: skip
+    run_entry: dict[str, Any] = {
+        "command": _command(args),
+        "date": date,
+        "seconds": 0.0,
+        "sections": [],
+        "failed": [],
+        "errors": {},
+    }
     runs = [*_runs(previous), run_entry]
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-report-"))
     measurers = _measurers()
@@ -287,8 +326,9 @@ def measure(
 
     try:
         with _progress(_ticks(scale, sections)) as tick:
-            session = Session(scale, args.threads, model, note, workdir, tick,
-                              _command(args, with_sections=False))  # fmt: skip
+            session = Session(
+                scale, args.threads, model, note, workdir, tick, _command(args, with_sections=False)
+            )
             # earlier sections stay (and the planner compares their caches too)
             session.data.update((previous or {}).get("sections", {}))
             for name in sections:
@@ -345,10 +385,15 @@ def run(args: argparse.Namespace) -> int:
     report = measure(args, previous, save=lambda data: write_json(data, out))
     files = write(report, out)
     merged = f" (merged into the report of {report['runs'][0]['date']})" if previous else ""
-    print(f"kvstrata bench report: {report['seconds'] / 60:.1f} min; wrote "
-          f"{', '.join(str(f) for f in files)}{merged}")  # fmt: skip
+    print(
+        f"kvstrata bench report: {report['seconds'] / 60:.1f} min; wrote "
+        f"{', '.join(str(f) for f in files)}{merged}"
+    )
     kept = " (the earlier run's data is kept)" if previous else ""
     for name in report["failed"]:
-        print(f"kvstrata bench report: section {name} failed: "
-              f"{report['runs'][-1]['errors'][name]}{kept}", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvstrata bench report: section {name} failed: "
+            f"{report['runs'][-1]['errors'][name]}{kept}",
+            file=sys.stderr,
+        )
     return 1 if report["failed"] else 0

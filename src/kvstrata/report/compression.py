@@ -99,9 +99,14 @@ def measure_delta(session: Session) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for context in contexts:
         rows += delta.measure(
-            model, context, block_size=scale.block_size, variants=(delta.KEPT,),
-            level=DEFAULT_LEVEL, repeats=scale.compression_repeats, kv=kv,
-        )  # fmt: skip
+            model,
+            context,
+            block_size=scale.block_size,
+            variants=(delta.KEPT,),
+            level=DEFAULT_LEVEL,
+            repeats=scale.compression_repeats,
+            kv=kv,
+        )
         session.tick(f"compression: delta coding @ {context} tokens")
     return {
         "model": model,
@@ -127,20 +132,37 @@ def _span(rows: list[dict[str, Any]]) -> str:
 
 def render_delta(d: dict[str, Any]) -> str:
     rows = [
-        [r["context"], r["dtype/codec"], {"k": "K", "v": "V"}[r["kind"]],
-         f"{r['bytes_per_token_raw']:,.0f}", f"{r['bytes_per_token_zstd']:,.0f}",
-         f"{r['bytes_per_token_delta']:,.0f}", f"{100 * _change(r):+.1f} %",
-         "yes" if r["pays"] else "no", "yes" if r["kept"] else "no",
-         f"{r['zstd_encode_ms_per_block']:.2f} → {r['encode_ms_per_block']:.2f}",
-         f"{r['zstd_decode_ms_per_block']:.2f} → {r['decode_ms_per_block']:.2f}"]
+        [
+            r["context"],
+            r["dtype/codec"],
+            {"k": "K", "v": "V"}[r["kind"]],
+            f"{r['bytes_per_token_raw']:,.0f}",
+            f"{r['bytes_per_token_zstd']:,.0f}",
+            f"{r['bytes_per_token_delta']:,.0f}",
+            f"{100 * _change(r):+.1f} %",
+            "yes" if r["pays"] else "no",
+            "yes" if r["kept"] else "no",
+            f"{r['zstd_encode_ms_per_block']:.2f} → {r['encode_ms_per_block']:.2f}",
+            f"{r['zstd_decode_ms_per_block']:.2f} → {r['decode_ms_per_block']:.2f}",
+        ]
         for r in d["rows"]
-    ]  # fmt: skip
+    ]
     text = table(
-        ["context", "dtype/codec", "kind", "raw B/token", "byte-plane zstd B/token",
-         "delta + zstd B/token", "vs zstd", "pays", "disk_delta codes it",
-         "encode ms/block: zstd → delta", "decode ms/block: zstd → delta"],
+        [
+            "context",
+            "dtype/codec",
+            "kind",
+            "raw B/token",
+            "byte-plane zstd B/token",
+            "delta + zstd B/token",
+            "vs zstd",
+            "pays",
+            "disk_delta codes it",
+            "encode ms/block: zstd → delta",
+            "decode ms/block: zstd → delta",
+        ],
         rows,
-    )  # fmt: skip
+    )
     note = f" ({d['model_note']})" if d["model_note"] else ""
     rounds = f"{d['repeats']} interleaved round{'s' if d['repeats'] != 1 else ''}"
     text += (
@@ -194,7 +216,7 @@ def measure_selection(session: Session) -> dict[str, Any]:
                 list(SELECTION_BUDGETS),
                 scored=min(64, context // 8),
                 block_size=scale.block_size,
-            )  # fmt: skip
+            )
         )
         session.tick(f"compression: key selection @ {context} tokens")
     return {"model": model, "model_note": note, "runs": runs}
@@ -202,19 +224,36 @@ def measure_selection(session: Session) -> dict[str, Any]:
 
 def render_selection(d: dict[str, Any]) -> str:
     rows = [
-        [run["context"], r["config"], f"{r['delta_ppl_pct']:+.2f} %", f"{r['top1_agreement']:.1%}",
-         f"{r['attended_share']:.1%}",
-         f"{(r['kv_bytes_per_step'] + r['summary_bytes_per_step']) / 2**20:.2f}",
-         f"{r['decode_ms']:.1f}", f"{r['attention_ms']:.1f}", f"{r['decode_speedup']:.2f}×",
-         f"{r['attention_speedup']:.2f}×" if r["attention_speedup"] else "-"]
+        [
+            run["context"],
+            r["config"],
+            f"{r['delta_ppl_pct']:+.2f} %",
+            f"{r['top1_agreement']:.1%}",
+            f"{r['attended_share']:.1%}",
+            f"{(r['kv_bytes_per_step'] + r['summary_bytes_per_step']) / 2**20:.2f}",
+            f"{r['decode_ms']:.1f}",
+            f"{r['attention_ms']:.1f}",
+            f"{r['decode_speedup']:.2f}×",
+            f"{r['attention_speedup']:.2f}×" if r["attention_speedup"] else "-",
+        ]
         for run in d["runs"]
         for r in run["rows"]
-    ]  # fmt: skip
+    ]
     text = table(
-        ["context", "config", "ΔPPL", "top-1 agree", "keys attended", "KV read MiB/step",
-         "decode ms", "attention ms", "decode vs full", "attention vs full"],
+        [
+            "context",
+            "config",
+            "ΔPPL",
+            "top-1 agree",
+            "keys attended",
+            "KV read MiB/step",
+            "decode ms",
+            "attention ms",
+            "decode vs full",
+            "attention vs full",
+        ],
         rows,
-    )  # fmt: skip
+    )
     note = f" ({d['model_note']})" if d["model_note"] else ""
     run = d["runs"][0]
     return text + (
@@ -233,14 +272,20 @@ def render_selection(d: dict[str, Any]) -> str:
 
 # -- calibrated codecs: low-rank keys, important heads --------------------------------------
 CALIBRATED = {  # (mode, setting) rows of bench.lowrank_heads' sweep the report keeps
-    ("first", "int8"), ("first", "int4"),
-    ("lowrank-post", "lowrank-r16"), ("lowrank-post", "lowrank-r32"),
-    ("lowrank-post", "lowrank-r48"), ("lowrank-post", "lowrank-r32-int8"),
-    ("lowrank-pre", "lowrank-pre-r16"), ("lowrank-pre", "lowrank-pre-r32"),
-    ("lowrank-pre", "lowrank-pre-r28-int8"), ("lowrank-pre", "lowrank-pre-r29-int8"),
+    ("first", "int8"),
+    ("first", "int4"),
+    ("lowrank-post", "lowrank-r16"),
+    ("lowrank-post", "lowrank-r32"),
+    ("lowrank-post", "lowrank-r48"),
+    ("lowrank-post", "lowrank-r32-int8"),
+    ("lowrank-pre", "lowrank-pre-r16"),
+    ("lowrank-pre", "lowrank-pre-r32"),
+    ("lowrank-pre", "lowrank-pre-r28-int8"),
+    ("lowrank-pre", "lowrank-pre-r29-int8"),
     ("lowrank-pre-true", "lowrank-pre-r29-int8"),
-    ("heads", "heads33-int8-int4 by damage"), ("heads", "heads33-int8-int4 random"),
-}  # fmt: skip
+    ("heads", "heads33-int8-int4 by damage"),
+    ("heads", "heads33-int8-int4 random"),
+}
 LOWRANK_MODES = ("lowrank-pre", "lowrank-post")  # the registered low-rank codecs
 
 
@@ -258,9 +303,10 @@ def lowrank_verdict(rows: list[dict[str, Any]]) -> str:
         return f"`{r['setting']}` ({ratio:.2f}x fewer key bytes than int8, ΔPPL {dppl:+.2f} %)"
 
     meets = [
-        r for r in lowrank
+        r
+        for r in lowrank
         if 2 * r["key_bytes_per_token"] <= int8["key_bytes_per_token"] and r["delta_ppl_pct"] <= 1.0
-    ]  # fmt: skip
+    ]
     if meets:
         best = min(meets, key=lambda r: r["key_bytes_per_token"])
         return f"Chosen rank: {say(best)} meets >= 2x fewer key bytes than int8 at ΔPPL <= 1 %."
@@ -304,34 +350,48 @@ def measure_calibrated(session: Session) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvstrata-calibration-") as tmp:
         path = f"{tmp}/calibration.safetensors"
         write_calibration(
-            model, tokenizer, path, model_name=name, tokens=2 * context, context=context,
+            model,
+            tokenizer,
+            path,
+            model_name=name,
+            tokens=2 * context,
+            context=context,
             block_size=scale.block_size,
-        )  # fmt: skip
+        )
         cal = check_calibration(model, path)
     from kvstrata.workload.zoo import is_byte_tokenizer
 
     byte_level = is_byte_tokenizer(tokenizer)
     windows = heldout_windows(name, context, 1, tokenizer=None if byte_level else tokenizer)
     rows = lowrank_heads.measure(
-        model, windows, cal, context=context, block_size=scale.block_size,
+        model,
+        windows,
+        cal,
+        context=context,
+        block_size=scale.block_size,
         only=lambda mode, setting: (mode, setting) in CALIBRATED,
-    )  # fmt: skip
+    )
     session.tick(f"compression: calibrated codecs @ {context} tokens")
     return {"model": name, "model_note": note, "context": context, "rows": rows}
 
 
 def render_calibrated(d: dict[str, Any]) -> str:
     rows = [
-        [r["mode"], r["setting"], f"{r['key_bytes_per_token']:,.0f}",
-         f"{r['value_bytes_per_token']:,.0f}", f"{r['delta_ppl_pct']:+.2f} %",
-         f"{r['top1_agreement']:.1%}", f"{r['kl_nats_per_token']:.1e}"]
+        [
+            r["mode"],
+            r["setting"],
+            f"{r['key_bytes_per_token']:,.0f}",
+            f"{r['value_bytes_per_token']:,.0f}",
+            f"{r['delta_ppl_pct']:+.2f} %",
+            f"{r['top1_agreement']:.1%}",
+            f"{r['kl_nats_per_token']:.1e}",
+        ]
         for r in d["rows"]
-    ]  # fmt: skip
+    ]
     text = table(
-        ["mode", "setting", "key B/token", "value B/token", "ΔPPL", "top-1 agree",
-         "KL nats/token"],
+        ["mode", "setting", "key B/token", "value B/token", "ΔPPL", "top-1 agree", "KL nats/token"],
         rows,
-    )  # fmt: skip
+    )
     note = f" ({d['model_note']})" if d["model_note"] else ""
     return text + (
         f"\n\nModel: {d['model']}{note}, one held-out window of {d['context']} tokens, "

@@ -96,10 +96,20 @@ def draw_strategy(data: dict[str, Any], path: Path) -> str:
         1, 4, figsize=(15, 4.4), sharey=True, gridspec_kw={"width_ratios": [1.3, 1, 1, 1]}
     )
     h = 0.38
-    ax_b.barh([i + h / 2 for i in y], [r["device_bytes"] / MIB for r in rows], h,
-              label="on the device (blocks + staging)", color="#1f77b4")  # fmt: skip
-    ax_b.barh([i - h / 2 for i in y], [r["stored_bytes"] / MIB for r in rows], h,
-              label="stored in all tiers", color="#aec7e8")  # fmt: skip
+    ax_b.barh(
+        [i + h / 2 for i in y],
+        [r["device_bytes"] / MIB for r in rows],
+        h,
+        label="on the device (blocks + staging)",
+        color="#1f77b4",
+    )
+    ax_b.barh(
+        [i - h / 2 for i in y],
+        [r["stored_bytes"] / MIB for r in rows],
+        h,
+        label="stored in all tiers",
+        color="#aec7e8",
+    )
     _log(ax_b, "x")
     ax_b.set_xlabel("KV bytes (MiB, log)")
     ax_b.set_yticks(y, [r["strategy"] for r in rows])
@@ -110,8 +120,12 @@ def draw_strategy(data: dict[str, Any], path: Path) -> str:
     ax_s.set_xlabel("decode tokens/s (median)")
     ax_s.set_title("Speed")
     quality = [r for r in rows if "delta_ppl_pct" in r]
-    bars = ax_q.barh([y[rows.index(r)] for r in quality], [r["delta_ppl_pct"] for r in quality],
-                     0.6, color="#d62728")  # fmt: skip
+    bars = ax_q.barh(
+        [y[rows.index(r)] for r in quality],
+        [r["delta_ppl_pct"] for r in quality],
+        0.6,
+        color="#d62728",
+    )
     labels = [f"{round(r['delta_ppl_pct'], 3) + 0.0:+.3f}" for r in quality]  # no "-0.000"
     ax_q.bar_label(bars, labels=labels, fontsize=8, padding=2)
     ax_q.axvline(0, color="black", lw=0.8)
@@ -131,8 +145,14 @@ def draw_strategy(data: dict[str, Any], path: Path) -> str:
         for r in rows:
             if "delta_ppl_pct" not in r:
                 at = (0.5, y[rows.index(r)])
-                ax.annotate("reference", at, xycoords=("axes fraction", "data"), ha="center",
-                            va="center", fontsize=8)  # fmt: skip
+                ax.annotate(
+                    "reference",
+                    at,
+                    xycoords=("axes fraction", "data"),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                )
     shares = [r["device_fraction"] for r in rows if r["device_fraction"] < 1]
     fig.suptitle(
         f"Offloading strategies: {data['model']} ({data['geometry']['dtype']}), "
@@ -156,14 +176,24 @@ def draw_resident(data: dict[str, Any], path: Path) -> str:
     dynamic = [r for r in data["rows"] if r["codec"] is None]
     codecs = dict.fromkeys(c for r in data["rows"] if r["codec"] is not None for c in r["codecs"])
     for codec in codecs:
-        pts = sorted((r["device_fraction"], r["tok_per_s"]) for r in data["rows"]
-                     if codec in r["codecs"])  # fmt: skip
+        pts = sorted(
+            (r["device_fraction"], r["tok_per_s"]) for r in data["rows"] if codec in r["codecs"]
+        )
         name = f"{data.get('dtype', 'exact')} (none)" if codec == "none" else codec
-        ax.plot([100 * x for x, _ in pts], [t for _, t in pts], marker="o",
-                color=COLOURS.get(codec), label=f"TieredCache, host {name}")  # fmt: skip
+        ax.plot(
+            [100 * x for x, _ in pts],
+            [t for _, t in pts],
+            marker="o",
+            color=COLOURS.get(codec),
+            label=f"TieredCache, host {name}",
+        )
     for r in dynamic:
-        ax.axhline(r["tok_per_s"], color=COLOURS["DynamicCache"], ls="--",
-                   label="DynamicCache (all in memory)")  # fmt: skip
+        ax.axhline(
+            r["tok_per_s"],
+            color=COLOURS["DynamicCache"],
+            ls="--",
+            label="DynamicCache (all in memory)",
+        )
     _log(ax, "x")
     ax.set_xlim(0.8, 125)
     ax.set_xlabel("KV blocks on the device (%, log)")
@@ -189,10 +219,10 @@ def draw_context(data: dict[str, Any], path: Path) -> str:
         codec = "DynamicCache" if label == "DynamicCache" else label.rsplit(" ", 1)[-1]
         colour = COLOURS.get("none" if codec == "fp32" else codec)
         xs = [c for c, _ in pts]
-        ax_m.plot(xs, [r["device_bytes"] / MIB for _, r in pts], marker="o", color=colour,
-                  label=label)  # fmt: skip
-        ax_t.plot(xs, [1e3 * r["step_s"] for _, r in pts], marker="o", color=colour,
-                  label=label)  # fmt: skip
+        ax_m.plot(
+            xs, [r["device_bytes"] / MIB for _, r in pts], marker="o", color=colour, label=label
+        )
+        ax_t.plot(xs, [1e3 * r["step_s"] for _, r in pts], marker="o", color=colour, label=label)
     for ax in (ax_m, ax_t):
         ax.set_xscale("log", base=2)
         ax.set_xticks(data["contexts"], [_tokens(c) for c in data["contexts"]])
@@ -267,8 +297,14 @@ def draw_codecs(data: dict[str, Any], path: Path) -> str:
     ax_e.set_title("Attention error (synthetic K/V, outliers)")
     exact = [r["codec"] for r in rows if r["attn_rel_err"] == 0]
     if exact:
-        ax_e.annotate(f"exact (error 0): {', '.join(exact)}", (0.98, 0.96),
-                      xycoords="axes fraction", ha="right", va="top", fontsize=8)  # fmt: skip
+        ax_e.annotate(
+            f"exact (error 0): {', '.join(exact)}",
+            (0.98, 0.96),
+            xycoords="axes fraction",
+            ha="right",
+            va="top",
+            fontsize=8,
+        )
     ax_p.axhline(0, color="black", lw=0.8)
     _at_least(ax_p, 0.1, "y")
     ax_p.set_ylabel(f"{PPL_LABEL} (%)")
@@ -307,15 +343,20 @@ def draw_serving(prefix: dict[str, Any] | None, serve: dict[str, Any] | None, pa
     if prefix is not None:
         ax = axes.pop(0)
         names = [PREFIX_LABELS.get(v["variant"], v["variant"]) for v in prefix["variants"]]
-        bars = ax.bar(names, [v["ttft_ms"] for v in prefix["variants"]], color="#1f77b4",
-                      label="time to first token (median)")  # fmt: skip
+        bars = ax.bar(
+            names,
+            [v["ttft_ms"] for v in prefix["variants"]],
+            color="#1f77b4",
+            label="time to first token (median)",
+        )
         ax.bar_label(bars, fmt="%.0f ms", fontsize=8, padding=2)
         ax.margins(y=0.12)
         ax.tick_params(axis="x", labelsize=8)
         ax.set_ylabel("time to first token (ms)")
         ax.set_xlabel("state of the prefix cache")
-        ax.set_title(f"Prefix reuse: {prefix['prefix_tokens']} cached + "
-                     f"{prefix['suffix_tokens']} new tokens")  # fmt: skip
+        ax.set_title(
+            f"Prefix reuse: {prefix['prefix_tokens']} cached + {prefix['suffix_tokens']} new tokens"
+        )
         ax.legend(fontsize=9)
         parts.append(
             f"time to first token with a {prefix['prefix_tokens']}-token prefix cold, warm "
@@ -326,15 +367,28 @@ def draw_serving(prefix: dict[str, Any] | None, serve: dict[str, Any] | None, pa
         ax = axes.pop(0)
         v = serve["variants"]
         levels = [c for c in (1, 4, 8) if f"c{c}" in v]
-        ax.plot(levels, [v[f"c{c}"]["tokens_per_s"] for c in levels], marker="o",
-                label="kvstrata engine")  # fmt: skip
-        ax.axhline(v["baseline"]["tokens_per_s"], color=COLOURS["DynamicCache"], ls="--",
-                   label="generate + DynamicCache, one at a time")  # fmt: skip
+        ax.plot(
+            levels,
+            [v[f"c{c}"]["tokens_per_s"] for c in levels],
+            marker="o",
+            label="kvstrata engine",
+        )
+        ax.axhline(
+            v["baseline"]["tokens_per_s"],
+            color=COLOURS["DynamicCache"],
+            ls="--",
+            label="generate + DynamicCache, one at a time",
+        )
         if "c8_dev25" in v:
             share = serve["dev25_device_share"]
             what = f"{share:.0%} of" if share < 1 else "a device budget >="
-            ax.scatter([8], [v["c8_dev25"]["tokens_per_s"]], marker="s", color="#d62728",
-                       label=f"engine, {what} the running KV on the device")  # fmt: skip
+            ax.scatter(
+                [8],
+                [v["c8_dev25"]["tokens_per_s"]],
+                marker="s",
+                color="#d62728",
+                label=f"engine, {what} the running KV on the device",
+            )
         ax.set_xticks(levels)
         ax.set_xlabel("requests running at once")
         ax.set_ylabel("output tokens/s")
@@ -355,8 +409,11 @@ def draw_planner(data: dict[str, Any], path: Path) -> str:
     markers = {"device": "o", "host": "s", "disk": "^"}
     lo, hi = float("inf"), 0.0
     for tier, marker in markers.items():
-        pts = [(r["predicted"][tier], r["measured"][tier]) for r in rows
-               if r["predicted"][tier] or r["measured"][tier]]  # fmt: skip
+        pts = [
+            (r["predicted"][tier], r["measured"][tier])
+            for r in rows
+            if r["predicted"][tier] or r["measured"][tier]
+        ]
         if not pts:
             continue
         xs, ys = [p / MIB for p, _ in pts], [m / MIB for _, m in pts]
@@ -379,15 +436,20 @@ def draw_planner(data: dict[str, Any], path: Path) -> str:
         off = [r for r in sel if r["step_off_by_more_than_2x"]]
         for group, colour, what in ((ok, "#2ca02c", "within 2x"), (off, "#d62728", "off > 2x")):
             if group:
-                ax_t.scatter([1e3 * r["predicted"]["step_s"] for r in group],
-                             [1e3 * r["measured"]["step_s"] for r in group], marker=marker,
-                             color=colour, label=f"{section} cases, {what}")  # fmt: skip
+                ax_t.scatter(
+                    [1e3 * r["predicted"]["step_s"] for r in group],
+                    [1e3 * r["measured"]["step_s"] for r in group],
+                    marker=marker,
+                    color=colour,
+                    label=f"{section} cases, {what}",
+                )
     times = [1e3 * r[k]["step_s"] for r in rows for k in ("predicted", "measured")]
     if times:
         a, b = min(times) / 3, max(times) * 3
         ax_t.plot([a, b], [a, b], color="black", lw=0.8, label="predicted = measured")
-        ax_t.fill_between([a, b], [a / 2, b / 2], [2 * a, 2 * b], color="grey", alpha=0.15,
-                          label="within 2x")  # fmt: skip
+        ax_t.fill_between(
+            [a, b], [a / 2, b / 2], [2 * a, 2 * b], color="grey", alpha=0.15, label="within 2x"
+        )
     _log(ax_t, "x")
     _log(ax_t)
     ax_t.set_xlabel("predicted step bound (ms, log)")

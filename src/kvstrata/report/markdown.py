@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvstrata.core.units import format_bytes
-from kvstrata.report import compression
-from kvstrata.report.predicted import STEP_TOLERANCE
+from kvstrata.report import compression, predicted
+from kvstrata.report.tables import mib as _mib
 from kvstrata.report.tables import table as _table
 
 SECTION_TITLES = {
@@ -23,10 +23,6 @@ SECTION_TITLES = {
 
 
 PPL_LABEL = "ΔPPL vs DynamicCache"  # the exact reference of every ΔPPL: one wording
-
-
-def _mib(num: float) -> str:
-    return f"{num / 2**20:,.2f} MiB"
 
 
 def _pct(x: float | None, digits: int = 1) -> str:
@@ -84,19 +80,37 @@ def strategy(d: dict[str, Any]) -> str:
         quality = [
             _signed(r["delta_ppl_pct"]) if "delta_ppl_pct" in r else "reference",
             _pct(r.get("top1_agreement")),
-            (f"{_pct(r['greedy_agreement'])} ({r['greedy_identical']} identical)"
-             if "greedy_agreement" in r else "reference"),
-        ]  # fmt: skip
-        table.append([
-            r["strategy"], _pct(r["device_fraction"], 0), f"{r['tok_per_s']:.1f}",
-            f"{r['tok_per_s'] / base['tok_per_s']:.2f}x", _mib(r["device_bytes"]),
-            _mib(r["stored_bytes"]), *quality,
-        ])  # fmt: skip
+            (
+                f"{_pct(r['greedy_agreement'])} ({r['greedy_identical']} identical)"
+                if "greedy_agreement" in r
+                else "reference"
+            ),
+        ]
+        table.append(
+            [
+                r["strategy"],
+                _pct(r["device_fraction"], 0),
+                f"{r['tok_per_s']:.1f}",
+                f"{r['tok_per_s'] / base['tok_per_s']:.2f}x",
+                _mib(r["device_bytes"]),
+                _mib(r["stored_bytes"]),
+                *quality,
+            ]
+        )
     text = _table(
-        ["strategy", "blocks on device", "decode tok/s", "vs DynamicCache", "device KV",
-         "stored KV (all tiers)", PPL_LABEL, "top-1 agreement", "greedy agreement"],
+        [
+            "strategy",
+            "blocks on device",
+            "decode tok/s",
+            "vs DynamicCache",
+            "device KV",
+            "stored KV (all tiers)",
+            PPL_LABEL,
+            "top-1 agreement",
+            "greedy agreement",
+        ],
         table,
-    )  # fmt: skip
+    )
     ppl, greedy = d["ppl"], d["greedy"]
     speed_tokens = d["context"] + d["steps"]
     greedy_tokens = greedy["prompt_tokens"] + greedy["new"]
@@ -104,8 +118,9 @@ def strategy(d: dict[str, Any]) -> str:
         f"{r['strategy']}: {_pct(r['ppl_device_fraction'], 0)} of the blocks on the device, "
         f"{r['ppl_lower_tier_predictions']} of {ppl['predictions']} scored predictions read "
         "blocks back from the host / disk tier"
-        for r in rows if r.get("ppl_lower_tier_predictions") is not None
-    )  # fmt: skip
+        for r in rows
+        if r.get("ppl_lower_tier_predictions") is not None
+    )
     text += (
         f"\n\nModel: {d['model']}{' (' + d['model_note'] + ')' if d['model_note'] else ''}; "
         f"{d['context']}-token random prompt, {d['steps']} decode steps x {d['repeats']} "
@@ -149,18 +164,32 @@ def _residual(d: dict[str, Any]) -> str:
 
 def resident(d: dict[str, Any]) -> str:
     rows = [
-        [r["variant"] if r["codec"] is None else " = ".join(r["codecs"]),
-         ", ".join(f"{a['codec']} {a['fraction']:.0%}" for a in r["asked"]) or "–",
-         _pct(r["device_fraction"]),
-         f"{r['tok_per_s']:.1f}", f"{100 * r['spread']:.0f} %", _mib(r["device_bytes"]),
-         "yes" if r["tokens_identical"] else "no"]
+        [
+            r["variant"] if r["codec"] is None else " = ".join(r["codecs"]),
+            ", ".join(f"{a['codec']} {a['fraction']:.0%}" for a in r["asked"]) or "–",
+            _pct(r["device_fraction"]),
+            f"{r['tok_per_s']:.1f}",
+            f"{100 * r['spread']:.0f} %",
+            _mib(r["device_bytes"]),
+            "yes" if r["tokens_identical"] else "no",
+        ]
         for r in d["rows"]
-    ]  # fmt: skip
-    return _table(
-        ["host codec", "asked (codec, device share)", "blocks on device", "decode tok/s",
-         "spread", "device KV", "tokens = DynamicCache's"],
-        rows,
-    ) + "\n\nLossy codecs change tokens by design; lossless rows must match.\n"  # fmt: skip
+    ]
+    return (
+        _table(
+            [
+                "host codec",
+                "asked (codec, device share)",
+                "blocks on device",
+                "decode tok/s",
+                "spread",
+                "device KV",
+                "tokens = DynamicCache's",
+            ],
+            rows,
+        )
+        + "\n\nLossy codecs change tokens by design; lossless rows must match.\n"
+    )
 
 
 def _device(r: dict[str, Any]) -> str:
@@ -174,10 +203,11 @@ def context(d: dict[str, Any]) -> str:
     header = ["context"] + [f"{lab}: device KV" for lab in labels]
     header += [f"{lab}: ms/step" for lab in labels]
     rows = [
-        [c] + [_device(by[(lab, c)]) for lab in labels]
+        [c]
+        + [_device(by[(lab, c)]) for lab in labels]
         + [f"{1e3 * by[(lab, c)]['step_s']:.2f}" for lab in labels]
         for c in d["contexts"]
-    ]  # fmt: skip
+    ]
     text = _table(header, rows) + f"\n\nK/V: {d['kv']}."
     if any(r["held"].get("staging") for r in d["rows"]):
         text += (
@@ -202,8 +232,15 @@ def block_size(d: dict[str, Any]) -> str:
     tp_rows = []
     for tier in (k for k in tp if isinstance(tp[k], dict)):
         g = tp[tier]["gb_per_s"]
-        tp_rows.append([tier, f"{g['tier write']:.2f}", f"{g['raw write']:.2f}",
-                        f"{g['tier read']:.2f}", f"{g['raw read']:.2f}"])  # fmt: skip
+        tp_rows.append(
+            [
+                tier,
+                f"{g['tier write']:.2f}",
+                f"{g['raw write']:.2f}",
+                f"{g['tier read']:.2f}",
+                f"{g['raw read']:.2f}",
+            ]
+        )
     text += (
         f"\n\nTier vs raw copies of the same {format_bytes(tp['bytes'])} ({tp['blocks']} blocks of "
         f"{tp['block_size']} tokens; host: tensor `copy_`, disk: pwrite/preadv of one file), "
@@ -215,30 +252,47 @@ def block_size(d: dict[str, Any]) -> str:
 
 def codecs(d: dict[str, Any]) -> str:
     rows = [
-        [r["codec"], f"{r['bits']:.3f}", f"{100 * r['attn_rel_err']:.2f} %",
-         "n/a" if r["delta_ppl_pct"] is None else _signed(r["delta_ppl_pct"]),
-         _pct(r["top1_agreement"]), f"{r['enc']:.2f}", f"{r['dec']:.2f}", f"{r['copy']:.2f}"]
+        [
+            r["codec"],
+            f"{r['bits']:.3f}",
+            f"{100 * r['attn_rel_err']:.2f} %",
+            "n/a" if r["delta_ppl_pct"] is None else _signed(r["delta_ppl_pct"]),
+            _pct(r["top1_agreement"]),
+            f"{r['enc']:.2f}",
+            f"{r['dec']:.2f}",
+            f"{r['copy']:.2f}",
+        ]
         for r in d["rows"]
-    ]  # fmt: skip
+    ]
     text = _table(
-        ["codec", "bits/element", "attention error", PPL_LABEL, "top-1 agreement",
-         "encode GB/s", "decode GB/s", "copy_ GB/s"],
+        [
+            "codec",
+            "bits/element",
+            "attention error",
+            PPL_LABEL,
+            "top-1 agreement",
+            "encode GB/s",
+            "decode GB/s",
+            "copy_ GB/s",
+        ],
         rows,
-    )  # fmt: skip
+    )
     text += f"\n\nExact PPL of the embedded model on the window: {d['exact_ppl']:.3f}."
     reads = [
-        f"{r['codec']} {r['ppl_lower_tier_predictions']}" for r in d["rows"]
+        f"{r['codec']} {r['ppl_lower_tier_predictions']}"
+        for r in d["rows"]
         if r.get("ppl_lower_tier_predictions") is not None
-    ]  # fmt: skip
+    ]
     if reads and d.get("ppl_predictions"):
         text += (
             f" Scored predictions (of {d['ppl_predictions']}) that read host blocks back: "
             f"{', '.join(reads)}."
         )
     text += "".join(
-        f" No ΔPPL for {r['codec']}: {r['ppl_unavailable']}." for r in d["rows"]
+        f" No ΔPPL for {r['codec']}: {r['ppl_unavailable']}."
+        for r in d["rows"]
         if r["ppl_unavailable"]
-    )  # fmt: skip
+    )
     return text + "\n"
 
 
@@ -246,13 +300,25 @@ def serving(prefix: dict[str, Any] | None, serve: dict[str, Any] | None) -> str:
     text = ""
     if prefix is not None:
         rows = [
-            [v["variant"], f"{v['ttft_ms']:.1f}", f"{100 * v['spread']:.0f} %",
-             ", ".join(f"{t}={n}" for t, n in v["hit_tokens_by_tier"].items()) or "–",
-             "yes" if v["tokens_identical"] else "no"]
+            [
+                v["variant"],
+                f"{v['ttft_ms']:.1f}",
+                f"{100 * v['spread']:.0f} %",
+                ", ".join(f"{t}={n}" for t, n in v["hit_tokens_by_tier"].items()) or "–",
+                "yes" if v["tokens_identical"] else "no",
+            ]
             for v in prefix["variants"]
-        ]  # fmt: skip
-        text += _table(["prefix cache", "TTFT ms", "spread", "hit tokens per tier",
-                        "first token = DynamicCache's"], rows)  # fmt: skip
+        ]
+        text += _table(
+            [
+                "prefix cache",
+                "TTFT ms",
+                "spread",
+                "hit tokens per tier",
+                "first token = DynamicCache's",
+            ],
+            rows,
+        )
         r = prefix["ratios"]
         text += (
             f"\n\ncold / warm {r['cold/warm']:.1f}x, empty disk / restart "
@@ -261,119 +327,17 @@ def serving(prefix: dict[str, Any] | None, serve: dict[str, Any] | None) -> str:
         )
     if serve is not None:
         rows = [
-            [name, f"{v['tokens_per_s']:.1f}", f"{v['median_s']:.2f}",
-             {True: "yes", False: "no"}.get(v.get("exact_vs_baseline"), "reference")]
+            [
+                name,
+                f"{v['tokens_per_s']:.1f}",
+                f"{v['median_s']:.2f}",
+                {True: "yes", False: "no"}.get(v.get("exact_vs_baseline"), "reference"),
+            ]
             for name, v in serve["variants"].items()
-        ]  # fmt: skip
+        ]
         text += _table(["engine variant", "output tok/s", "median s", "tokens = generate's"], rows)
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in serve["ratios"].items())
         text += f"\n\n{ratios}. Command: `{serve['command']}` (alone: `{serve['bench_command']}`)\n"
-    return text
-
-
-def _floor(r: dict[str, Any]) -> str:
-    floor = r.get("floor_tokens", 0)
-    if not floor:
-        return "–"
-    binds = floor >= r["asked_resident"] * r["tokens"]
-    return f"{floor} tokens" + (" (used)" if binds else "")
-
-
-def step_reason(r: dict[str, Any]) -> str:
-    """Why one case's step is off the planner's bound: what that case does that the bound
-    (bytes moved at the measured bandwidths) does not count."""
-    if r["step_ratio"] < 1 / STEP_TOLERANCE:
-        return "the bound assumes traffic this cache avoids"
-    why = []
-    if r["lower_codec"] != "none" and r["measured"]["host"] + r["measured"]["disk"] > 0:
-        why.append(f"decoding {r['lower_codec']} blocks is compute the bound does not count")
-    if r["disk"]:
-        why.append("per-block disk reads and checksums")
-    if not why:
-        what = "per-block host reads, " if r["measured"]["host"] else ""
-        why.append(f"{what}attention compute over {r['tokens']} tokens / timing noise")
-    return "; ".join(why)
-
-
-def planner(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        p, m, ok = r["predicted"], r["measured"], r["bytes_within_one_block"]
-        bytes_cells = [
-            f"{_mib(p[t])} / {_mib(m[t])}" + ("" if ok.get(t, True) else " **✗**")
-            for t in ("device", "staging", "host", "disk")
-        ]
-        flag = " **off > 2x**" if r["step_off_by_more_than_2x"] else ""
-        rows.append([
-            f"{r['section']}: {r['case']}", r["tokens"], f"{100 * r['asked_resident']:.0f} %",
-            _floor(r), *bytes_cells, f"{1e3 * p['step_s']:.3f}", f"{1e3 * m['step_s']:.2f}",
-            f"{r['step_ratio']:.1f}x{flag}",
-        ])  # fmt: skip
-    text = ""
-    if d.get("stale"):
-        text += f"> **Stale:** {d['stale']}.\n\n"
-    text += _table(
-        ["case", "tokens", "asked device share", "floor (sinks + residual + open block)",
-         "device excl. staging: plan / cache", "staging: plan / cache", "host: plan / cache",
-         "disk: plan / cache", "step bound ms", "measured ms", "measured / bound"],
-        rows,
-    )  # fmt: skip
-    s, bw = d["summary"], d["bandwidth"]
-    disk_cases = [r["case"] for r in d["rows"] if r.get("host_capacity_from_cache")]
-    text += (
-        f"\n\nThe planner was given this machine as measured: memory copy "
-        f"{bw['device'] / 1e9:.2f} GB/s as the device bandwidth, host tier reads "
-        f"{bw['link'] / 1e9:.2f} GB/s as the link, disk tier reads {bw['disk'] / 1e9:.2f} GB/s "
-        "(page cache warm). Of each cache it was given the tokens, the block size and the "
-        "device share the section asked for (not the cache's device budget), raised to the "
-        'placement floor where that column says "used": a lossy host tier keeps the '
-        "sinks, the residual window and the open block on the device whatever the share. "
-    )
-    if disk_cases:
-        text += (
-            f"For {', '.join(disk_cases)} it was also given the host tier's capacity from the "
-            "cache's host_budget, so the host / disk split is the cache's; only their sum is "
-            "the planner's. "
-        )
-    text += (
-        "It applies one codec to every tier; the caches keep the device exact, so it is asked "
-        "with codec none for the device and staging bytes and with the lower tiers' codec for "
-        "the host / disk bytes and the step bound. The device column excludes the staging "
-        "buffer (the strategy and context tables' device KV includes it). The planner sizes "
-        "a staging buffer for every offloaded cache (a GPU streams cold blocks through it); "
-        "on this machine a cache stages only the lossy blocks it decodes and reads a "
-        "lossless host tier in place, so there the cache's staging is 0.\n\n"
-    )
-    if s["bytes_mismatched"]:
-        text += (
-            f"**Bytes:** {len(s['bytes_mismatched'])} of {s['cases']} cases differ by more than "
-            f"one block per sequence per layer group: {', '.join(s['bytes_mismatched'])}.\n\n"
-        )
-    else:
-        text += (
-            f"**Bytes:** in all {s['cases']} cases the planner's device, host and disk bytes "
-            "match the cache's to within one block per sequence per layer group.\n\n"
-        )
-    off = s["step_off_by_more_than_2x"]
-    if off:
-        text += (
-            f"**Step time: the planner's bound is off by more than 2x in {len(off)} of "
-            f"{s['cases']} cases** (measured / bound over all cases {s['step_ratio_min']:.1f}x "
-            f"to {s['step_ratio_max']:.1f}x). The bound counts only bytes moved — weights and "
-            "stored KV at the measured bandwidths — so a step it undercounts spends its time "
-            "on work it does not model; per case:\n\n"
-        )
-        for r in d["rows"]:
-            if r["step_off_by_more_than_2x"]:
-                case = f"{r['section']}: {r['case']}"
-                text += f"- {case} ({r['step_ratio']:.1f}x): {step_reason(r)}\n"
-        text += "\nRead the bound as a floor, not a forecast, for those cases.\n"
-    else:
-        text += (
-            f"**Step time:** the planner's bound is within 2x of the measured step in all "
-            f"{s['cases']} cases (measured / bound {s['step_ratio_min']:.1f}x to "
-            f"{s['step_ratio_max']:.1f}x).\n"
-        )
     return text
 
 
@@ -384,7 +348,7 @@ RENDERERS = {
     "block_size": block_size,
     "codecs": codecs,
     "compression": compression.render,
-    "planner": planner,
+    "planner": predicted.render,
 }
 
 

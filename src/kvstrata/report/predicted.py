@@ -15,7 +15,7 @@ and their sum the planner's. It applies one codec to every tier while the caches
 the device tier exact: it is asked once with codec "none" (device and staging bytes) and
 once with the lower tiers' codec (host / disk bytes, step bound). Bytes must agree to
 within one block per sequence per layer group; a step-time bound off by more than 2x is
-flagged.
+flagged. Measured (`section`) and rendered (`render`, its part of report.md) here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvstrata.report.session import Session
+from kvstrata.report.tables import mib, table
 
 STEP_TOLERANCE = 2.0  # measured / predicted outside [1/2, 2]: flagged
 
@@ -102,12 +103,13 @@ def _hardware(bandwidth: dict[str, float], host_memory: int) -> Any:
     from kvstrata.platform.hardware import GPUSpec, Hardware, LinkSpec, machine_ram
 
     return Hardware(
-        gpu=GPUSpec("this machine (device tier = RAM)", machine_ram() or 2**40,
-                    bandwidth["device"]),
+        gpu=GPUSpec(
+            "this machine (device tier = RAM)", machine_ram() or 2**40, bandwidth["device"]
+        ),
         link=LinkSpec("host tier read (measured)", bandwidth["link"]),
         disk=LinkSpec("disk tier read (measured)", bandwidth["disk"]),
         host_memory=host_memory,
-    )  # fmt: skip
+    )
 
 
 def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int) -> dict:
@@ -138,8 +140,9 @@ def compare_case(c: dict[str, Any], bandwidth: dict[str, float], block_size: int
     if c["disk"]:  # the planner fills the host up to 80 % of its RAM, then the disk
         host_memory = math.ceil(c["host_budget"] / HOST_USABLE_FRACTION)
     hardware = _hardware(bandwidth, host_memory)
-    exact = Workload(context_tokens=tokens, block_size=bs, reserve_bytes=0,
-                     resident_fraction=resident)  # fmt: skip
+    exact = Workload(
+        context_tokens=tokens, block_size=bs, reserve_bytes=0, resident_fraction=resident
+    )
     on_device = plan(geometry, hardware, exact)
     lower = c["lower_codec"]
     below = on_device if lower == "none" else plan(geometry, hardware, replace(exact, codec=lower))
@@ -209,3 +212,128 @@ def section(session: Session) -> dict[str, Any]:
         },
         "command": session.section_command("planner"),
     }
+
+
+def _floor(r: dict[str, Any]) -> str:
+    floor = r.get("floor_tokens", 0)
+    if not floor:
+        return "–"
+    binds = floor >= r["asked_resident"] * r["tokens"]
+    return f"{floor} tokens" + (" (used)" if binds else "")
+
+
+def step_reason(r: dict[str, Any]) -> str:
+    """Why one case's step is off the planner's bound: what that case does that the bound
+    (bytes moved at the measured bandwidths) does not count."""
+    if r["step_ratio"] < 1 / STEP_TOLERANCE:
+        return "the bound assumes traffic this cache avoids"
+    why = []
+    if r["lower_codec"] != "none" and r["measured"]["host"] + r["measured"]["disk"] > 0:
+        why.append(f"decoding {r['lower_codec']} blocks is compute the bound does not count")
+    if r["disk"]:
+        why.append("per-block disk reads and checksums")
+    if not why:
+        what = "per-block host reads, " if r["measured"]["host"] else ""
+        why.append(f"{what}attention compute over {r['tokens']} tokens / timing noise")
+    return "; ".join(why)
+
+
+def render(d: dict[str, Any]) -> str:
+    """The planner part of report.md: the table of cases, what the planner was given, and
+    the bytes and step-time verdicts."""
+    rows = []
+    for r in d["rows"]:
+        p, m, ok = r["predicted"], r["measured"], r["bytes_within_one_block"]
+        bytes_cells = [
+            f"{mib(p[t])} / {mib(m[t])}" + ("" if ok.get(t, True) else " **✗**")
+            for t in ("device", "staging", "host", "disk")
+        ]
+        flag = " **off > 2x**" if r["step_off_by_more_than_2x"] else ""
+        rows.append(
+            [
+                f"{r['section']}: {r['case']}",
+                r["tokens"],
+                f"{100 * r['asked_resident']:.0f} %",
+                _floor(r),
+                *bytes_cells,
+                f"{1e3 * p['step_s']:.3f}",
+                f"{1e3 * m['step_s']:.2f}",
+                f"{r['step_ratio']:.1f}x{flag}",
+            ]
+        )
+    text = ""
+    if d.get("stale"):
+        text += f"> **Stale:** {d['stale']}.\n\n"
+    text += table(
+        [
+            "case",
+            "tokens",
+            "asked device share",
+            "floor (sinks + residual + open block)",
+            "device excl. staging: plan / cache",
+            "staging: plan / cache",
+            "host: plan / cache",
+            "disk: plan / cache",
+            "step bound ms",
+            "measured ms",
+            "measured / bound",
+        ],
+        rows,
+    )
+    s, bw = d["summary"], d["bandwidth"]
+    disk_cases = [r["case"] for r in d["rows"] if r.get("host_capacity_from_cache")]
+    text += (
+        f"\n\nThe planner was given this machine as measured: memory copy "
+        f"{bw['device'] / 1e9:.2f} GB/s as the device bandwidth, host tier reads "
+        f"{bw['link'] / 1e9:.2f} GB/s as the link, disk tier reads {bw['disk'] / 1e9:.2f} GB/s "
+        "(page cache warm). Of each cache it was given the tokens, the block size and the "
+        "device share the section asked for (not the cache's device budget), raised to the "
+        'placement floor where that column says "used": a lossy host tier keeps the '
+        "sinks, the residual window and the open block on the device whatever the share. "
+    )
+    if disk_cases:
+        text += (
+            f"For {', '.join(disk_cases)} it was also given the host tier's capacity from the "
+            "cache's host_budget, so the host / disk split is the cache's; only their sum is "
+            "the planner's. "
+        )
+    text += (
+        "It applies one codec to every tier; the caches keep the device exact, so it is asked "
+        "with codec none for the device and staging bytes and with the lower tiers' codec for "
+        "the host / disk bytes and the step bound. The device column excludes the staging "
+        "buffer (the strategy and context tables' device KV includes it). The planner sizes "
+        "a staging buffer for every offloaded cache (a GPU streams cold blocks through it); "
+        "on this machine a cache stages only the lossy blocks it decodes and reads a "
+        "lossless host tier in place, so there the cache's staging is 0.\n\n"
+    )
+    if s["bytes_mismatched"]:
+        text += (
+            f"**Bytes:** {len(s['bytes_mismatched'])} of {s['cases']} cases differ by more than "
+            f"one block per sequence per layer group: {', '.join(s['bytes_mismatched'])}.\n\n"
+        )
+    else:
+        text += (
+            f"**Bytes:** in all {s['cases']} cases the planner's device, host and disk bytes "
+            "match the cache's to within one block per sequence per layer group.\n\n"
+        )
+    off = s["step_off_by_more_than_2x"]
+    if off:
+        text += (
+            f"**Step time: the planner's bound is off by more than 2x in {len(off)} of "
+            f"{s['cases']} cases** (measured / bound over all cases {s['step_ratio_min']:.1f}x "
+            f"to {s['step_ratio_max']:.1f}x). The bound counts only bytes moved — weights and "
+            "stored KV at the measured bandwidths — so a step it undercounts spends its time "
+            "on work it does not model; per case:\n\n"
+        )
+        for r in d["rows"]:
+            if r["step_off_by_more_than_2x"]:
+                case = f"{r['section']}: {r['case']}"
+                text += f"- {case} ({r['step_ratio']:.1f}x): {step_reason(r)}\n"
+        text += "\nRead the bound as a floor, not a forecast, for those cases.\n"
+    else:
+        text += (
+            f"**Step time:** the planner's bound is within 2x of the measured step in all "
+            f"{s['cases']} cases (measured / bound {s['step_ratio_min']:.1f}x to "
+            f"{s['step_ratio_max']:.1f}x).\n"
+        )
+    return text

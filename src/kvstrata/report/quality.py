@@ -136,16 +136,25 @@ def score(
 
     exact = PplResult(0.0, 0, 0, [])
     results = {name: PplResult(0.0, 0, 0, []) for name in configs}
-    watches = {name: _LowerTierWatch(tiered_cache_factory(model, **kw))
-               for name, kw in configs.items()}  # fmt: skip
+    watches = {
+        name: _LowerTierWatch(tiered_cache_factory(model, **kw)) for name, kw in configs.items()
+    }
     for window in windows:
         n = len(window)
-        res = perplexity(model, window, exact_cache_factory(model), n, prefill=prefill,
-                         bytes_of=bytes_of)  # fmt: skip
+        res = perplexity(
+            model, window, exact_cache_factory(model), n, prefill=prefill, bytes_of=bytes_of
+        )
         exact = exact.merged(res)
         for name, watch in watches.items():
-            res = perplexity(model, window, watch.make, n, prefill=prefill, bytes_of=bytes_of,
-                             progress=watch.after_forward)  # fmt: skip
+            res = perplexity(
+                model,
+                window,
+                watch.make,
+                n,
+                prefill=prefill,
+                bytes_of=bytes_of,
+                progress=watch.after_forward,
+            )
             results[name] = results[name].merged(res)
     model.set_attn_implementation(REFERENCE_ATTENTION)  # as compare() leaves it
     scored = {
@@ -270,16 +279,23 @@ def strategy(session: Session) -> dict[str, Any]:
         "residual_tokens": scale.residual_tokens,
         "sink_tokens": SINK_TOKENS,
         "resident": scale.resident,
-        "ppl": {"window": scale.ppl_window, "windows": scale.ppl_windows,
-                "prefill": exact_tokens, "exact_ppl": exact.ppl,
-                "predictions": exact.num_tokens},
-        "greedy": {"prompts": scale.greedy_prompts, "prompt_tokens": scale.greedy_prompt_tokens,
-                   "new": new},
+        "ppl": {
+            "window": scale.ppl_window,
+            "windows": scale.ppl_windows,
+            "prefill": exact_tokens,
+            "exact_ppl": exact.ppl,
+            "predictions": exact.num_tokens,
+        },
+        "greedy": {
+            "prompts": scale.greedy_prompts,
+            "prompt_tokens": scale.greedy_prompt_tokens,
+            "new": new,
+        },
         "rows": rows,
         "cases": cases,
         "load_warning": warning,
         "command": session.section_command("strategy"),
-    }  # fmt: skip
+    }
 
 
 def _device_fraction(stats: dict[str, Any] | None) -> float:
@@ -321,9 +337,15 @@ def codecs(session: Session) -> dict[str, Any]:
         except ConfigError as exc:
             unusable[name] = str(exc)
             continue
-        configs[name] = placement(model, window, codec=name, resident=scale.resident,
-                                  block_size=block_size, residual_tokens=scale.residual_tokens,
-                                  sink_tokens=SINK_TOKENS)  # fmt: skip
+        configs[name] = placement(
+            model,
+            window,
+            codec=name,
+            resident=scale.resident,
+            block_size=block_size,
+            residual_tokens=scale.residual_tokens,
+            sink_tokens=SINK_TOKENS,
+        )
     prefill = min(exact_span(scale.block_size, scale.residual_tokens), window - 1)
     exact, ppl = score(model, windows, configs, prefill=prefill, bytes_of=bytes_of)
     session.tick("codecs: ΔPPL")

@@ -93,9 +93,15 @@ def resident(session: Session) -> dict[str, Any]:
             key = seen[signature] = f"{codec}@{fraction:g}"
             asked[key] = [(codec, fraction)]
             variants.append(
-                Variant(key, f"{codec} @ {fraction:.0%}", ctx, twin,
-                        lambda kw=kwargs: _tiered(sdpa, kw), [])
-            )  # fmt: skip
+                Variant(
+                    key,
+                    f"{codec} @ {fraction:.0%}",
+                    ctx,
+                    twin,
+                    lambda kw=kwargs: _tiered(sdpa, kw),
+                    [],
+                )
+            )
     pre = {ctx: prefill(sdpa, ctx, seed=1)}
     times, warning = time_variants(variants, pre, steps, scale.repeats, session.threads)
     session.tick("resident: decode sweep")
@@ -169,19 +175,24 @@ def context(session: Session) -> dict[str, Any]:
             kwargs = placement(sdpa, ctx + steps, codec=codec, resident=share, block_size=bs)
             key = f"{codec}@{ctx}"
             configs[key], asked[key] = kwargs, share
-            variants.append(
-                Variant(key, label, ctx, twin, lambda kw=kwargs: _tiered(sdpa, kw), [])
-            )  # fmt: skip
+            variants.append(Variant(key, label, ctx, twin, lambda kw=kwargs: _tiered(sdpa, kw), []))
     pre = {ctx: synthetic_prefill(sdpa, ctx) for ctx in scale.contexts}
     times, warning = time_variants(variants, pre, steps, scale.repeats, session.threads)
     session.tick("context: device bytes and step time")
     geometry = geometry_of(sdpa)
     rows = [_row(v, times[v.key], steps) for v in variants]
     cases = [
-        case("context", f"{v.label} @ {v.context}", geometry, v, configs.get(v.key),
-             row["step_s"], asked.get(v.key, 1.0))
+        case(
+            "context",
+            f"{v.label} @ {v.context}",
+            geometry,
+            v,
+            configs.get(v.key),
+            row["step_s"],
+            asked.get(v.key, 1.0),
+        )
         for v, row in zip(variants, rows, strict=True)
-    ]  # fmt: skip
+    ]
     return {
         "model": _describe(sdpa)[0],
         "kv": "random K/V replayed into each cache (no prefill: bytes and time do not "

@@ -173,9 +173,17 @@ class DiskTier(Tier):
         def make_file(index: DiskIndex) -> BlockFile:
             # _load_compressor is looked up when a compressed slot is read, as before
             return BlockFile(
-                self.path, fmt, num_slots, index, self._checksum, native, compressor,
-                lambda: _load_compressor(), self.io_threads, o_direct,
-            )  # fmt: skip
+                self.path,
+                fmt,
+                num_slots,
+                index,
+                self._checksum,
+                native,
+                compressor,
+                lambda: _load_compressor(),
+                self.io_threads,
+                o_direct,
+            )
 
         taken = files.open(self.directory, fmt, num_slots, fsync, self._meta(), make_file)
         self._pid = files.pid  # the owner: a forked child may not use this tier

@@ -364,9 +364,18 @@ def native_io(
     status = np.zeros(c * P, dtype=np.uint8)
     ptr = lambda a: a.ctypes.data  # noqa: E731
     rc = lib.kv_pio(
-        fd, int(write), c * P, ptr(addr), ptr(length), ptr(foff), ptr(out),
-        ptr(sums), ptr(status), NATIVE_BATCH, threads,
-    )  # fmt: skip
+        fd,
+        int(write),
+        c * P,
+        ptr(addr),
+        ptr(length),
+        ptr(foff),
+        ptr(out),
+        ptr(sums),
+        ptr(status),
+        NATIVE_BATCH,
+        threads,
+    )
     if rc < 0:
         raise OSError(-rc, os.strerror(-rc))
     return sums.reshape(c, nl), status.reshape(c, P).any(axis=1)

@@ -287,8 +287,9 @@ def gguf_file_dir(path: Path, status: Status | None = _stderr) -> Path:
     target = cache_root() / "models" / name
     source = {"path": str(path.resolve())}
     install = f"pip install 'kvstrata[{EXTRA}]'"
-    return _converted(path.name, gguf_path=path, target=target, source=source, install=install,
-                      status=status)  # fmt: skip
+    return _converted(
+        path.name, gguf_path=path, target=target, source=source, install=install, status=status
+    )
 
 
 DIGESTS = "gguf-digests.json"

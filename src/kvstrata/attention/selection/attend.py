@@ -92,9 +92,14 @@ def _masked_partial(
 
 
 def native_selected(
-    rt: Any, local: int, plan: ReadPlan, choice: Choice, qp: torch.Tensor, scale: float,
+    rt: Any,
+    local: int,
+    plan: ReadPlan,
+    choice: Choice,
+    qp: torch.Tensor,
+    scale: float,
     softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The partial (out [Hkv, R, Dv], lse [Hkv, R]) of packed decode queries qp over
     the keys each KV head chooses, scored, chosen and attended in one native call, when
     the native kernel reads every key of the step's `plan` in place and the summaries
@@ -111,10 +116,21 @@ def native_selected(
     sel = rt.selector
     coarse = (c.groups, sel.coarse, c.refine) if c.groups is not None else None
     out, lse, attended, scored = native_select_attention(
-        qp, plan.native.at(local), plan.native.num_parts, starts, c.summaries,
-        sel.page, (c.c0, c.c1, c.choose), (c.start, c.sink_end, c.recent_start, c.total),
-        rt.layout.dim_v, scale, softcap, score=sel.score, coarse=coarse, channels=sel.channels,
-    )  # fmt: skip
+        qp,
+        plan.native.at(local),
+        plan.native.num_parts,
+        starts,
+        c.summaries,
+        sel.page,
+        (c.c0, c.c1, c.choose),
+        (c.start, c.sink_end, c.recent_start, c.total),
+        rt.layout.dim_v,
+        scale,
+        softcap,
+        score=sel.score,
+        coarse=coarse,
+        channels=sel.channels,
+    )
     sel.record(c, qp.shape[0], attended, scored)
     return out, lse
 
@@ -144,9 +160,13 @@ def selected_partials(
             off, h_ = lo - spans[i_, 0], chosen[r_, 0]
             descs = plan.native.per_head(local, h_, i_, off, hi - lo, hkv)
             out, lse = native_attention_batch(
-                qp.reshape(hkv, 1, rows, dim), descs.addresses, descs.counts,
-                rt.layout.dim_v, scale, softcap,
-            )  # fmt: skip
+                qp.reshape(hkv, 1, rows, dim),
+                descs.addresses,
+                descs.counts,
+                rt.layout.dim_v,
+                scale,
+                softcap,
+            )
             parts.append((out[:, 0], lse[:, 0]))
     if plan.pieces:
         pieces = _clip(plan.pieces, union(chosen))

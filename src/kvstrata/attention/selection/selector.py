@@ -196,11 +196,19 @@ class KeySelector:
         if cc.attention_budget is None:
             return None
         return cls(
-            cc.attention_budget, cc.attention_summary, cc.sink_tokens, device,
-            cc.attention_dense_layers, half=half, page=cc.attention_page,
-            score=cc.attention_score, coarse=cc.attention_coarse, refine=cc.attention_refine,
-            channels=cc.attention_channels, blocks=blocks,
-        )  # fmt: skip
+            cc.attention_budget,
+            cc.attention_summary,
+            cc.sink_tokens,
+            device,
+            cc.attention_dense_layers,
+            half=half,
+            page=cc.attention_page,
+            score=cc.attention_score,
+            coarse=cc.attention_coarse,
+            refine=cc.attention_refine,
+            channels=cc.attention_channels,
+            blocks=blocks,
+        )
 
     def bounds(self, start: int, total: int) -> tuple[int, int, int] | None:
         """(sink_end, recent_start, pages to choose) when a decode over keys [start,
@@ -378,9 +386,17 @@ class KeySelector:
         groups = entry.groups[local] if entry.groups is not None else None
         refine = self.refined(choose) if groups is not None else 0
         return Choice(
-            entry.data[local], c0, c1, choose, start, sink_end, recent_start, total, groups,
+            entry.data[local],
+            c0,
+            c1,
+            choose,
+            start,
+            sink_end,
+            recent_start,
+            total,
+            groups,
             refine,
-        )  # fmt: skip
+        )
 
     def ranges(self, choice: Choice, qp: torch.Tensor) -> np.ndarray:
         """The key ranges each KV head attends, as rows (head, lo, hi) grouped by head

@@ -46,9 +46,20 @@ class NativeRope:
         qs = (ctypes.c_int64 * 4)(q.stride(1), q.stride(2), qo.stride(1), qo.stride(2))
         ks = (ctypes.c_int64 * 4)(k.stride(1), k.stride(2), ko.stride(1), ko.stride(2))
         rc = self.lib.kv_rope(
-            q.data_ptr(), qo.data_ptr(), hq, qs, k.data_ptr(), ko.data_ptr(), k.shape[1], ks,
-            tokens, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(1),
-        )  # fmt: skip
+            q.data_ptr(),
+            qo.data_ptr(),
+            hq,
+            qs,
+            k.data_ptr(),
+            ko.data_ptr(),
+            k.shape[1],
+            ks,
+            tokens,
+            dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(1),
+        )
         if rc != 0:  # (ruled out by _fits)
             return self.rope(q, k, cos, sin)
         return qo, ko

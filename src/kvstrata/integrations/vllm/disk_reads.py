@@ -113,10 +113,13 @@ class DiskReads:
             self._no_room.clear()  # the read that refused them has been looked at
         wanted, self._wanted = list(self._wanted.values()), {}
         wanted = [
-            e for e in wanted
-            if e.disk_ready and e.disk_slot is not None and e.host_slot is None
+            e
+            for e in wanted
+            if e.disk_ready
+            and e.disk_slot is not None
+            and e.host_slot is None
             and not (e.reading or e.doomed or e.writing)
-        ]  # fmt: skip
+        ]
         if not wanted or self.stuck():
             return
         slots = room(wanted)

@@ -132,8 +132,9 @@ class SharedRegion:
         sweep_stale(os.path.dirname(self.path))
         for _ in range(3):
             if os.path.lexists(self.path):
-                log.warning("kvstrata: removed a stale host arena %s (left by an earlier start)",
-                            self.path)  # fmt: skip
+                log.warning(
+                    "kvstrata: removed a stale host arena %s (left by an earlier start)", self.path
+                )
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
             try:
@@ -287,8 +288,9 @@ def sweep_stale(base: str) -> list[str]:
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 removed.append(path)
-                log.warning("kvstrata: removed %s, left by process %d (no longer running)",
-                            path, pid)  # fmt: skip
+                log.warning(
+                    "kvstrata: removed %s, left by process %d (no longer running)", path, pid
+                )
     return removed
 
 
@@ -396,9 +398,13 @@ class SharedHostTier(MemoryTier):
         super().__init__("host", layout, 0, codec, "cpu")  # empty arenas, replaced below
         Tier.__init__(self, "host", layout, num_slots, codec)
         self.region = SharedRegion(
-            path, arena_bytes(layout, num_slots, codec), digest, create=create,
-            identity=identity, join=join,
-        )  # fmt: skip
+            path,
+            arena_bytes(layout, num_slots, codec),
+            digest,
+            create=create,
+            identity=identity,
+            join=join,
+        )
         offset = 0
         self.arenas = {}
         for key, shape, dtype in _arena_shapes(layout, num_slots, codec):

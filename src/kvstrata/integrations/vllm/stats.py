@@ -37,9 +37,19 @@ from kvstrata.integrations.vllm.disk_reads import COUNTERS as READ_COUNTERS
 
 PREFIX = "vllm:kvstrata_"
 REMOTE_EVENTS = (
-    "hits", "misses", "corrupt", "timeouts", "errors", "skipped", "reads", "writes",
-    "writes_dropped", "write_errors", "reconnects", "no_room",
-)  # fmt: skip  # RemoteStats' block counters (tiers/remote.py)
+    "hits",
+    "misses",
+    "corrupt",
+    "timeouts",
+    "errors",
+    "skipped",
+    "reads",
+    "writes",
+    "writes_dropped",
+    "write_errors",
+    "reconnects",
+    "no_room",
+)  # RemoteStats' block counters (tiers/remote.py)
 
 # metric -> (kind, labels, help); a counter's value is OffloadStore.counters' sum below
 _METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -48,10 +58,14 @@ _METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "misses": ("counter", (), "Lookups of blocks kvstrata does not hold (recomputed)."),
     "pending": ("counter", (), "Lookups of blocks still being stored."),
     "corrupt_blocks": (
-        "counter", (), "Disk blocks refused on a checksum or read failure (recomputed)."
+        "counter",
+        (),
+        "Disk blocks refused on a checksum or read failure (recomputed).",
     ),
     "disk_read_timeouts": (
-        "counter", (), "Disk reads past the scheduler's deadline (a miss; the block lands later)."
+        "counter",
+        (),
+        "Disk reads past the scheduler's deadline (a miss; the block lands later).",
     ),
     "stored_blocks": ("counter", (), "Blocks stored in the host tier."),
     "store_refused_blocks": ("counter", (), "Blocks not stored: no host slot could be had."),
@@ -69,15 +83,18 @@ _METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "blocks": ("gauge", ("tier",), "Blocks held, by tier."),
     "slots": ("gauge", ("tier",), "Block slots, by tier (the capacity)."),
     "block_bytes": (
-        "gauge", ("tier",), "Bytes of one block: raw (vLLM's pages), as stored per tier."
+        "gauge",
+        ("tier",),
+        "Bytes of one block: raw (vLLM's pages), as stored per tier.",
     ),
     "found_on_disk_blocks": ("gauge", (), "Blocks found on the disk tier at start-up."),
     "disk_degraded": ("gauge", (), "1 once the disk tier failed (host tier only from then)."),
     "info": (
-        "gauge", ("namespace", "host_codec", "disk_codec", "block_tokens"),
+        "gauge",
+        ("namespace", "host_codec", "disk_codec", "block_tokens"),
         "Always 1: the namespace (model identity digest), codecs and block tokens.",
     ),
-}  # fmt: skip
+}
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:

@@ -67,8 +67,9 @@ class KvstrataOffloadingWorker(OffloadingWorker):
                 f"its config announced {list(plan.group_layers)}: kvstrata cannot read them"
             )
         self.plan, self.rank = plan, rank
-        self.pages = [Pages([kv_caches.tensors[r.tensor_idx].tensor for r in refs], plan)
-                      for refs in groups]  # fmt: skip
+        self.pages = [
+            Pages([kv_caches.tensors[r.tensor_idx].tensor for r in refs], plan) for refs in groups
+        ]
         # vLLM builds the workers first: rank 0 creates the arena, the scheduler opens it
         if rank == 0:
             self.host = plan.host_tier(create=True, identity=identity)

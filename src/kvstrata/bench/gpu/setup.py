@@ -21,17 +21,41 @@ from kvstrata.core.errors import ConfigError
 MIB = 1 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FULL = dict(
-    layers=8, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632,
-    block_size=64, contexts="8k,32k,64k", memory_contexts="4k,16k,64k",
-    codecs="none,int4", steps=24, repeats=3, copy_mib=256, memory_budget_tokens=4096,
-    residual_tokens=128, memory_staging_tokens=4096,
-)  # fmt: skip
+    layers=8,
+    hidden=2048,
+    heads=16,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=5632,
+    block_size=64,
+    contexts="8k,32k,64k",
+    memory_contexts="4k,16k,64k",
+    codecs="none,int4",
+    steps=24,
+    repeats=3,
+    copy_mib=256,
+    memory_budget_tokens=4096,
+    residual_tokens=128,
+    memory_staging_tokens=4096,
+)
 QUICK = dict(
-    layers=2, hidden=128, heads=2, kv_heads=2, head_dim=64, intermediate=256,
-    block_size=64, contexts="256,512", memory_contexts="256,1024",
-    codecs="none,int4", steps=4, repeats=1, copy_mib=4, memory_budget_tokens=128,
-    residual_tokens=32, memory_staging_tokens=128,
-)  # fmt: skip
+    layers=2,
+    hidden=128,
+    heads=2,
+    kv_heads=2,
+    head_dim=64,
+    intermediate=256,
+    block_size=64,
+    contexts="256,512",
+    memory_contexts="256,1024",
+    codecs="none,int4",
+    steps=4,
+    repeats=1,
+    copy_mib=4,
+    memory_budget_tokens=128,
+    residual_tokens=32,
+    memory_staging_tokens=128,
+)
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,9 +84,11 @@ def checked_device(args: argparse.Namespace) -> torch.device:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError.field(
-            "device", args.device, "CUDA is not available here: run on a GPU machine, or "
+            "device",
+            args.device,
+            "CUDA is not available here: run on a GPU machine, or "
             "`--quick --device cpu` for a smoke run of the harness",
-        )  # fmt: skip
+        )
     if device.type == "cpu" and not args.quick:
         raise ConfigError.field("device", "cpu", "the full run needs a GPU; add --quick")
     return device
@@ -73,12 +99,19 @@ def build_model(s: dict[str, Any], device: torch.device) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=259, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+        vocab_size=259,
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
         max_position_embeddings=max(s["contexts"] + s["memory_contexts"]) + 4096,
-        initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(device, s["dtype"]).eval()

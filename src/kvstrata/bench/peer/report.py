@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstrata.bench import _peer_workloads as wl
+from kvstrata.bench.peer import workloads as wl
 
 
 def _ms(x: float | None) -> str:
@@ -57,19 +57,36 @@ def _print_size(console: Any, report: dict[str, Any], size: str) -> None:
     rows = []
     for variant, phases in summary["variants"].items():
         for phase, r in phases.items():
-            rows.append([
-                phase, variant, f"{r['wall_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
-                f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])}",
-                f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])}", _cached(r),
-                f"{r['complete']}/{r['requests']}", _same(r),
-            ])  # fmt: skip
+            rows.append(
+                [
+                    phase,
+                    variant,
+                    f"{r['wall_s']:.2f}",
+                    f"{r['output_tokens_per_s']:.1f}",
+                    f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])}",
+                    f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])}",
+                    _cached(r),
+                    f"{r['complete']}/{r['requests']}",
+                    _same(r),
+                ]
+            )
     rows.sort(key=lambda row: list(summary["variants"][row[1]]).index(row[0]))
     _table(
-        console, _size_title(report, size),
-        ["workload", "variant", "wall s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-         "prefix hits", "done", f"text = {ref}: same / prefix"],
+        console,
+        _size_title(report, size),
+        [
+            "workload",
+            "variant",
+            "wall s",
+            "out tok/s",
+            "TTFT p50/p99 ms",
+            "TPOT p50/p99 ms",
+            "prefix hits",
+            "done",
+            f"text = {ref}: same / prefix",
+        ],
         rows,
-    )  # fmt: skip
+    )
     others = [v for v in summary["variants"] if v != ref]
     if not others:
         return
@@ -85,10 +102,14 @@ def _print_size(console: Any, report: dict[str, Any], size: str) -> None:
 
 
 BACKEND_COLUMNS = (
-    ("lookups", "lookups"), ("hits{tier=host}", "host hits"), ("hits{tier=disk}", "disk hits"),
-    ("misses", "misses"), ("disk_read_batches", "disk reads"),
-    ("disk_no_room", "no host room"), ("corrupt_blocks", "corrupt"),
-)  # fmt: skip
+    ("lookups", "lookups"),
+    ("hits{tier=host}", "host hits"),
+    ("hits{tier=disk}", "disk hits"),
+    ("misses", "misses"),
+    ("disk_read_batches", "disk reads"),
+    ("disk_no_room", "no host room"),
+    ("corrupt_blocks", "corrupt"),
+)
 
 
 def _print_backend(console: Any, summary: dict[str, Any], size: str) -> None:
@@ -102,8 +123,12 @@ def _print_backend(console: Any, summary: dict[str, Any], size: str) -> None:
     ]
     if rows:
         columns = ["workload", "variant", *(label for _, label in BACKEND_COLUMNS)]
-        _table(console, f"{size}: kvstrata under vLLM (its /metrics, blocks, all repeats)",
-               columns, rows)  # fmt: skip
+        _table(
+            console,
+            f"{size}: kvstrata under vLLM (its /metrics, blocks, all repeats)",
+            columns,
+            rows,
+        )
 
 
 def print_report(report: dict[str, Any]) -> None:

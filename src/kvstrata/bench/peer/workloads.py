@@ -60,10 +60,23 @@ class Sizes:
 
 
 QUICK = Sizes(
-    docs=2, doc_tokens=400, docqa_out=16, users=2, rounds=2, system_tokens=120,
-    turn_tokens=32, chat_out=16, requests=8, prompt_min=64, prompt_max=256, out_min=8,
-    out_max=32, single_requests=2, single_prompt=256, single_out=32,
-)  # fmt: skip
+    docs=2,
+    doc_tokens=400,
+    docqa_out=16,
+    users=2,
+    rounds=2,
+    system_tokens=120,
+    turn_tokens=32,
+    chat_out=16,
+    requests=8,
+    prompt_min=64,
+    prompt_max=256,
+    out_min=8,
+    out_max=32,
+    single_requests=2,
+    single_prompt=256,
+    single_out=32,
+)
 
 
 @dataclass(frozen=True)
@@ -359,9 +372,11 @@ def compare(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
             ref_row = median_over_repeats(rounds[ref][phase])
             same = agreement(_texts(results), _texts(rounds[ref][phase]))
             row["agreement"] = None if variant == ref else same
-            row["ratios"] = None if variant == ref else {
-                key: ratio(row[key], ref_row[key]) for key, _, _ in RATIO_ROWS
-            }  # fmt: skip
+            row["ratios"] = (
+                None
+                if variant == ref
+                else {key: ratio(row[key], ref_row[key]) for key, _, _ in RATIO_ROWS}
+            )
             rows[phase] = row
         out["variants"][variant] = rows
     return out

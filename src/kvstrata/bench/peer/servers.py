@@ -27,13 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvstrata.bench import _peer_workloads as wl
+from kvstrata.bench.peer import workloads as wl
 from kvstrata.core.errors import ConfigError, KvstrataError
 
 VARIANTS = (
-    "vllm", "vllm_kvstrata", "vllm_kvstrata_int8", "vllm_kvstrata_disk", "kvstrata",
-    "kvstrata_host", "kvstrata_int8",
-)  # fmt: skip
+    "vllm",
+    "vllm_kvstrata",
+    "vllm_kvstrata_int8",
+    "vllm_kvstrata_disk",
+    "kvstrata",
+    "kvstrata_host",
+    "kvstrata_int8",
+)
 # kvstrata as vLLM's offloading backend: its host tier lossless, int8, or a small host
 # tier (as much as vLLM's own KV) in front of a disk tier
 BACKEND_VARIANTS = ("vllm_kvstrata", "vllm_kvstrata_int8", "vllm_kvstrata_disk")
@@ -96,8 +101,11 @@ def backend_fields(variant: str, size: KVSize, disk_dir: Path | None) -> dict[st
         return {"host_codec": "int8"}
     if variant == "vllm_kvstrata_disk":
         assert disk_dir is not None
-        return {"host_budget": str(size.bytes), "disk_dir": str(disk_dir),
-                "disk_budget": DISK_BUDGET}  # fmt: skip
+        return {
+            "host_budget": str(size.bytes),
+            "disk_dir": str(disk_dir),
+            "disk_budget": DISK_BUDGET,
+        }
     return {}
 
 
@@ -142,14 +150,12 @@ def vllm_command(
 ) -> list[str]:
     """vLLM's OpenAI server: fp32, eager, prefix caching, 64-token blocks, 8 sequences,
     the KV size in bytes; BACKEND_VARIANTS add kvstrata as its offloading backend."""
-    cmd = [
-        str(python), "-m", VLLM_ENTRY, "--model", str(model_dir), "--dtype", "float32",
-        "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-        "--block-size", str(BLOCK_TOKENS), "--enforce-eager", "--max-model-len", str(max_len),
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(size.bytes),
-        "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-        "--uvicorn-log-level", "warning", "--seed", "0",
-    ]  # fmt: skip
+    cmd = [str(python), "-m", VLLM_ENTRY, "--model", str(model_dir), "--dtype", "float32"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--enable-prefix-caching", "--block-size", str(BLOCK_TOKENS), "--enforce-eager"]
+    cmd += ["--max-model-len", str(max_len), "--max-num-seqs", str(MAX_NUM_SEQS)]
+    cmd += ["--kv-cache-memory-bytes", str(size.bytes), "--enable-prompt-tokens-details"]
+    cmd += ["--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", "--seed", "0"]
     if variant in BACKEND_VARIANTS:
         fields = backend_fields(variant, size, disk_dir)
         cmd += ["--kv-transfer-config", json.dumps(connector_config(**fields))]
@@ -172,11 +178,9 @@ def kvstrata_command(
     """`kvstrata serve` from this interpreter: the cache capacity at "fits", the device
     budget at "quarter" with a host tier under it (lossless, or int8: its budget raised
     to `lossy_floor_bytes` when the quarter is smaller)."""
-    cmd = [
-        sys.executable, "-m", "kvstrata.cli", "serve", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--no-status",
-        "--block-size", str(BLOCK_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS),
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "kvstrata.cli", "serve", "--model", str(model_dir)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-status"]
+    cmd += ["--block-size", str(BLOCK_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS)]
     if variant == "kvstrata":
         return cmd + ["--max-tokens", str(size.tokens)]
     budget = size.bytes
@@ -275,9 +279,10 @@ class Server:
                 if not sample.name.endswith("_total"):
                     continue
                 labels = ",".join(
-                    f"{k}={v}" for k, v in sorted(sample.labels.items())
+                    f"{k}={v}"
+                    for k, v in sorted(sample.labels.items())
                     if k not in ("engine", "model_name")
-                )  # fmt: skip
+                )
                 name = family.name[len(METRICS_PREFIX) :] + (f"{{{labels}}}" if labels else "")
                 out[name] = out.get(name, 0.0) + sample.value
         return out
@@ -340,11 +345,18 @@ async def send(client: Any, model: str, req: wl.Req, salt: str | None = None) ->
     sent = time.perf_counter()
     try:
         stream = await client.completions.create(
-            model=model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "min_tokens": req.max_tokens,
-                        **({"cache_salt": salt} if salt is not None else {})},
-        )  # fmt: skip
+            model=model,
+            prompt=req.prompt,
+            max_tokens=req.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={
+                "ignore_eos": True,
+                "min_tokens": req.max_tokens,
+                **({"cache_salt": salt} if salt is not None else {}),
+            },
+        )
         async for chunk in stream:
             now = time.perf_counter()
             usage = chunk.usage or usage

@@ -1,37 +1,6 @@
-"""`kvstrata bench remote`: two `kvstrata serve` processes sharing one real Redis.
-
-One `redis-server` on a free loopback port (no persistence), server A and server B
-(`kvstrata serve --remote-url` at it; B also has a disk tier), both driven over HTTP by
-the official `openai` client (streamed greedy completions, end-of-sequence ignored).
-Each repeat takes a fresh document (real text, --doc-tokens tokens + a short question):
-
-  A          A answers it first (a cold prefill; its blocks go to Redis, write-behind)
-  B cold     B answers it under a fresh cache_salt: another namespace, nothing local
-             or remote to reuse (the remote lookup misses) — a cold B
-  B remote   B answers it as A did: its blocks come from Redis (one batched read)
-  B disk     B restarted (its disk tier persists its prefix cache at shutdown) answers
-             it again: a hit on its own disk tier
-  slow       B_slow (no disk, default settings) reaches Redis through a proxy that holds
-             every answer chunk back --delay-ms and passes --link-mb-s MB/s: after one
-             prefill teaches it this machine's prefill speed, the link model (its PINGs
-             and a one-block probe read through the proxy) predicts loading slower than
-             recomputing, so it recomputes (slow remote: A's document; slow cold: a
-             fresh salt, B_slow's own cold run, which the verdict compares with). A
-             link it refuses is re-measured in the background (tiers/remote_link.py),
-             never with a request's own read
-
-B cold and B remote alternate their order across repeats; every request waits until
-the servers' write-behind queues are empty (kvstrata_remote_pending_bytes), so no
-measurement shares the cores with another's writes. Reported: TTFT medians (with
-the 1-minute load average at each request), speed-ups against B cold, greedy text
-identical to B cold's, prompt tokens served from a cache (usage), the remote round
-trip per block (kvstrata_remote_read_seconds over kvstrata_remote_hits from B's
-/metrics), and for the slow link the cost rule's decisions and the figures it
-compared (kvstrata_remote_link_*, kvstrata_remote_compute_tokens_per_second).
-
-Time (smollm2, 4096-token documents, 2 cores): about 4 minutes per repeat;
---quick (the tiny embedded model, 512 tokens, 1 repeat) well under a minute.
-"""
+"""`kvstrata bench remote`'s command: its flags, the Redis server and the kvstrata
+servers, their requests and the run. What it measures: the package docstring
+(kvstrata.bench.remote)."""
 
 from __future__ import annotations
 
@@ -48,10 +17,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench import _peer_servers as srv
-from kvstrata.bench import _peer_workloads as wl
 from kvstrata.bench import _redis, _timing
-from kvstrata.bench._remote_report import report_lines, summarize
+from kvstrata.bench.peer import servers as srv
+from kvstrata.bench.peer import workloads as wl
+from kvstrata.bench.remote.report import report_lines, summarize
 from kvstrata.core.errors import ConfigError, KvstrataError, MissingExtraError
 
 NAME = "remote"
@@ -148,11 +117,9 @@ def _progress(text: str) -> None:
 
 
 def _command(o: argparse.Namespace, model_dir: Path, port: int, **flags: str) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "kvstrata.cli", "serve", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--no-status",
-        "--block-size", str(BLOCK_TOKENS),
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "kvstrata.cli", "serve", "--model", str(model_dir)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-status"]
+    cmd += ["--block-size", str(BLOCK_TOKENS)]
     for flag, value in flags.items():
         cmd += [f"--{flag.replace('_', '-')}", value]
     if o.remote_codec:
@@ -162,9 +129,13 @@ def _command(o: argparse.Namespace, model_dir: Path, port: int, **flags: str) ->
 
 def _start(name: str, command: list[str], log_dir: Path, o: argparse.Namespace, warm: list[int]):
     server = srv.Server(
-        name, "remote", command, int(command[command.index("--port") + 1]),
-        log_dir / f"{name}.log", srv.server_env("kvstrata"),
-    )  # fmt: skip
+        name,
+        "remote",
+        command,
+        int(command[command.index("--port") + 1]),
+        log_dir / f"{name}.log",
+        srv.server_env("kvstrata"),
+    )
     _progress(f"starting {name} (log {server.log_path})")
     server.start(o.health_timeout)
     srv.warm_up(server, warm)
@@ -310,13 +281,22 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
         log_dir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-remote-"))
     kinds = ("A", "cold", "remote", "disk", "slow_cold", "slow_remote")
     out: dict[str, Any] = {
-        "scenario": NAME, "command": shlex.join(sys.argv), "model": docs.model_name,
-        "doc_tokens": o.doc_tokens, "prompt_tokens": len(docs.docs[0]), "repeats": o.repeats,
-        "max_tokens": o.max_tokens, "delay_ms": o.delay_ms, "link_mb_s": o.link_mb_s,
+        "scenario": NAME,
+        "command": shlex.join(sys.argv),
+        "model": docs.model_name,
+        "doc_tokens": o.doc_tokens,
+        "prompt_tokens": len(docs.docs[0]),
+        "repeats": o.repeats,
+        "max_tokens": o.max_tokens,
+        "delay_ms": o.delay_ms,
+        "link_mb_s": o.link_mb_s,
         "block_tokens": BLOCK_TOKENS,
-        "log_dir": str(log_dir), "commands": {}, "records": {k: [] for k in kinds},
-        "load_start": os.getloadavg()[0], "cores": os.cpu_count(),
-    }  # fmt: skip
+        "log_dir": str(log_dir),
+        "commands": {},
+        "records": {k: [] for k in kinds},
+        "load_start": os.getloadavg()[0],
+        "cores": os.cpu_count(),
+    }
     (log_dir / "redis").mkdir(exist_ok=True)
     redis = _redis.RedisServer(log_dir / "redis").start()
     servers: list[srv.Server] = []

