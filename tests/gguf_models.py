@@ -2,7 +2,7 @@
 converter lays one out: llama hyperparameters, a byte-level BPE ("gpt2") vocabulary with
 ChatML special tokens and a chat template, and float32 tensors under GGUF names.
 
-Used by tests/test_realmodel.py to run the real GGUF -> safetensors conversion (the path
+Used by tests/workload/test_realmodel.py to run the real GGUF -> safetensors conversion (the path
 `--model smollm2` takes) in seconds, with nothing downloaded.
 """
 

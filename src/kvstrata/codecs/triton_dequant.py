@@ -25,7 +25,7 @@ Used on CUDA when `triton` is importable (`pip install "kvstrata[cuda]"`). `runs
 counts the kernel's launches in this process (what `kvstrata bench gpu` reports as
 fused_dequant), `disabled` says why it was switched off. On the CPU the kernel
 runs in Triton's interpreter (`TRITON_INTERPRET=1`, numpy), which is how the tests
-check it against the reference without a GPU (tests/test_triton_dequant.py).
+check it against the reference without a GPU (tests/codecs/test_triton_dequant.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Codes and descriptors shared with the native kernels (kvstrata/platform/csrc/common.h).
 
-Everything here has one C twin in `common.h`, and tests/test_formats.py checks that
+Everything here has one C twin in `common.h`, and tests/core/test_formats.py checks that
 the two agree (enum values against the header text, struct layouts against the
 compiled library):
 

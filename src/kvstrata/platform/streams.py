@@ -24,7 +24,7 @@ implementation adds nothing to the hot path:
 
 `CudaStreams` is the real thing; the staging logic that drives it (which event guards
 which staging buffer, stall accounting) is exercised on the CPU with a simulated
-implementation in the tests (tests/test_cuda_streams.py). On the CPU proper no
+implementation in the tests (tests/platform/test_cuda_streams.py). On the CPU proper no
 streams are used at all: `streams_for` returns None and the stager keeps its
 thread-pool path.
 """

@@ -11,7 +11,7 @@ exact K/V elsewhere.
 Encoding is per block and deterministic, so when a block is decoded does not matter.
 
 The exact reference is the same forward with no codec (sdpa-equivalent math), so ΔPPL
-and top-1 agreement isolate the codec. tests/test_lowrank_heads.py checks the simulation
+and top-1 agreement isolate the codec. tests/codecs/test_lowrank_heads.py checks the simulation
 against `compare()` on a short window.
 
 The hook (`hooked`) also serves the calibration pass: a callback sees every layer's
@@ -96,7 +96,7 @@ def lossy_mask(tokens: int, block_size: int, residual: int, device: Any = None) 
     """[T, T] bool: query i reads key j decoded from a lower tier: j's block is not the
     sink block (the first) and lies before the open block and the ceil(residual /
     block_size) full blocks the device keeps (what the "window" policy keeps with a lossy
-    lower tier: checked against the TieredCache in tests/test_lowrank_heads.py)."""
+    lower tier: checked against the TieredCache in tests/codecs/test_lowrank_heads.py)."""
     q_block = torch.arange(tokens, device=device)[:, None] // block_size
     k_block = torch.arange(tokens, device=device)[None, :] // block_size
     return (k_block >= 1) & (k_block < q_block - -(-residual // block_size))

@@ -41,9 +41,9 @@ BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 BYTE_VOCAB_SIZE = 259
 _SPECIALS = {"<bos>": BOS_ID, "<eos>": EOS_ID, "<pad>": PAD_ID}
 # model_type -> architecture class of the families the test suite checks against
-# DynamicCache through every placement (tests/test_hf_integration.py); others that
+# DynamicCache through every placement (tests/integrations/hf/test_hf_integration.py); others that
 # transformers loads as causal LMs are accepted too when their attention goes through
-# its AttentionInterface (tests/test_model_families.py checks fifteen more).
+# its AttentionInterface (tests/integrations/hf/test_model_families.py checks fifteen more).
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import textwrap
 import threading
 import time
@@ -22,15 +21,14 @@ import httpx2 as httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from kvstrata.core.errors import ConfigError
-from kvstrata.engine import Engine, EngineConfig
+from kvstrata.engine import Engine
 from kvstrata.server import build_app
 from kvstrata.server.chat import plain_chat_prompt
 from kvstrata.workload.zoo import load_model
+from serve_harness import MODEL, error_of, make_engine, serve_in_thread, stop
 
-MODEL = "kvstrata-code-tiny"
 # Python source to cut prompts from (the model was trained on the standard library).
 SOURCE = Path(textwrap.__file__).read_text()[2000:9000]
 CAPACITY_TOKENS = 80 * 16  # device 1MiB + host 4MiB of 64 KiB blocks
@@ -47,41 +45,6 @@ class Served:
 
     def metric(self, name: str, **labels: str) -> float:
         return self.engine.metrics.value(name, **labels)
-
-
-def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    """uvicorn on a free loopback port in a background thread (what `kvstrata serve`
-    runs in the main thread)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
-def stop(server: uvicorn.Server, thread: threading.Thread) -> None:
-    server.should_exit = True
-    thread.join(60)
-    assert not thread.is_alive()
-
-
-def make_engine() -> Engine:
-    model, tokenizer = load_model("default")
-    return Engine(
-        model,
-        tokenizer,
-        config=EngineConfig(max_num_seqs=8, max_batched_tokens=256),
-        model_name=MODEL,
-        block_size=16,
-        device_budget="1MiB",
-        host_budget="4MiB",
-    )
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +87,6 @@ def check_usage(usage, prompt_tokens: int, completion_tokens: int) -> None:
     assert usage.total_tokens == prompt_tokens + completion_tokens
     cached = usage.prompt_tokens_details.cached_tokens
     assert 0 <= cached < prompt_tokens
-
-
-def error_of(response: httpx.Response, status: int) -> dict:
-    """The OpenAI error object of a refused request, checked for shape and one line."""
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and "\n" not in error["message"]
-    return error
 
 
 # -- the endpoints ---------------------------------------------------------------------

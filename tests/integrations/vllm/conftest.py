@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (make venv-
 os.environ.setdefault("PYTHONHASHSEED", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from tests.vllm_backend.tiny import Engine, build_tiny_llama  # noqa: E402
+from tests.integrations.vllm.tiny import Engine, build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")

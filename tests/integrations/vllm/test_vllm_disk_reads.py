@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.test_vllm_parts import N, _put, _store, read_back
-from tests.vllm_backend.tiny import VLLM_BLOCK, prompts
+from tests.integrations.vllm.test_vllm_parts import N, _put, _store, read_back
+from tests.integrations.vllm.tiny import VLLM_BLOCK, prompts
 
 from kvstrata.integrations.vllm.remote import RETRY
 from kvstrata.integrations.vllm.store import HIT, MISS, OffloadStore

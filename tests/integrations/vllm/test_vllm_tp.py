@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.tiny import HEAD_DIM, NUM_KV_HEADS, VLLM_BLOCK, Rig, prompts
+from tests.integrations.vllm.tiny import HEAD_DIM, NUM_KV_HEADS, VLLM_BLOCK, Rig, prompts
 from vllm.v1.kv_offload.base import make_offload_key
 
 from kvstrata.core.errors import ConfigError

@@ -27,8 +27,7 @@ from kvstrata.server.protocol import (
     ChatRequest,
     CompletionRequest,
 )
-from test_serve_cli import ServeProcess
-from test_server import error_of, make_engine, serve_in_thread, stop
+from serve_harness import ServeProcess, error_of, make_engine, serve_in_thread, stop
 
 VOCAB = 259  # the embedded byte-level model
 POSITIONS = 4096

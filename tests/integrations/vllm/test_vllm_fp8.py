@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.tiny import VLLM_BLOCK, prompts, read_back
+from tests.integrations.vllm.tiny import VLLM_BLOCK, prompts, read_back
 
 from kvstrata.integrations.vllm.backend_plan import VllmSide, make_plan, model_geometry
 from kvstrata.integrations.vllm.options import VllmOptions

@@ -17,14 +17,13 @@ import threading
 import pytest
 import torch
 
-from blockstore_harness import read_sequence
+from blockstore_harness import held_deleted_files, read_sequence
 from hf_models import tiny_model
 from kvstrata import CacheConfig, KVStore
 from kvstrata.attention.runtime import AttentionRuntime
 from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.core.errors import BlockCorruptError, KvstrataError
 from kvstrata.integrations.hf import TieredCache, enable
-from test_disk_faults import held_deleted_files
 
 STEPS = 8
 FAIL_AT = 3  # the decode step whose forward raises once

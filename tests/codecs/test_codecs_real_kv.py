@@ -1,6 +1,6 @@
 """Codec error on real K/V: the embedded model's own keys, values and queries.
 
-Synthetic Gaussian K/V with outlier channels (tests/test_codecs.py) bound the worst
+Synthetic Gaussian K/V with outlier channels (tests/codecs/test_codecs.py) bound the worst
 case; here the issue's bounds are checked on what the codecs will actually store:
 attention-output relative error over a held-out window, the newest
 `RESIDUAL` tokens and the first block (sinks) exact, as the tiered cache keeps them.

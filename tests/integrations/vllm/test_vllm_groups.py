@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.tiny import (
+from tests.integrations.vllm.tiny import (
     GEMMA_LAYERS,
     HEAD_DIM,
     NUM_KV_HEADS,

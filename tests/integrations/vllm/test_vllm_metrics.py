@@ -35,7 +35,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
-from tests.vllm_backend.tiny import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, VLLM_BLOCK, prompts
+from tests.integrations.vllm.tiny import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, VLLM_BLOCK, prompts
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 
 import kvstrata

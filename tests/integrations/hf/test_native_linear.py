@@ -4,7 +4,7 @@ The kernel must agree with a float64 product to fp32 rounding (no worse than tor
 BLAS), give every row the same bits alone or in a batch and with any thread count, and
 be taken only where the engine turns it on: the same model called by anyone else runs
 torch's `F.linear`, bit for bit as before. The engine's greedy tokens with it equal
-those without it and transformers' own (tests/test_engine.py checks the latter with it
+those without it and transformers' own (tests/engine/test_engine.py checks the latter with it
 on, the default).
 """
 

@@ -4,15 +4,10 @@ stops cleanly — its disk tier keeps the prefix cache for the next start."""
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +16,7 @@ from kvstrata.cli import build_parser, main
 from kvstrata.cli.serve import weight_bytes
 from kvstrata.platform.hardware import machine_ram
 from kvstrata.workload.zoo import load_model
+from serve_harness import ServeProcess
 
 
 def test_help_names_the_vllm_aliases(capsys):
@@ -135,67 +131,6 @@ def test_gpu_memory_utilization_is_device_memory_minus_the_weights():
 
 
 # -- a real server process ---------------------------------------------------------------
-
-
-class ServeProcess:
-    """`python -m kvstrata.cli serve ...` with its stderr read line by line."""
-
-    def __init__(self, *argv: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvstrata.cli",
-                "serve",
-                "--port",
-                "0",
-                "--model",
-                "tiny",
-                *argv,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = self._wait_for_url()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            self.lines.put(line)
-
-    def _wait_for_url(self, timeout: float = 180) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                assert self.proc.poll() is None, "".join(self.stderr)
-                continue
-            if " at http://" in line:
-                return line.split(" at ")[1].split()[0]
-        raise AssertionError(f"kvstrata serve did not start: {''.join(self.stderr)}")
-
-    def complete(self, prompt: str) -> dict:
-        body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
-        request = urllib.request.Request(
-            f"{self.url}/completions", body, {"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return json.load(response)
-
-    def stop(self, sig: int) -> int:
-        self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=120)
-        time.sleep(0.1)  # the reader thread has the last lines
-        assert "Traceback" not in "".join(self.stderr)
-        assert "stopped (engine shut down, store closed)" in self.stderr[-1]
-        return code
 
 
 def test_sigint_and_sigterm_close_the_store_and_the_disk_tier_keeps_the_prefix_cache(

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.test_vllm_parts import GEOMETRY, Worker, side
-from tests.vllm_backend.tiny import VLLM_BLOCK, prompts
+from tests.integrations.vllm.test_vllm_parts import GEOMETRY, Worker, side
+from tests.integrations.vllm.tiny import VLLM_BLOCK, prompts
 
 from kvstrata.bench._redis import REDIS_SERVER, RedisServer, SlowProxy
 from kvstrata.integrations.vllm.backend_plan import make_plan

@@ -56,7 +56,7 @@ from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 LAYOUT = BlockLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
 N_SLOTS = 6
 HAS_NATIVE = _native.available()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (native kernels, checksum, compress, codec): the I/O paths flips are tried on
 VARIANTS = {

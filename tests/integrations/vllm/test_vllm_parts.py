@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.tiny import read_back
+from tests.integrations.vllm.tiny import read_back
 
 from kvstrata.core.errors import ConfigError, KvstrataError, TierIOError, UnsupportedModelError
 from kvstrata.core.layout import BlockLayout

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.vllm_backend.tiny import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, VLLM_BLOCK, prompts
+from tests.integrations.vllm.tiny import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, VLLM_BLOCK, prompts
 
 pytestmark = pytest.mark.slow
 
