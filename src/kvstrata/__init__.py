@@ -1,11 +1,12 @@
 """kvstrata: a tiered, paged, compressed KV cache for LLM inference.
 
 Importing kvstrata before torch sets `OMP_WAIT_POLICY=PASSIVE` unless the environment
-already names a policy: idle OpenMP threads then sleep instead of spinning. Measured
-on 2 cores (README, "Threads that share the cores"): with another process competing
-for the cores, 8 requests through the engine took 38.6 s with spinning workers and
-1.8 s with sleeping ones; idle, the engine's time was the same either way with one
-thread. `kvstrata serve` lets its workers spin ~2 ms instead (cli/_openmp.py).
+already names a policy: idle OpenMP threads then sleep instead of spinning. When
+another process competes for the cores, spinning workers take the cycles it needs and
+the engine's requests slow down many times over; on an idle machine, with one thread,
+the policy made no difference (README, "Threads that share the cores"; the figures:
+docs/MEASUREMENTS.md). `kvstrata serve` lets its workers spin briefly instead
+(cli/_openmp.py).
 """
 
 import os as _os

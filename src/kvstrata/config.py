@@ -85,9 +85,9 @@ class CacheConfig:
             + zstd, the `compress` extra): e.g. disk_codec="int4" + disk_compress.
         disk_delta: with disk_compress, first code each key block as differences
             between neighbouring tokens (lossless, bit-exact). On real K/V it shrinks
-            compressed int8 keys ~9 %, fp8 ~2 %, fp16/fp32 ~1 %, for ~2x the codec
-            CPU time; values are left as they are (it grows them). Frames record it:
-            either setting reads both.
+            compressed keys (int8 most) for more codec CPU time (docs/MEASUREMENTS.md);
+            values are left as they are (it grows them). Frames record it: either
+            setting reads both.
         disk_o_direct: disk I/O with O_DIRECT (bypasses the page cache).
         residual_tokens: newest tokens kept in full precision (lossy codecs only).
         sink_tokens: first tokens of each sequence kept on the device (they must fit

@@ -78,9 +78,10 @@ def load_warning(threads: int) -> str | None:
         "and re-measure on an idle machine"
     )
     if threads > 1:
-        # Measured: with 2 threads on 2 busy cores every parallel kernel waited ~16 ms
-        # (a scheduler slice) for its second thread, so variants that launch more
-        # kernels per step (more attention partials) look far slower than they are.
+        # With 2 threads on 2 busy cores every parallel kernel was seen to wait a
+        # scheduler slice for its second thread (docs/MEASUREMENTS.md), so variants that
+        # launch more kernels per step (more attention partials) look far slower than
+        # they are.
         text += (
             f"; with {threads} threads each parallel kernel may wait a scheduler slice, "
             "which penalises variants with more kernel calls per step (--threads 1 is "

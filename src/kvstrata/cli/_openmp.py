@@ -5,10 +5,10 @@ right for a library that shares the machine. A server owns its cores, and a step
 hundreds of short parallel regions (the projections, the attention, torch's
 elementwise ops): waking a sleeping worker for each costs more than the work. So the
 CLI, before it builds its parser (which loads torch), lets a server's workers spin up
-to SERVE_SPINCOUNT (libgomp's GOMP_SPINCOUNT, ~2 ms here) before they sleep. Measured
-with 2 threads on 2 idle cores (smollm2, 4 sequences x 1,500 tokens): decode step
-149 -> 110 ms, prefill 24.4 -> 20.1 s. Only when the environment named no policy
-itself (the marker `import kvstrata` leaves) and no spin count.
+to SERVE_SPINCOUNT (libgomp's GOMP_SPINCOUNT, a few milliseconds) before they sleep,
+which shortens both the decode step and the prefill on idle cores (the figures:
+docs/MEASUREMENTS.md). Only when the environment named no policy itself (the marker
+`import kvstrata` leaves) and no spin count.
 """
 
 from __future__ import annotations

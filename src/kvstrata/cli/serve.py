@@ -246,7 +246,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     quiet_transformers()
     model, tokenizer = load_model(args.model)
     # a server owns its cores: every one it may run on (the engine's thread runs the
-    # forwards; its OpenMP workers spin ~2 ms before they sleep: cli/_openmp.py)
+    # forwards; its OpenMP workers spin briefly before they sleep: cli/_openmp.py)
     threads = parse_threads(args.threads) or usable_cores()
     torch.set_num_threads(threads)
     if args.kv_cache_dtype is not None:
@@ -283,7 +283,7 @@ def _has_lower_tier(fields: dict[str, Any]) -> bool:
 def run(args: argparse.Namespace) -> int:
     """Run `kvstrata serve` until SIGINT / SIGTERM."""
     check_flags(args)  # before the slow imports: bad flags answer at once
-    # (OpenMP workers spin ~2 ms, then sleep: cli/_openmp.py, set before torch loaded)
+    # (OpenMP workers spin briefly, then sleep: cli/_openmp.py, set before torch loaded)
     from kvstrata.server import require_serve
 
     require_serve()

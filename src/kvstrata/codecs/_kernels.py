@@ -3,8 +3,8 @@
 The kernels are plain C++ (`kvstrata/platform/csrc/codecs.cpp`) in the library that
 `kvstrata.platform.native` builds once per machine and loads once per process. Without a
 compiler, or with `KVSTRATA_NATIVE=0`, `kernel_call` returns False and the
-codecs fall back to the eager torch reference in `_reference.py` (same bits,
-30-100x slower).
+codecs fall back to the eager torch reference in `_reference.py` (same bits, an
+order of magnitude slower or more: docs/MEASUREMENTS.md).
 
 Every tensor is passed as [H, rows, cols] (leading dims collapsed, see `as_3d`),
 so one call covers all layers and heads of a run of blocks.

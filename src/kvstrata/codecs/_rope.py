@@ -17,7 +17,7 @@ models we calibrate (a few channels carry most of it), so p0 is where the matche
 peaks, z_j and mu_j being pair j of the block's offset-turned mean and of the calibrated
 pre-RoPE mean as complex numbers. Evaluated at every p < `positions` (one matrix product
 per layer against cos/sin tables); on SmolLM2's held-out text it gives p0 exactly for
-97 % of the blocks at 2k tokens and within 8 tokens for all.
+nearly every block and close to it for the rest (docs/MEASUREMENTS.md).
 
 The found p0 is a *frame*, not a claim: the codec stores it with the block and decodes
 with it, so decoding is the exact inverse of encoding's rotation whatever p0 was found

@@ -61,7 +61,7 @@ def shuffle(raw: np.ndarray, elem_size: int) -> np.ndarray:
     """Byte planes of `raw` (uint8, length a multiple of elem_size), plane-major."""
     if elem_size == 1:
         return raw
-    if elem_size in _UINT:  # shifts of whole words: ~10x faster than a strided transpose
+    if elem_size in _UINT:  # shifts of whole words: much faster than a strided transpose
         words = raw.view(_UINT[elem_size])
         planes = np.empty((elem_size, words.size), dtype=np.uint8)
         for i in range(elem_size):

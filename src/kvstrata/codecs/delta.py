@@ -9,15 +9,14 @@ int8/int4 fields (int4 as whole bytes: two codes per byte; nibble-wise differenc
 measured the same). Row 0 is kept. Decoding is a wrapping cumulative sum along the
 rows, so the round trip is bit-exact for every bit pattern (NaN, inf, -0 included).
 
-Measured on SmolLM2-135M's real K/V over 2k and 4k tokens of held-out text
-(kvstrata.bench.delta, block 64): against byte planes + zstd alone it shrinks keys
-(int8 codes by ~9 %, fp8 ~2 %, fp32/fp16 ~1 %, bf16 and int4 under 1 %: per-channel
-offsets and slowly rotating RoPE pairs change little from one token to the next) and
-grows values (by 1-9 %), so the disk tier codes keys only. Measured and not kept:
-XOR with the previous row (ties on fp32 keys, loses elsewhere, e.g. int8 keys -6 %
-instead of -9 %), byte-by-byte differences (ties on fp32/fp16), differences after an
-order-preserving map of float bits (worse), per-nibble differences of int4 codes
-(the same as per byte).
+Measured on a model's real K/V (kvstrata.bench.delta; the figures:
+docs/MEASUREMENTS.md): against byte planes + zstd alone it shrinks keys (int8 codes
+most, fp8 and fp32/fp16 less, bf16 and int4 barely: per-channel offsets and slowly
+rotating RoPE pairs change little from one token to the next) and grows values, so
+the disk tier codes keys only. Measured and not kept: XOR with the previous row (ties
+on fp32 keys, loses elsewhere), byte-by-byte differences (ties on fp32/fp16),
+differences after an order-preserving map of float bits (worse), per-nibble
+differences of int4 codes (the same as per byte).
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ def encode(raw: np.ndarray, regions: tuple[DeltaRegion, ...] | list[DeltaRegion]
 def decode(buf: np.ndarray, regions: tuple[DeltaRegion, ...] | list[DeltaRegion]) -> None:
     """Undo `encode` in place on uint8 `buf` (a wrapping cumulative sum along rows).
 
-    torch's cumsum does it (~3x faster than numpy's along a middle axis); numpy's
+    torch's cumsum does it (faster than numpy's along a middle axis); numpy's
     where the words are not aligned to their size."""
     for r in regions:
         if r.rows < 2:

@@ -43,7 +43,7 @@ from kvstrata.codecs.fp8 import Fp8Codec
 from kvstrata.codecs.int4 import Int4Codec
 from kvstrata.codecs.int8 import Int8Codec
 
-# Imported at first use (~0.5 s), never on the CPU path: `_import_triton`.
+# Imported at first use (a noticeable delay), never on the CPU path: `_import_triton`.
 triton: Any = None
 tl: Any = None
 

@@ -199,11 +199,11 @@ class EngineConfig:
             has). OpenMP thread counts are per thread, so the engine sets its own.
         native_linear: decode-sized projections (at most 8 rows: the decodes of a
             step, the LM head's kept rows) of an fp32 CPU model run through kvstrata's
-            native kernel, which streams each weight once (2-3x faster than torch's
-            sgemm there), and larger ones (prefill chunks) through oneDNN's fp32
-            linear (faster than torch's MKL sgemm here); weights under 1 MiB keep
-            torch's. Both differ from MKL in the last bits; False keeps torch's
-            `F.linear` for every projection.
+            native kernel, which streams each weight once (faster than torch's sgemm
+            there), and larger ones (prefill chunks) through oneDNN's fp32 linear
+            (faster than torch's MKL sgemm here; the figures: docs/MEASUREMENTS.md);
+            weights under 1 MiB keep torch's. Both differ from MKL in the last bits;
+            False keeps torch's `F.linear` for every projection.
         lean_forward: Llama / Mistral / Qwen2 / Qwen3 models run the engine's steps
             through kvstrata's lean forward (integrations.hf.lean: the model's own
             modules, without transformers' per-call machinery; the same logits bit for

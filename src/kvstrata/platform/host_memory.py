@@ -7,11 +7,10 @@ system allows it (`/sys/kernel/mm/transparent_hugepage/enabled` "madvise" or
 "always"), else with ordinary pages. Attention reads a tier's arenas as many runs a
 few KiB long (a decode step's pages of every layer and head; query-aware selection's
 chosen pages lie apart), and on 4 KiB pages each run is (presumably) a TLB miss and a
-page walk: measured on a 2-core VM, smollm2's decode attention over 8k keys of fp32
-K/V, all 30 layers, 29.4 ms a step from ordinary pages against 21.6 ms from huge ones
-(the native kernel alone; through the engine 28.6 -> 22.0 ms). torch's allocator gives no such
-advice (a large `torch.empty` is a malloc'd mapping the kernel only backs with huge
-pages when THP is "always").
+page walk: decode attention over long contexts was measured markedly faster from huge
+pages than from ordinary ones, both in the native kernel alone and through the engine
+(docs/MEASUREMENTS.md). torch's allocator gives no such advice (a large `torch.empty`
+is a malloc'd mapping the kernel only backs with huge pages when THP is "always").
 
 `pinned_empty` allocates pageable memory of exactly the requested size and registers
 it with `cudaHostRegister` (torch's pinned allocator would round it up to a power of

@@ -39,9 +39,9 @@ LN2 = math.log(2.0)
 EXACT = "exact"
 REFERENCE_ATTENTION = "sdpa"
 # A lossless cache differs from the exact one only by float rounding: its attention merges
-# per-tier partials with log-sum-exp where sdpa makes one pass (measured: 4e-7 % on the
-# embedded model's architecture, 1e-5 % on a tiny model with 0.3 init). A lost or
-# corrupted block moves perplexity by orders of magnitude more.
+# per-tier partials with log-sum-exp where sdpa makes one pass (measured well below this
+# tolerance: docs/MEASUREMENTS.md). A lost or corrupted block moves perplexity by orders
+# of magnitude more.
 LOSSLESS_TOLERANCE_PCT = 1e-4
 
 CacheFactory = Callable[[int], "Cache"]
@@ -458,7 +458,8 @@ def heldout_windows(
 
 # Below this many parameters a one-token forward is a few hundred small ops: dispatch,
 # not arithmetic, dominates, and a second thread only adds synchronisation (measured on
-# kvstrata-code-tiny, 2 cores: 7 ms/step with 1 thread, 28 ms with 2 on a busy machine).
+# kvstrata-code-tiny, 2 cores: several times slower with 2 threads on a busy machine;
+# docs/MEASUREMENTS.md).
 SMALL_MODEL_PARAMS = 100_000_000
 
 

@@ -67,7 +67,8 @@ class OpenAIServer:
         self.texts = TokenTexts(tokenizer)
         self.block_size = engine.store.config.block_size
         # a prompt string longer than the model's positions x its longest token cannot
-        # fit: refused before it is tokenized (tokenizing costs ~200 bytes a character)
+        # fit: refused before it is tokenized (tokenizing costs many times the text's
+        # bytes in memory: docs/MEASUREMENTS.md)
         longest, positions = longest_token_chars(tokenizer), engine.max_model_len
         bound = positions * longest if positions and longest else None
         self.limits = Limits(engine.vocab_size or len(tokenizer), bound)

@@ -133,8 +133,8 @@ class SlotFormat:
 def exchange(staged: np.ndarray, part: torch.Tensor, to_staging: bool) -> None:
     """Copy between staged field bytes [..., c, rows, row_bytes] and a tensor
     `part` [..., c*rows, cols]. Byte copies with numpy on the CPU: no dtype
-    dispatch, and no OpenMP team to wait for on a busy machine (a 1 MiB torch
-    copy_ took 15 ms instead of 25 us with 2 threads on 2 loaded cores)."""
+    dispatch, and no OpenMP team to wait for on a busy machine (there a small torch
+    copy_ with 2 threads was seen to take hundreds of times as long: docs/MEASUREMENTS.md)."""
     c, rows = staged.shape[-3], staged.shape[-2]
     if part.stride(-1) != 1 or part.dtype == torch.bool:
         tmp = part.contiguous() if to_staging else torch.empty(part.shape, dtype=part.dtype)

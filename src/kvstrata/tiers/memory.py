@@ -215,7 +215,7 @@ class MemoryTier(Tier):
     ) -> bool:
         """Copy between the arena rows of `slots` and `other` (rows in slot order): one
         strided copy per run of consecutive slots (an index_select / index_copy_
-        gather moves ~10x fewer bytes per second). False, having copied nothing, when
+        gather moves far fewer bytes per second). False, having copied nothing, when
         there are more than MAX_RUN_COPIES runs (the caller then uses index ops)."""
         runs = slot_runs(slots)
         if len(runs) > MAX_RUN_COPIES:

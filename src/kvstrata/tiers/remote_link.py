@@ -31,7 +31,8 @@ from dataclasses import dataclass
 ALPHA = 0.3  # weight of a new sample in the moving averages
 MIN_COMPUTE_TOKENS = 32  # steps with fewer new tokens (decode) do not measure prefill
 # A read may take MARGIN times its predicted load: the bandwidth figure can come from
-# a quiet moment (the start-up probe), and a read on 2 busy cores was seen 5-7x slower.
+# a quiet moment (the start-up probe), and a read on busy cores was seen several times
+# slower (docs/MEASUREMENTS.md).
 MARGIN = 8.0
 PATIENCE = 0.25  # ...and at least this share of the recompute it saves (still a 4x win)
 # A link the model has not measured for this long is re-measured in the background

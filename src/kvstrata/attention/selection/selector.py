@@ -12,10 +12,10 @@ plus the sink pages and the newest keys, which every head always attends. Only t
 chosen pages are read, from whichever tier holds them. A query row may score over its
 `channels` largest-|q| channels only (SparQ: Ribar et al., "SparQ Attention:
 Bandwidth-Efficient LLM Inference", 2023), and pages may be scored in two levels
-(`coarse`: a summary per group of pages first). On smollm2 at 8k with a budget of 1/8
-(8 windows, 1,008 tokens, `scripts/selection_sim.py`): ΔPPL +0.82 % with 4-token pages
-and the best head's score over every channel, +0.51 % over 16 channels, +1.80 %
-summing; +1.96 % / +2.89 % with 8-token pages.
+(`coarse`: a summary per group of pages first). Smaller pages and the best head's
+score lose less perplexity than larger pages or summing, and scoring over 16 channels
+lost no more than over every channel (`scripts/selection_sim.py` compares them; the
+figures: docs/MEASUREMENTS.md).
 
 Summaries live on the compute device in fp32 (fp16 on a CPU whose native kernel scores
 them), channel-major — a row over the pages per channel's max, min or mean — so a
@@ -49,8 +49,8 @@ from kvstrata.attention.selection.sharing import (
 from kvstrata.config import CacheConfig
 from kvstrata.platform.host_memory import cpu_empty
 
-# keys per summary by default (CacheConfig.attention_page): Quest's pages are 16; see the
-# module docstring for what 4 and 8 measured
+# keys per summary by default (CacheConfig.attention_page): Quest's pages are 16; smaller
+# pages lose less perplexity (module docstring; docs/MEASUREMENTS.md for 4 against 8)
 PAGE_TOKENS = CacheConfig.attention_page
 RECENT_SHARE = 0.25  # the newest keys always attended: this share of the budget
 

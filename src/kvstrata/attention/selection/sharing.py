@@ -3,7 +3,8 @@
 A prefix-cache hit gives a new sequence blocks that another one computed: the same
 keys, so the same page summaries. Without sharing, the new sequence's first selecting
 decode step reads every stored key of its prompt back from the tiers and summarises
-it again (smollm2 at 8k on a 2-core VM: that step takes 0.19-0.26 s instead of 0.05).
+it again: at long contexts that step takes several times as long as an ordinary one
+(docs/MEASUREMENTS.md).
 
 So each sequence's summaries record the content hashes of its table's leading full
 blocks as the block manager hashes them (`table_hashes`, from `KeySelector.forget`

@@ -18,8 +18,8 @@ the model's geometry (raised to vLLM's --max-model-len + one block when smaller,
 kvstrata_int8 to the device floor its exact residual windows need). vLLM runs with
 --enable-prompt-tokens-details, so both servers report prefix hits in `usage`, and
 with VLLM_CPU_NUM_OF_RESERVED_CPU=0 (unless set): by default vLLM-CPU keeps a core for
-its API server, which on 2 cores leaves its model one thread (docqa warm-up 78 s
-against 42 s with both cores), and the bench compares against the faster set-up.
+its API server, which on 2 cores leaves its model one thread (a much slower docqa
+warm-up: docs/MEASUREMENTS.md), and the bench compares against the faster set-up.
 kvstrata serve runs with its defaults (every core; its own API server shares them).
 
 Workloads on /v1/completions (prompts are token ids of real text, so both servers compute
@@ -39,9 +39,9 @@ prompts (no restart). Reported: medians over repeats of the round's wall time, o
 tokens/s, TTFT / TPOT p50 / p99, prefix-hit tokens (usage.prompt_tokens_details), and
 how often each server's greedy text equals vLLM's; ratios are variant / vLLM.
 
-Time (smollm2, 2 cores): --quick ~8 minutes with vLLM (its start-up alone is about a
-minute per server), ~2 without; --repeats 1 about 30 minutes, the default 3 repeats
-about 1.5 hours (--sizes, --only and --variants cut it down).
+Time (smollm2, 2 cores): --quick takes minutes (vLLM's start-up is much of it),
+the default repeats hours (--sizes, --only and --variants cut it down; the timings
+past runs took: docs/MEASUREMENTS.md).
 
 The package: command (the options and the run), servers (the variants' command lines,
 starting and stopping them, the requests of each phase), workloads (what is asked, and

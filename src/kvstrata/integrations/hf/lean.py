@@ -4,7 +4,8 @@ transformers' forward is general: every call goes through the output-capturing a
 kwarg-merging decorators, builds a mask, and every one of a layer's ~12 modules
 through `Module.__call__` (hooks, forward-pre-hooks, the attention interface lookup).
 For a decode step that is a fixed cost per layer that small models pay many times
-over their arithmetic (the embedded 4-layer model: ~2/3 of a step).
+over their arithmetic (most of a step on the embedded 4-layer model:
+docs/MEASUREMENTS.md).
 
 `lean_forward(model)` returns a `LeanForward` for the families whose layer is
 exactly "norm → q/k/v → RoPE → attention → o → residual → norm → gate·up → down →

@@ -3,11 +3,11 @@
 A decode step applies RoPE (7 torch ops per tensor: two slices, a negation, a cat, two
 products, a sum) and two RMSNorms (6 ops) per layer to a few hundred floats, so their
 time is the ops' dispatch, which the step pays cold, after its weights went through the
-caches: smollm2 in the engine, 1 token, 2-core Xeon VM, medians: RoPE 49 us and each norm
-36 us a layer, 3.9 ms of a 40 ms step. `kv_rope` and `kv_rms_scale`
-(platform/csrc/elementwise.cpp) do the same float operations in the same order, each
-rounded on its own, so the result is bit-identical: the norm keeps torch's `pow(2).mean`
-(the one reduction, whose summation order is torch's own) and takes the rest natively.
+caches: together a noticeable share of a small model's decode step
+(docs/MEASUREMENTS.md). `kv_rope` and `kv_rms_scale` (platform/csrc/elementwise.cpp) do
+the same float operations in the same order, each rounded on its own, so the result is
+bit-identical: the norm keeps torch's `pow(2).mean` (the one reduction, whose summation
+order is torch's own) and takes the rest natively.
 
 Each is adopted only if, at construction, it gives the bits of the model's own function
 on a probe (random inputs, 1 and 3 tokens): a variant that computes anything else — a

@@ -3,19 +3,19 @@
 A decode step feeds the model one token per running sequence, so every projection
 (q/k/v/o, the MLP, the LM head over the rows kept) multiplies a few rows by a large
 weight: the time goes into reading the weights. torch's sgemm packs the weight before
-it multiplies, which on small inputs reads it about twice as slowly as streaming it;
-the native kernel (`platform/csrc/linear.cpp`) streams each weight once, shared out
-among the step's threads. Measured on a 2-core EPYC VM (smollm2, 4 rows, all 211
-projections of a step): 50 ms against 118-158 ms for torch's.
+it multiplies, which on small inputs reads it more slowly than streaming it; the
+native kernel (`platform/csrc/linear.cpp`) streams each weight once, shared out among
+the step's threads, and takes a fraction of torch's time for a step's projections
+(the figures: docs/MEASUREMENTS.md).
 
 `install(model)` gives every fp32 CPU `nn.Linear` of a model (weights of at least
 MIN_WEIGHT_BYTES: smaller ones sit in cache) a forward that, while
 `native_projections()` is on in the calling thread (the engine turns it on around its
 own forwards), takes the kernel for inputs of at most MAX_ROWS rows and oneDNN's fp32
 product (`mkldnn._linear_pointwise`, the library vLLM's CPU backend multiplies with)
-for more: a prefill chunk. On the 2-core EPYC VM, 512 rows, medians: gate/up
-(1536x576) 7.4 ms against 9.6-12.7 ms for torch's `F.linear` (MKL), down (576x1536)
-7.9 / 8.1, q/o (576x576) 2.9 / 2.8 — with the weight as it is, no packed copy.
+for more: a prefill chunk. It is faster than torch's `F.linear` (MKL) on the largest
+of a small model's projections and level with it on the others
+(docs/MEASUREMENTS.md) — with the weight as it is, no packed copy.
 Anything else — other dtypes, autograd, other callers of the same model — runs
 `F.linear` as before. The kernel's sums are fixed-order fp32 dot products: they do not
 depend on the thread count or on how many rows come together; both it and oneDNN
@@ -38,8 +38,8 @@ from kvstrata.platform import native
 
 MAX_ROWS = 8  # above this the BLAS (compute-bound, blocked for many rows) is faster
 # Below this the weight sits in cache and the kernel's call and thread hand-off cost
-# more than it saves: torch's product stays (measured, 2-core EPYC VM, 1 row: 256x256
-# 26 us native against 15 us torch's; 576x576 37 / 35; 1536x576 68 / 82).
+# more than it saves: torch's product stays (measured per weight shape, one row:
+# docs/MEASUREMENTS.md).
 MIN_WEIGHT_BYTES = 1 << 20
 _state = threading.local()
 

@@ -1,6 +1,6 @@
 // kvstrata codec kernels: int8 / int4 (KIVI) / fp8 quantize and dequantize on CPU.
 //
-// Plain C ABI (no torch headers: compiles in ~2 s instead of ~25 s), called through
+// Plain C ABI (no torch headers: compiles an order of magnitude faster), called through
 // ctypes from kvstrata/codecs/_kernels.py; the eager torch reference these kernels
 // must match bit for bit is kvstrata/codecs/_reference.py.
 //

@@ -2,18 +2,15 @@
 //
 // x [M, K], w [N, K] (torch.nn.Linear's layout), y [M, N], all fp32 and contiguous.
 // With few rows (M <= 16) the product is bound by reading w: each call streams w once,
-// a few rows at a time, against the rows of x held in cache (measured on a 2-core
-// EPYC VM, 4 rows, every projection of a 135M model: 8 GB/s on 2 threads, where the
-// BLAS sgemm, made for large M, packs w first and reads it at 2-3.5 GB/s). Rows of w
-// are shared out among `nth` workers in chunks; each output is a dot product of 8-wide
-// (16-wide with AVX-512) lanes added in a fixed order, so the result does not depend on
-// the thread count or on M.
+// a few rows at a time, against the rows of x held in cache (it reads w several times
+// as fast as the BLAS sgemm, made for large M, which packs w first:
+// docs/MEASUREMENTS.md). Rows of w are shared out among `nth` workers in chunks; each
+// output is a dot product of 8-wide (16-wide with AVX-512) lanes added in a fixed order,
+// so the result does not depend on the thread count or on M.
 //
 // With AVX-512 four rows of w are read at once, 16 floats each, with no software
-// prefetch: smollm2's 211 projections of a decode step, 1 row, 2 threads, on a 2-core
-// Xeon VM (AVX-512): 21.5 ms against 24.2 for two rows of 8 floats with prefetch (25
-// against 22 GB/s; MKL's sgemv there: 24 GB/s, a plain sum 28.6); 2 rows 24.5 against
-// 26.0 ms.
+// prefetch: measured faster than two rows of 8 floats with prefetch on a decode step's
+// projections, and level with MKL's sgemv (docs/MEASUREMENTS.md).
 
 #include <algorithm>
 #include <atomic>

@@ -63,9 +63,9 @@ void copy_rows(const kv_field &F, i64 h, i64 off, i64 n, i64 dim, float *buf) {
 // Attend head h over keys [a, b) of its chosen segments (in their order) into st: a
 // tile of one run in place, shorter runs copied into a tile first. Chosen pages lie
 // apart; copying them is loads back to back, which keeps more misses in flight than
-// a tile's arithmetic between them — smollm2's shapes at 8k with 4-key pages: ~12 %
-// less time a step than attending the rows through pointers (prefetching the next
-// segments, at distances 0-16, changed nothing either way).
+// a tile's arithmetic between them — smollm2's shapes at 8k with 4-key pages: less time
+// a step than attending the rows through pointers (docs/MEASUREMENTS.md; prefetching
+// the next segments, at distances 0-16, changed nothing either way).
 void attend_segments(const Call &C, i64 h, const std::vector<Seg> &segs, i64 a, i64 b,
                      State &st) {
   const Job &J = C.j;
@@ -283,8 +283,9 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
       float *out;
     };
     // the longest run: up to 2,048 pages, so a row is read in runs of 4 KiB (fp16),
-    // not 1 KiB (smollm2 at 8k: one run per head, ~0.5 ms a 30-layer step less than 512
-    // pages), but at least one run per thread where the pages allow (one KV head)
+    // not 1 KiB (smollm2 at 8k: one run per head, faster than runs of 512 pages,
+    // docs/MEASUREMENTS.md), but at least one run per thread where the pages allow
+    // (one KV head)
     const i64 most_rows = 2048;
     const i64 run_pages = std::min<i64>(most_rows, std::max<i64>(512, (npages * H + nth - 1) / std::max(nth, 1)));
     auto score_all = [&](const std::vector<Run> &runs) {
@@ -423,8 +424,8 @@ extern "C" int kv_attn_select_decode(int nparts, const kv_part *parts, const i64
         if (int rc = build(h)) return rc;
     }
     // One parallel region (each wakes sleeping workers under OMP_WAIT_POLICY=PASSIVE,
-    // kvstrata's default: one region fewer per layer saved ~1.4 ms of a 30-layer step
-    // on a 2-core VM, ~50 us each): one level scores its runs
+    // kvstrata's default: one region fewer per layer measurably shortened a step,
+    // docs/MEASUREMENTS.md): one level scores its runs
     // first; the thread scoring a head's last run chooses its pages and builds its
     // segments, and its attention items wait (spinning: at most one run) until then.
     std::vector<std::atomic<i64>> left((size_t)H);
