@@ -124,8 +124,6 @@ OUT_OF_RANGE = [  # (endpoint, fields, param, words)
     ("completions", {"prompt": [[1, True]]}, "prompt[0][1]", ["token id"]),
     ("completions", {"stream_options": {"include_usage": 1}, "stream": True},
      "stream_options.include_usage", ["true or false"]),
-    ("completions", {"stream_options": {"include_usagee": True}, "stream": True},
-     "stream_options.include_usagee", ["did you mean 'include_usage'"]),
     ("chat/completions", {"messages": [{"role": "user", "contnet": "x"}]},
      "messages[0].contnet", ["did you mean 'content'"]),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

@@ -26,6 +26,7 @@ from kvstrata.core.errors import ConfigError
 from kvstrata.engine import Engine
 from kvstrata.server import build_app
 from kvstrata.server.chat import plain_chat_prompt
+from kvstrata.server.limits import ServeLimits
 from kvstrata.workload.zoo import load_model
 from serve_harness import MODEL, error_of, make_engine, serve_in_thread, stop
 
@@ -1165,7 +1166,6 @@ BAD_REQUESTS = [  # (endpoint, body, status, param, words in the message)
     ("completions", {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens",
      ["False"]),
     ("completions", {"prompt": "x", "best_of": 3}, 400, "best_of", ["use n"]),
-    ("completions", {"prompt": "x", "temprature": 0}, 400, "temprature", ["'temperature'"]),
     ("completions", {"prompt": ""}, 400, "prompt", ["non-empty"]),
     ("completions", {"prompt": ["a", ""]}, 400, "prompt[1]", ["non-empty"]),
     ("completions", {"prompt": [[5], [1, 999]]}, 400, "prompt[1][1]", ["999", "[0, 259)"]),
@@ -1216,8 +1216,13 @@ BAD_REQUESTS = [  # (endpoint, body, status, param, words in the message)
      400, "chat_template_kwargs.continue_final_message", ["not a template variable"]),
     ("completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400,
      "logit_bias", ["301 entries", "at most 300"]),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
-     400, "echo", ["unknown field"]),
+    ("completions", {"prompt": "x", "max_tokens": -1, "frobnicate": 1}, 400, "max_tokens",
+     [">= 0"]),
+    ("completions", {"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim",
+     ["false or null"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "continue_final_message": True},
+     400, "continue_final_message", ["not implemented"]),
 ]  # fmt: skip
 
 
@@ -1236,6 +1241,80 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(
         assert word in error["message"]
     assert greedy(served.client(), "import os", 2)  # still serving
     wait_idle(served.engine)
+
+
+# what vllm-router and sglang-router add to every request they forward
+ROUTER_FIELDS = {
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "return_hidden_states": False,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "include_reasoning": True,
+}
+
+
+def test_unknown_fields_are_ignored_named_in_a_header_and_logged_once(served, caplog):
+    """As vLLM does: a field kvstrata does not know changes nothing, the response names
+    it (X-Kvstrata-Ignored-Fields) and the log says so once per name; the fields routers
+    add at their defaults are known (no header)."""
+    url = f"{served.url}/v1/completions"
+    plain = {"prompt": "import os", "max_tokens": 6, "temperature": 0}
+    want = httpx.post(url, json=plain, timeout=60)
+    assert want.status_code == 200 and "x-kvstrata-ignored-fields" not in want.headers
+    text = want.json()["choices"][0]["text"]
+    routed = httpx.post(url, json={**plain, **ROUTER_FIELDS}, timeout=60)
+    assert routed.status_code == 200, routed.text
+    assert "x-kvstrata-ignored-fields" not in routed.headers
+    assert routed.json()["choices"][0]["text"] == text
+    odd = {**plain, "frobnicate": 1, "zz_extra": {"a": [1]}, "echo_back": None}
+    with caplog.at_level("WARNING", logger="kvstrata.server.routes"):
+        for _ in range(2):
+            got = httpx.post(url, json=odd, timeout=60)
+            assert got.status_code == 200, got.text
+            assert got.headers["x-kvstrata-ignored-fields"] == "echo_back, frobnicate, zz_extra"
+            assert got.json()["choices"][0]["text"] == text
+        typo = httpx.post(url, json={"prompt": "x", "max_tokens": 1, "temprature": 0}, timeout=60)
+        assert typo.headers["x-kvstrata-ignored-fields"] == "temprature"
+    logged = [r.getMessage() for r in caplog.records if "frobnicate" in r.getMessage()]
+    assert len(logged) == 1 and "--strict-fields" in logged[0]
+    assert any("did you mean 'temperature'" in r.getMessage() for r in caplog.records)
+    chat = {
+        "messages": [{"role": "user", "content": "x", "weight": 2}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "echo": True,
+    }
+    got = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.headers["x-kvstrata-ignored-fields"] == "echo, messages[0].weight"
+    stream = httpx.post(url, json={**odd, "stream": True}, timeout=60)
+    assert stream.status_code == 200
+    assert stream.headers["x-kvstrata-ignored-fields"] == "echo_back, frobnicate, zz_extra"
+    wait_idle(served.engine)
+
+
+def test_strict_fields_refuses_an_unknown_field_naming_the_closest_known(one_thread):
+    engine = make_engine()
+    server, thread, url = serve_in_thread(build_app(engine, limits=ServeLimits(strict_fields=True)))
+    try:
+        body = {"messages": [{"role": "user", "content": "x"}], "echo": True}
+        error = error_of(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60), 400)
+        assert error["param"] == "echo" and "unknown field" in error["message"]
+        body = {"prompt": "x", "max_token": 3}
+        error = error_of(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400)
+        assert error["param"] == "max_token" and "did you mean 'max_tokens'" in error["message"]
+        body = {"prompt": "x", "stream": True, "stream_options": {"include_usagee": True}}
+        error = error_of(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400)
+        assert error["param"] == "stream_options.include_usagee"
+        assert "did you mean 'include_usage'" in error["message"]
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", **ROUTER_FIELDS}, timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        stop(server, thread)
+        engine.shutdown()
 
 
 def test_malformed_json_and_unknown_routes(served):

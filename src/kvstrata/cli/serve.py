@@ -95,6 +95,7 @@ def serve_limits(args: argparse.Namespace) -> Any:
         max_body_bytes=parse_size(args.max_request_body, "max_request_body"),
         max_request_tokens=None if tokens is None else parse_tokens(tokens, "max_request_tokens"),
         trust_special_tokens=args.trust_special_tokens,
+        strict_fields=args.strict_fields,
     )
 
 
@@ -375,6 +376,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="a special token's text in chat content (or a chat model's completion prompt) "
         "is that token, so callers can write turns of any role (default: plain text)",
+    )
+    lim.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse a request field kvstrata does not know (a 400 naming it) instead of "
+        "ignoring it as vLLM does (default: ignored, logged once per name and named in the "
+        "X-Kvstrata-Ignored-Fields response header)",
     )
     p.add_argument(
         "--threads",

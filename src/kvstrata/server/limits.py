@@ -24,6 +24,9 @@ class ServeLimits:
     # a special token's text in chat content (and, for a chat model, in a completion
     # prompt string) is that token; False: it is plain text, so no client forges a turn
     trust_special_tokens: bool = False
+    # an unknown request field is a 400 (True) or ignored, named in the response's
+    # X-Kvstrata-Ignored-Fields header and logged once per name (False: vLLM's way)
+    strict_fields: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_request_tokens"):
@@ -31,8 +34,9 @@ class ServeLimits:
             whole = isinstance(value, int) and not isinstance(value, bool) and value >= 1
             if not whole and (value is not None or name == "max_body_bytes"):
                 raise ConfigError.field(name, value, "a whole number >= 1")
-        if not isinstance(self.trust_special_tokens, bool):
-            raise ConfigError.field("trust_special_tokens", self.trust_special_tokens, "a bool")
+        for name in ("trust_special_tokens", "strict_fields"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError.field(name, getattr(self, name), "a bool")
 
     def request_tokens(self, engine: Any) -> int:
         """The work ceiling over `engine` (max_request_tokens, or its default)."""

@@ -1,21 +1,21 @@
 """The OpenAI request bodies as pydantic models (OpenAI's fields, vLLM's extensions),
 parsed by pydantic-core's JSON parser (bounded nesting and numbers, strict Unicode), a
-`ValidationError` worded as one OpenAI error (`body_error`: a 400 naming the field, the
-value and what is accepted, from the field's type and constraints).
+`ValidationError` worded as one OpenAI error (`parsing.body_error`: a 400 naming the
+field, the value and what is accepted, from the field's type and constraints).
 
-An unknown field is refused, naming the closest known one; one kvstrata does not
-implement is accepted only at its neutral value (`neutral`); checks against the served
-model (token ids, a prompt's length) read the validation context (`Limits`).
+An unknown field is accepted and ignored, as vLLM does (routers and SDKs add fields of
+their own): the request names what it ignored (`Request.ignored_fields`), and with
+`strict_fields` it is refused instead, naming the closest known one. A field kvstrata
+knows but does not implement is accepted only at its neutral value (`neutral`); a known
+field with an invalid value is always a 400. Checks against the served model (token
+ids, a prompt's length) read the validation context (`Limits`).
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -23,15 +23,14 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
 )
-from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from kvstrata.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED
-from kvstrata.server.errors import APIError, invalid
+from kvstrata.server.errors import invalid
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_N = 128  # choices per prompt at most (OpenAI's limit)
@@ -43,11 +42,13 @@ MAX_SALT_CHARS = 256  # a tenant name, not a payload
 
 @dataclass(frozen=True)
 class Limits:
-    """The validation context: `vocab_size` (0: unknown, token ids unchecked) and
-    `max_prompt_chars`, the longest prompt string that can fit the model (None: any)."""
+    """The validation context: `vocab_size` (0: unknown, token ids unchecked),
+    `max_prompt_chars`, the longest prompt string that can fit the model (None: any),
+    and `strict_fields` (an unknown field is a 400, not ignored)."""
 
     vocab_size: int = 0
     max_prompt_chars: int | None = None
+    strict_fields: bool = False
 
 
 def _refuse(
@@ -90,6 +91,13 @@ def _listed(value: Any) -> Any:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False
+
+
+Off = neutral("false or null (not implemented)", _off)  # routers send these at false
 
 
 class StreamOptions(_Body):
@@ -137,6 +145,21 @@ class Request(_Body):
     store: Ignored = None
     service_tier: Ignored = None
     parallel_tool_calls: Ignored = None
+    # what routers add to every request (vllm-router, sglang-router): no model served
+    # here reasons, so there is no reasoning text to include, separate or stream
+    include_reasoning: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    no_stop_trim: Off = None  # type: ignore[valid-type]
+    continue_final_message: Off = None  # type: ignore[valid-type]
+    return_hidden_states: Off = None  # type: ignore[valid-type]
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """The unknown fields this request gave and kvstrata ignored, as the request
+        spells them (messages[0].name)."""
+        return self._ignored
 
     def check_together(self) -> None:
         """The checks between fields; salt takes vLLM's name for it, cache_salt (a client
@@ -318,106 +341,3 @@ class ChatRequest(Request):
 
 REQUESTS = {COMPLETIONS: CompletionRequest, CHAT: ChatRequest}
 _INNER = {"messages": Message, "stream_options": StreamOptions}  # field -> its items' model
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json.loads' object hook: a key given twice in one object is a 400 (JSON leaves
-    that open; the last one would win silently)."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise APIError(
-            400,
-            f"the request body gives the key {key[:100]!r} twice in one object: give each key once",
-            code="invalid_json",
-        )
-    return out
-
-
-def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
-    """The body as the endpoint's request model, with no key given twice in any object
-    and its fields checked together (`Request.check_together`); an APIError (400)
-    otherwise."""
-    try:
-        request = REQUESTS[endpoint].model_validate_json(raw, context=limits)
-    except ValidationError as exc:
-        raise body_error(exc, endpoint) from None
-    json.loads(raw, object_pairs_hook=_no_duplicates)  # valid JSON by now, bounded
-    request.check_together()
-    return request
-
-
-def _where(loc: tuple[int | str, ...]) -> str:
-    """A pydantic location as the request spells it: messages[0].content."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
-    return out
-
-
-def _accepted(field: FieldInfo) -> str | None:
-    """What a field accepts, from its type and constraints (its description, where it
-    has one; None for a type this does not put in words)."""
-    if field.description:
-        return field.description
-    kind = field.annotation
-    if get_origin(kind) in (Union, types.UnionType):  # X | None
-        kind = next(arg for arg in get_args(kind) if arg is not type(None))
-    bounds = {
-        name: getattr(meta, name)
-        for meta in field.metadata
-        for name in ("gt", "ge", "le", "min_length", "max_length")
-        if getattr(meta, name, None) is not None
-    }
-    if "ge" in bounds and "le" in bounds:
-        span = f" from {bounds['ge']} to {bounds['le']}"
-    else:
-        ops = {"gt": ">", "ge": ">=", "le": "<="}
-        span = " and".join(f" {op} {bounds[name]}" for name, op in ops.items() if name in bounds)
-    least, most = bounds.get("min_length"), bounds.get("max_length")
-    if get_origin(kind) is Literal:
-        return f"one of {', '.join(map(repr, get_args(kind)))}"
-    if kind is bool:
-        return "true or false"
-    if kind in (int, float):
-        return ("a whole number" if kind is int else "a number") + span
-    if kind is str:
-        return f"a string of {least or 0} to {most} characters" if most else "a string"
-    if get_origin(kind) is list:
-        return ("a non-empty list" if least else "a list") + (
-            f" of at most {most} items" if most else ""
-        )
-    if get_origin(kind) is dict or isinstance(kind, type) and issubclass(kind, BaseModel):
-        return "an object"
-    return None
-
-
-def body_error(exc: ValidationError, endpoint: str) -> APIError:
-    """The OpenAI error object (400) of a request body pydantic refused: its first error,
-    one line naming the field (`param`), the value and what is accepted."""
-    errors = exc.errors(include_url=False)
-    # an unknown field first: a misspelled one leaves the field it meant missing
-    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    kind, loc, ctx = err["type"], tuple(err["loc"]), err.get("ctx") or {}
-    if kind == "json_invalid":
-        why = ctx.get("error", "malformed")
-        return APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json")
-    if not loc:
-        return APIError(400, "the request body must be a JSON object ({...})", code="invalid_json")
-    deeper = ctx.get("param") or ""  # a validator's: the value's own place
-    param = _where(loc) + deeper if deeper.startswith("[") else deeper or _where(loc)
-    value = ctx["value"] if "value" in ctx else err.get("input")
-    model = REQUESTS[endpoint]
-    owner = _INNER.get(str(loc[0]), model) if len(loc) > 1 else model
-    if kind == "extra_forbidden":
-        known = sorted(owner.model_fields)
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-        guess = f"did you mean {close[0]!r}? " if close else ""
-        why = f"unknown field; {guess}known: {', '.join(known)} (endpoint {endpoint})"
-        return invalid(param, value, why, "unknown_parameter")
-    field = owner.model_fields.get(loc[-1]) if isinstance(loc[-1], str) else None
-    message = err["msg"][:1].lower() + err["msg"][1:]  # pydantic's own words, at worst
-    accepted = ctx.get("accepted") or (field and _accepted(field)) or message
-    code = "unsupported_value" if kind == "unsupported_value" else "invalid_value"
-    return invalid(param, None if kind == "missing" else value, accepted, code)

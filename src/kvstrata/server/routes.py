@@ -7,6 +7,7 @@ answered whole or as an event stream; a client that goes away aborts its request
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -23,12 +24,12 @@ from kvstrata.server.choices import Choices, ChoiceState, Job, collect, usage_of
 from kvstrata.server.detokenizer import ChoiceTokens, TokenTexts, prompt_text
 from kvstrata.server.errors import APIError, aborted_error, engine_error, invalid
 from kvstrata.server.limits import ServeLimits, longest_token_chars
+from kvstrata.server.parsing import closest_field, parse_request
 from kvstrata.server.protocol import (
     CHAT,
     ChatRequest,
     CompletionRequest,
     Limits,
-    parse_request,
     too_long,
 )
 from kvstrata.server.protocol import Request as Body
@@ -49,6 +50,8 @@ from kvstrata.server.validation import (
     sampling_params,
 )
 
+log = logging.getLogger(__name__)
+IGNORED_HEADER = "X-Kvstrata-Ignored-Fields"  # the unknown request fields left out
 CHAT_DEFAULT_MAX_TOKENS = 2048  # chat without max_tokens: see OpenAIServer.room_for
 
 
@@ -71,7 +74,8 @@ class OpenAIServer:
         # bytes in memory: docs/MEASUREMENTS.md)
         longest, positions = longest_token_chars(tokenizer), engine.max_model_len
         bound = positions * longest if positions and longest else None
-        self.limits = Limits(engine.vocab_size or len(tokenizer), bound)
+        self.limits = Limits(engine.vocab_size or len(tokenizer), bound, limits.strict_fields)
+        self.warned_fields: set[str] = set()  # ignored field names already logged
         self.ceiling = limits.request_tokens(engine)
         self.trust_special_tokens = limits.trust_special_tokens
 
@@ -125,6 +129,7 @@ class OpenAIServer:
         if self.stopping:
             raise APIError(503, "the server is shutting down", code="unavailable")
         body = parse_request(await request.body(), endpoint, self.limits)
+        self.warn_ignored(body.ignored_fields, endpoint)
         if body.model is not None and body.model != self.model_name:
             raise APIError(
                 404,
@@ -144,7 +149,25 @@ class OpenAIServer:
         if self.stopping:  # stop_requests came meanwhile: submit nothing
             raise APIError(503, "the server is shutting down", code="unavailable")
         states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
-        return await self.answer(request, jobs, states, head, body)
+        response = await self.answer(request, jobs, states, head, body)
+        if body.ignored_fields:
+            response.headers[IGNORED_HEADER] = ", ".join(body.ignored_fields)
+        return response
+
+    def warn_ignored(self, names: tuple[str, ...], endpoint: str) -> None:
+        """Log each ignored field name once (its first request), with the closest known
+        field when one is close (a misspelling)."""
+        for name in names:
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                log.warning(
+                    "kvstrata: requests to %s give the field %r, which kvstrata does not "
+                    "know: ignored%s (named in %s; --strict-fields refuses it)",
+                    endpoint,
+                    name,
+                    closest_field(name, endpoint),
+                    IGNORED_HEADER,
+                )
 
     async def answer(
         self,
