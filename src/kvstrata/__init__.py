@@ -31,8 +31,7 @@ from kvstrata.core.errors import (
     UnsupportedModelError,
 )
 from kvstrata.core.units import parse_size, parse_tokens
-
-__version__ = "0.1.0"
+from kvstrata.core.version import __version__
 
 _LAZY = {
     "CacheConfig": "kvstrata.config",
@@ -59,6 +58,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "__version__",
     "BlockCorruptError",
     "BlockMissingError",
     "CacheConfig",

@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from kvstrata.cli import _openmp
 from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
+from kvstrata.core.version import __version__
 
 
 class UsageError(Exception):
@@ -69,6 +70,7 @@ def build_parser() -> OneLineParser:
         prog="kvstrata",
         description="Tiered, paged, compressed KV cache for LLM inference.",
     )
+    parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
