@@ -46,20 +46,17 @@ def parse_request(raw: bytes, endpoint: str, limits: Limits) -> Request:
         if limits.strict_fields or not extra:
             raise body_error(exc, endpoint) from None
         body = json.loads(raw, object_pairs_hook=_no_duplicates)  # valid JSON: it parsed
-        given = json.loads(raw)
         try:
-            for loc in extra:
-                _drop(body, loc)
+            dropped = {loc: _drop(body, loc) for loc in extra}
         except (KeyError, IndexError, TypeError):  # a place that is no key of the body
             raise body_error(exc, endpoint) from None
         ignored = sorted({_where(loc) for loc in extra})
         try:
             request = model.model_validate_json(json.dumps(body), context=limits)
         except ValidationError as again:
-            raise (
-                _misspelled(again, extra, given, endpoint) or body_error(again, endpoint)
-            ) from None
-    json.loads(raw, object_pairs_hook=_no_duplicates)  # valid JSON by now, bounded
+            raise (_misspelled(again, dropped, endpoint) or body_error(again, endpoint)) from None
+    else:
+        json.loads(raw, object_pairs_hook=_no_duplicates)  # valid JSON by now, bounded
     request.check_together()
     request._ignored = tuple(ignored)
     return request
@@ -74,26 +71,20 @@ def _unknown(loc: tuple, value: Any, owner: type[BaseModel], endpoint: str) -> A
     return invalid(_where(loc), value, why, "unknown_parameter")
 
 
-def _misspelled(exc: ValidationError, extra: list, body: Any, endpoint: str) -> APIError | None:
+def _misspelled(exc: ValidationError, dropped: dict, endpoint: str) -> APIError | None:
     """When a field the body needs is missing (or null) beside an unknown one close to
     its name (a misspelling the body relied on), that unknown field's 400; else None."""
     for err in exc.errors():
         if err["type"] != "missing" and err.get("input", 0) is not None:
             continue  # a value given, not one left out
         where = tuple(err["loc"])
-        for loc in extra:
+        for loc, value in dropped.items():
             if loc[:-1] == where[:-1] and difflib.get_close_matches(
                 str(loc[-1]), [str(where[-1])], n=1, cutoff=0.6
             ):
                 owner = _INNER.get(str(loc[0]), REQUESTS[endpoint]) if len(loc) > 1 else None
-                return _unknown(loc, _at(body, loc), owner or REQUESTS[endpoint], endpoint)
+                return _unknown(loc, value, owner or REQUESTS[endpoint], endpoint)
     return None
-
-
-def _at(body: Any, loc: tuple) -> Any:
-    for part in loc:
-        body = body[part]
-    return body
 
 
 def closest_field(name: str, endpoint: str) -> str:
@@ -103,11 +94,11 @@ def closest_field(name: str, endpoint: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _drop(body: Any, loc: tuple[int | str, ...]) -> None:
-    """Remove the value at a pydantic location from the parsed body."""
+def _drop(body: Any, loc: tuple[int | str, ...]) -> Any:
+    """Remove the value at a pydantic location from the parsed body; return it."""
     for part in loc[:-1]:
         body = body[part]
-    del body[loc[-1]]
+    return body.pop(loc[-1])
 
 
 def _where(loc: tuple[int | str, ...]) -> str:
