@@ -4,9 +4,8 @@ Importing kvstrata before torch sets `OMP_WAIT_POLICY=PASSIVE` unless the enviro
 already names a policy: idle OpenMP threads then sleep instead of spinning. When
 another process competes for the cores, spinning workers take the cycles it needs and
 the engine's requests slow down many times over; on an idle machine, with one thread,
-the policy made no difference (README, "Threads that share the cores"; the figures:
-docs/MEASUREMENTS.md). `kvstrata serve` lets its workers spin briefly instead
-(cli/_openmp.py).
+the policy made no difference (the figures: docs/MEASUREMENTS.md). `kvstrata serve`
+lets its workers spin briefly instead (cli/_openmp.py).
 """
 
 import os as _os

@@ -369,10 +369,10 @@ def test_step_time_off_by_2x_is_said_with_each_case_s_reason(smoke):
 
 
 def test_every_printed_sections_value_runs(smoke):
-    """Each `--sections` the report and the README print is one the command accepts."""
+    """Each `--sections` the report and its docs page print is one the command accepts."""
     out, _ = smoke
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    for text in ((out / "report.md").read_text(), readme.read_text()):
+    page = Path(__file__).resolve().parents[2] / "docs" / "evidence-report.md"
+    for text in ((out / "report.md").read_text(), page.read_text()):
         values = re.findall(r"kvstrata bench report [^`]*--sections ([\w,]+)", text)
         assert values
         for value in values:

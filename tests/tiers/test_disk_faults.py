@@ -6,7 +6,7 @@ reopen. Faults: bit flips (single, paired, bursts) anywhere in blocks.bin, trunc
 deletion or replacement of the arena or the index (while open and between runs), a
 full filesystem (ENOSPC on the arena, a full index via max_page_count, RLIMIT_FSIZE in
 a subprocess), kill -9 of a writer at random points, two processes on one directory,
-and 1,000 open/use/close cycles (descriptors, memory, files). The README's
+and 1,000 open/use/close cycles (descriptors, memory, files). docs/design.md's
 "Durability contract" states what these tests hold the disk tier to.
 """
 

@@ -1,7 +1,7 @@
 """Chat messages -> prompt token ids: the tokenizer's chat template (`add_generation_prompt`,
 default true; `chat_template_kwargs`, vLLM's field: template variables only), its text
 tokenized without adding special tokens; or, for a tokenizer without one (the embedded
-byte-level model), the plain template of the README, tokenized like a completion prompt:
+byte-level model), the plain template of docs/serving.md, tokenized like a completion prompt:
 
     system: You are terse.
     user: Write a haiku.

@@ -12,7 +12,7 @@ of a slot are packed) is described in kvstrata.tiers.disk_format. The tier's ope
 files (tiers/disk_files.py) are a DirLock (tiers/disk_lock.py: one owner per
 directory), a DiskIndex (tiers/disk_index.py: the sqlite index and its in-memory
 mirror) and a BlockFile (tiers/disk_io.py: the arena and every read and write path).
-The guarantees are stated in the README's "Durability contract".
+The guarantees are stated in docs/design.md, "Durability contract".
 
 Crash safety: a rewritten slot loses its index row before its new data is written,
 and the new row is committed only after the data. So a crash leaves either no row

@@ -17,7 +17,7 @@ written), not disk space.
 
 Every (block, layer) region carries a checksum: XXH3-64 (default) or CRC-32 of its
 stored bytes, in file order (see `Checksum` and the "Durability contract" section of
-the README for what each detects).
+docs/design.md for what each detects).
 
 The direct path (native kernels only) moves bytes between the arena file and the
 caller's tensors, one iovec per contiguous piece: for a field stored as [Hkv, rows,
