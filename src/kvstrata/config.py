@@ -72,10 +72,14 @@ class CacheConfig:
         block_size: tokens per block (all layers, K and V): 1-4096, 64-256 typical.
         max_tokens: total tokens the cache must hold across all sequences; sizes
             the device tier when no budget is given and `resident_fraction`.
-        device_budget / resident_fraction: device-tier size (bytes / a fraction in
-            (0, 1] of `max_tokens`; below 1 needs a host or disk tier for the rest).
-        host_budget: host-tier size in bytes (0 = no host tier).
-        disk_dir / disk_budget: disk tier (no disk tier when disk_dir is None).
+        device_budget: device-tier size in bytes ("2GiB"); None: sized by
+            `resident_fraction`, else to hold `max_tokens`.
+        resident_fraction: device-tier size as a fraction in (0, 1] of `max_tokens`
+            ("10%", 0.1); below 1 needs a host or disk tier for the rest.
+        host_budget: host-tier size in bytes (0 = no host tier; pinned with CUDA).
+        disk_dir: directory of the durable, checksummed disk tier (None: no disk tier);
+            a restarted store on the same directory finds its blocks again.
+        disk_budget: disk-tier size in bytes (needs `disk_dir`).
         *_codec: codec name per tier ("none", "fp8", "int8", "int4", "int4-g32" ...;
             calibrated, lossy and opt-in: "lowrank-pre-r29-int8+int8", "heads33-int8-int4").
         codec_calibration: calibration file of the model (``kvstrata calibrate``) that

@@ -198,9 +198,11 @@ def add_decode_arguments(parser: Any, init_range: float, init_help: str) -> None
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per call")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=4, help="layers of the synthetic model")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights and prompts"
+    )
     parser.add_argument("--init-range", type=float, default=init_range, help=init_help)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (1 layer)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -221,9 +221,9 @@ def bench_lossless(model_dir: str | None, repeats: int) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codecs", default=DEFAULT_CODECS, help="comma-separated codec names")
-    parser.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES), help="dtype of the K/V")
     parser.add_argument("--size-mib", type=int, default=64, help="model-dtype MiB per kind")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
     parser.add_argument("--model-dir", default=None, help="HF model for the lossless K/V")
     parser.add_argument("--no-lossless", action="store_true", help="skip the zstd part")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -33,11 +33,11 @@ TARGET_FRACTION = 0.05
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default="1k,16k,128k", help="tokens per sequence")
-    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--sequences", type=int, default=8, help="sequences decoding at once")
     parser.add_argument("--steps", type=int, default=256, help="timed manager steps")
     parser.add_argument("--repeats", type=int, default=3, help="model forwards timed")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix", type=int, default=32, help="new tokens after the prefix")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (512 tokens)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")

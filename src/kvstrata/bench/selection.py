@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="raise the model's max_position_embeddings to P (same weights; speed only)",
     )
-    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 

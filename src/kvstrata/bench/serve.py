@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=32, help="tokens per KV block")
     parser.add_argument("--no-load", action="store_true", help="skip the competing-load part")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")

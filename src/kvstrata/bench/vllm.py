@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vs with kvstrata host / int8 host / disk (servers over HTTP)",
     )
     parser.add_argument("--block-size", type=int, default=32, help="vLLM KV block (x32 on CPU)")
-    parser.add_argument("--host-codec", default="none")
-    parser.add_argument("--disk-codec", default="none")
+    parser.add_argument("--host-codec", default="none", help="codec of the host tier")
+    parser.add_argument("--disk-codec", default="none", help="codec of the disk tier")
     parser.add_argument("--disk-compress", action="store_true", help="zstd on the disk tier")
     parser.add_argument(
         "--disk-delta", action="store_true", help="with --disk-compress: delta-code the keys"

@@ -69,9 +69,10 @@ class SamplingParams:
             before penalties, logit_bias, temperature, top-k / top-p / min-p.
         prompt_logprobs: the same for every prompt token given its prefix (the first
             has none). Its whole prompt is computed (no prefix-cache reuse).
-        frequency_penalty / presence_penalty: OpenAI's, in [-2, 2]: a logit minus
+        frequency_penalty: OpenAI's, in [-2, 2]: a logit minus
             count * frequency_penalty + (count > 0) * presence_penalty, counting the
             token in the output so far.
+        presence_penalty: OpenAI's, in [-2, 2] (see frequency_penalty).
         repetition_penalty: vLLM's / transformers' (> 0; 1 = off): the logit of a
             token in the prompt or output is divided by it (multiplied when negative).
         logit_bias: {token id: bias in [-100, 100]} added to the logits (kept as a
@@ -81,8 +82,9 @@ class SamplingParams:
         min_tokens: end-of-sequence and stop_token_ids are blocked until this many
             tokens are out, and stop strings are looked for once they are (vLLM's
             rule: a stop string may end with token number min_tokens).
-        Penalties and logit_bias apply to greedy requests too (as OpenAI's do at
-        temperature 0); a greedy request without them takes the plain argmax.
+
+    Penalties and logit_bias apply to greedy requests too (as OpenAI's do at
+    temperature 0); a greedy request without them takes the plain argmax.
     """
 
     max_tokens: int = 16
