@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -490,3 +491,11 @@ def test_vllm_runs_on_every_core_unless_the_caller_chose(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     assert server_env("vllm_kvstrata")["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     assert server_env("kvstrata")["PYTHONHASHSEED"] == "0"
+
+
+def test_repo_root_is_the_checkout():
+    """The default vLLM interpreter is the checkout's .venv-vllm (found from the module's
+    own path, which moved once: the root must still hold pyproject.toml)."""
+    assert (srv.repo_root() / "pyproject.toml").is_file()
+    python, _ = srv.find_vllm(None, False)
+    assert python is None or Path(python).parent.parent == srv.repo_root() / ".venv-vllm"

@@ -278,7 +278,7 @@ def measure(
     others still run. The report's "failed" lists this run's failed sections.
     """
     from kvstrata.bench._timing import check_positive, machine_load
-    from kvstrata.report.machine import describe
+    from kvstrata.bench.machine import describe
     from kvstrata.report.session import Session
     from kvstrata.workload.zoo import quiet_transformers
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import _timing
+from kvstrata.bench.machine import describe
 from kvstrata.bench.peer import report as rep
 from kvstrata.bench.peer import servers as srv
 from kvstrata.bench.peer import workloads as wl
@@ -282,7 +283,9 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
         log_dir = Path(tempfile.mkdtemp(prefix="kvstrata-peer-"))
     report: dict[str, Any] = {
         "scenario": NAME,
-        "command": shlex.join(sys.argv),
+        "command": shlex.join(["kvstrata", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": describe(),
         "model": ctx.model_name,
         "model_dir": str(ctx.model_dir),
         "bytes_per_token": ctx.bytes_per_token,

@@ -111,8 +111,8 @@ def backend_fields(variant: str, size: KVSize, disk_dir: Path | None) -> dict[st
 
 
 def repo_root() -> Path:
-    """The checkout this kvstrata runs from (src/kvstrata/.. /..)."""
-    return Path(__file__).resolve().parents[3]
+    """The checkout this kvstrata runs from."""
+    return Path(__file__).resolve().parents[4]  # src/kvstrata/bench/peer/servers.py -> checkout
 
 
 def find_vllm(python: str | None, no_vllm: bool) -> tuple[Path | None, str]:

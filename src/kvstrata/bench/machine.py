@@ -43,7 +43,7 @@ def _version(package: str) -> str | None:
 
 def git_commit() -> str | None:
     """The checkout's commit (with "+dirty" when files differ), None outside a checkout."""
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[3]  # src/kvstrata/bench/machine.py -> checkout
     if not (root / ".git").exists():
         return None
     try:
@@ -66,11 +66,12 @@ def git_commit() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-def describe(threads: int) -> dict[str, Any]:
+def describe(threads: int | None = None) -> dict[str, Any]:
     """What the numbers were measured on.
 
     Args:
-        threads: torch threads the timed work used.
+        threads: torch threads the timed work used (None: the benchmark's servers
+            chose their own).
 
     Returns:
         cores, CPU, RAM bytes, accelerator, OS, Python and package versions, commit,
