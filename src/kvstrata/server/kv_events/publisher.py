@@ -35,7 +35,7 @@ def load_fleet() -> tuple[Any, Any]:
     try:
         import zmq
 
-        from kvstrata.server.kv_events import wire
+        import kvstrata.server.kv_events.wire as wire
     except ImportError as exc:
         raise MissingExtraError(
             f"KV events need pyzmq and msgspec ({exc}): pip install 'kvstrata[fleet]'"
