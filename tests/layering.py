@@ -38,6 +38,7 @@ LAZY_OK = {"cli", "bench", "report"}
 # Function-level imports elsewhere, each for an optional extra: (importer, imported) -> why.
 LAZY_EXTRAS = {
     ("server", "server.app"): "FastAPI and uvicorn (the serve extra)",
+    ("server.kv_events.publisher", "server.kv_events.wire"): "msgspec (the fleet extra)",
 }
 
 # A module is a room of at most MAX_LINES lines. One that grows past it is split by noun

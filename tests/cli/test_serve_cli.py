@@ -64,6 +64,13 @@ REFUSED = [  # argv, words of the one-line message
     (["--gpu-memory-utilization", "0.000001"], ["does not cover the model's weights"]),
     (["--swap-space-gb", "4"], ["--swap-space"]),
     (["--host", ""], ["host"]),
+    (["--kv-events-config", "{not json"], ["kv_events_config='{not json'", "a JSON object"]),
+    (["--kv-events-config", "[1]"], ["kv_events_config='[1]'", "a JSON object"]),
+    (["--kv-events-config", '{"buffer_step": 3}'], ["buffer_step=3", "'buffer_steps'"]),
+    (["--kv-events-config", '{"publisher": "kafka"}'], ["publisher='kafka'", '"zmq" or "null"']),
+    (["--kv-events-config", '{"hwm": -1}'], ["kv_events_config.hwm=-1", ">= 0"]),
+    (["--kv-events-config", '{"endpoint": "5557"}'], ["endpoint='5557'", "tcp://*:5557"]),
+    (["--kv-events-config", '{"enable_kv_cache_events": "yes"}'], ["'yes'", "true or false"]),
 ]
 
 

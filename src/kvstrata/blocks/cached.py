@@ -45,6 +45,8 @@ class CachedBlocks:
         if block.block_hash is not None:
             hash_to_block = self.state.hash_to_block
             if hash_to_block.get(block.block_hash) == block.block_id:
+                if self.state.on_unindex is not None:
+                    self.state.on_unindex(block)
                 del hash_to_block[block.block_hash]
             block.block_hash = block.token_ids = None
         self.uncache(block)

@@ -65,6 +65,9 @@ class BlockState:
         self.keep_skipped_blocks = False
         # called with the blocks after blocks moved tier (the store keys them)
         self.on_move: Callable[[list[Block]], object] | None = None
+        # called with an indexed block just before it leaves the hash index (released,
+        # evicted or unhashed): the store's KV event recorder, when one is attached
+        self.on_unindex: Callable[[Block], object] | None = None
         # called with (table key, tokens kept) after a table is cut back (a crop, an
         # undone step): what was derived from the cut tokens (key summaries) must go
         self.on_truncate: Callable[[Hashable, int], object] | None = None

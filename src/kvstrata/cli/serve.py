@@ -84,6 +84,21 @@ def check_flags(args: argparse.Namespace) -> None:
         if getattr(args, name) is not None:
             parse_size(getattr(args, name), name, allow_zero=name == "host_budget")
     serve_limits(args)
+    kv_events_config(args)
+
+
+def kv_events_config(args: argparse.Namespace) -> Any:
+    """--kv-events-config as a KVEventsConfig (None: not given); the fleet extra is
+    checked when it enables events (MissingExtraError before the model loads)."""
+    if args.kv_events_config is None:
+        return None
+    from kvstrata.server.kv_events import KVEventsConfig
+    from kvstrata.server.kv_events.publisher import load_fleet
+
+    config = KVEventsConfig.from_json(args.kv_events_config)
+    if config.enabled:
+        load_fleet()
+    return config
 
 
 def serve_limits(args: argparse.Namespace) -> Any:
@@ -235,8 +250,9 @@ def stopping_server(config: Any, stop_requests: Callable[[], None]) -> Any:
     return Server(config)
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    """Load the model and start the engine the flags describe."""
+def build_engine(args: argparse.Namespace, kv_events: Any = None) -> Any:
+    """Load the model and start the engine the flags describe (`kv_events`: where
+    its KV events go, None: nowhere)."""
     import torch
 
     from kvstrata.cli.generate import cache_kwargs
@@ -273,6 +289,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         config=EngineConfig(**engine_fields(args), threads=threads),
         model_name=served_name(args),
         prefix_caching=args.enable_prefix_caching,
+        kv_events=kv_events,
         **fields,
     )
 
@@ -291,12 +308,15 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvstrata.server import build_app
+    from kvstrata.server.kv_events import make_publisher
     from kvstrata.server.status import StatusLine
 
     sock = bind(args.host, parse_int(args.port, "port", minimum=0, maximum=65535))
     status = None
+    events = kv_events_config(args)
+    publisher = None if events is None else make_publisher(events)
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, publisher)
         try:
             name = served_name(args)
             key = os.environ.get(API_KEY_ENV) if args.api_key is None else args.api_key
@@ -325,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
             engine.shutdown()  # closes the store: the disk tier keeps its prefix cache
     finally:
         sock.close()
+        if publisher is not None:
+            publisher.shutdown()
     print("kvstrata serve: stopped (engine shut down, store closed)", file=sys.stderr)
     return 0
 
@@ -434,6 +456,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto (lossless, default), fp8, fp8_e4m3 or int8: the codec of host and disk "
         "blocks. The device tier always holds exact KV (it is the residual window), so this "
         "saves memory only where KV is offloaded",
+    )
+    v.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish KV cache events as vLLM does, a JSON object of vLLM's keys: "
+        'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (publisher, '
+        "endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic); needs the "
+        "fleet extra (docs/kv-events.md)",
     )
     o = p.add_argument_group("output")
     o.add_argument(

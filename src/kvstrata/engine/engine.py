@@ -40,6 +40,7 @@ from kvstrata.integrations.hf import enable
 from kvstrata.integrations.hf.lean import lean_forward
 from kvstrata.integrations.hf.linear import install as install_native_linear
 from kvstrata.integrations.hf.step import StepCache
+from kvstrata.store.events import EventSink, KVEventRecorder
 from kvstrata.store.kvstore import KVStore
 
 log = logging.getLogger("kvstrata.engine")
@@ -57,6 +58,8 @@ class Engine:
         config: EngineConfig (batching, preemption).
         model_name: the name requests use (default: the config's path or type).
         prefix_caching: share cached prompt prefixes between requests.
+        kv_events: where each step's KV events go (e.g. a ZMQ publisher); None: none
+            are recorded. The engine does not shut it down.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class Engine:
         *,
         model_name: str | None = None,
         prefix_caching: bool = True,
+        kv_events: EventSink | None = None,
         **cache_fields: Any,
     ) -> None:
         if cache_config is None:
@@ -87,6 +91,8 @@ class Engine:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.store = KVStore(mc, cache_config, prefix_caching=prefix_caching)
         self.metrics = EngineMetrics(self._snapshot_copy)
+        self._kv_sink = kv_events
+        self._kv_events: KVEventRecorder | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "preempted": 0}
@@ -323,6 +329,10 @@ class Engine:
                 self.config.native_linear and install_native_linear(self.model) > 0,
                 lean_forward(self.model) if self.config.lean_forward else None,
             )
+            if self._kv_sink is not None:  # AllBlocksCleared, then what the disk kept
+                self._kv_events = KVEventRecorder()
+                self.store.record_events(self._kv_events)
+                self._publish_events()
             self._take_snapshot()
         except BaseException as err:  # reported by the constructor
             self._error = err
@@ -343,6 +353,7 @@ class Engine:
             self._take_snapshot()
             if self.runner is not None:
                 self.runner.deliver()
+            self._publish_events()
             self.store.close()
 
     def _loop(self) -> None:
@@ -354,6 +365,8 @@ class Engine:
                     self._command(*self._commands.get(timeout=IDLE_SNAPSHOT_S))
                 except queue.Empty:  # ...taking snapshots: the remote tier's write-behind
                     self._take_snapshot()  # goes on while idle, and stats() follow it
+                    if self._kv_events is not None:
+                        self._publish_events()
                     continue
             while True:
                 try:
@@ -366,8 +379,16 @@ class Engine:
                 # nothing could run (cannot happen by the admission rules; never spin)
                 with contextlib.suppress(queue.Empty):
                     self._command(*self._commands.get(timeout=0.05))
+            if self._kv_events is not None:  # one batch per step, as vLLM's
+                self._publish_events()
             self._take_snapshot()  # before the outputs go: a finished request's blocks
             runner.deliver()  # are already free in the stats its caller may read
+
+    def _publish_events(self) -> None:
+        if self._kv_events is not None and self._kv_sink is not None:
+            events = self._kv_events.take()
+            if events:
+                self._kv_sink.publish(time.time(), events)
 
     def _command(self, kind: str, arg: Any) -> None:
         sched = self.sched

@@ -16,6 +16,7 @@ nano-vllm's sees five verbs). What crosses the line, and nothing else:
     free(seq_id)                           release (its hashed blocks stay cached)
     usage() -> Usage                       occupancy per tier, cached blocks evicted
     stats() / close()                      the store's counters; persist and release files
+    record_events(recorder)                report cached-block changes (KV events)
 
 Extending sequences and writing their K/V is the model adapter's side (the packed
 step of `integrations.hf`), which the engine hands the store to without reading it.
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from kvstrata.store.events import KVEventRecorder
 
 
 @dataclass(frozen=True)
@@ -88,3 +91,4 @@ class EngineStore(Protocol):
     def usage(self) -> Usage: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
+    def record_events(self, recorder: KVEventRecorder | None) -> None: ...

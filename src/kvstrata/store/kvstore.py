@@ -8,11 +8,11 @@ manager (tables, placement, eviction), the layer groups and the prefix index; a
     cache = TieredCache.from_store(store, prompt_ids)   # kvstrata.integrations.hf
     cache.matched_tokens                                # prompt tokens found in the store
 
-Prefix reuse (DESIGN.md decision 6) is the `PrefixIndex` (prefix.py): full blocks
-are content-addressed, shared by reference, verified on a hit (a corrupt disk block is
-a miss and is recomputed), kept cached after their last use, found again after a
-restart, written to the disk tier by `close()` and shared through a remote tier
-(remote_url, store/remote.py). The engine sees the store through `contract.EngineStore`.
+Prefix reuse (DESIGN.md decision 6) is the `PrefixIndex` (prefix.py): full blocks are hashed,
+shared by reference, verified on a hit (a corrupt disk block is a miss, recomputed), kept cached
+after their last use, found again after a restart, written to the disk tier by `close()`, shared
+through a remote tier (remote_url, store/remote.py) and reported as KV events (`record_events`,
+store/events.py). The engine sees the store through `contract.EngineStore`.
 """
 
 from __future__ import annotations
@@ -37,21 +37,21 @@ from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import LayerGroup, layer_groups
 from kvstrata.store.build import CODEC_FIELDS, build_remote, build_tiers, lossy_below
 from kvstrata.store.contract import Capacity, Usage
+from kvstrata.store.events import RecordsEvents
 from kvstrata.store.prefix import PrefixIndex, PrefixStats
 from kvstrata.store.sequences import SequenceState, table_keys
 from kvstrata.store.threads import OneThread
 from kvstrata.tiers.memory import resolve_device
 
 
-class KVStore(OneThread):
+class KVStore(OneThread, RecordsEvents):
     """Tiers, placement and prefix index for many sequences of one model.
 
     Args:
         model_config: a transformers config (or a KVGeometry): layers, heads, windows.
         cache_config: a CacheConfig, or its fields as keyword arguments.
-        model_key: names the weights in every block hash (default: the config's
-            model type and `_name_or_path`, plus a fingerprint of the weights when
-            `kvstrata.enable(model)` saw the model of this config object).
+        model_key: names the weights in every block hash (default: the config's model type
+            and `_name_or_path`, plus the weights' fingerprint `kvstrata.enable(model)` took).
         prefix_caching: hash full blocks and reuse them across sequences.
     """
 

@@ -22,6 +22,7 @@ from kvstrata.blocks.manager import BlockManager
 from kvstrata.core.errors import TierIOError
 from kvstrata.core.hashing import block_hash, block_namespace
 from kvstrata.model.groups import LayerGroup
+from kvstrata.store.events import KVEventRecorder
 from kvstrata.store.remote import RemoteBlocks
 from kvstrata.store.sequences import SequenceState, longest_match, table_keys
 from kvstrata.tiers.disk import DiskTier
@@ -67,6 +68,7 @@ class PrefixIndex:
         self._model_key: Callable[[], str] = str
         self._names: dict[str, str] = {}
         self._extra: dict[tuple[int, str], dict[str, str | int]] = {}
+        self.events: KVEventRecorder | None = None
 
     def bind(
         self,
@@ -134,19 +136,49 @@ class PrefixIndex:
         num_full = min(len(seq.token_ids), num_tokens) // bs
         indexed, fresh = [], []
         keys, blocks = table_keys(seq_id, self.groups), mgr.state.pool.blocks
+        events = self.events
         for i in range(seq.num_hashed, num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             for g, key in enumerate(keys):
-                h = block_hash(seq.parents[g], tokens, self._extra_keys(g, seq.salt))
+                parent = seq.parents[g]
+                h = block_hash(parent, tokens, self._extra_keys(g, seq.salt))
                 seq.parents[g] = h
                 block_id = mgr.block_at(key, i)
-                if block_id is not None and mgr.set_hash(block_id, h, tuple(tokens)):
-                    indexed.append(blocks[block_id])
-                    fresh.append((blocks[block_id], g))
+                if block_id is None:
+                    continue
+                block = blocks[block_id]
+                new = block.block_hash is None
+                if mgr.set_hash(block_id, h, tuple(tokens)):
+                    indexed.append(block)
+                    fresh.append((block, g))
+                    if new and events is not None:
+                        events.stored(block, parent, g)
         seq.num_hashed = max(seq.num_hashed, num_full)
         self.key_on_disk(indexed)
         if self.remote is not None:
             self.remote.offer(fresh, seq.salt)
+
+    def record_events(self, recorder: KVEventRecorder | None) -> None:
+        """Report every change to the indexed blocks to `recorder` (None: stop): it
+        records AllBlocksCleared, then a BlockStored for each block indexed now."""
+        state = self._mgr().state
+        self.events = recorder
+        if self.remote is not None:
+            self.remote.events = recorder
+        if recorder is None:
+            state.on_move, state.on_unindex = self.key_on_disk, None
+            return
+        recorder.bind(state.tier_order, self.disk.name if self.disk else None, self.block_size)
+
+        def moved(blocks: list) -> None:
+            self.key_on_disk(blocks)
+            recorder.moved(blocks)
+
+        state.on_move, state.on_unindex = moved, recorder.removed
+        recorder.cleared()
+        blocks = state.pool.blocks
+        for block_id in sorted(state.hash_to_block.values()):
+            recorder.stored(blocks[block_id], None, None)
 
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),

@@ -27,6 +27,7 @@ block size or tenant salt is another key.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ from kvstrata.codecs.base import Codec
 from kvstrata.core.hashing import block_hash, namespace_digest
 from kvstrata.core.layout import BlockLayout
 from kvstrata.model.groups import LayerGroup
+from kvstrata.store.events import KVEventRecorder
 from kvstrata.store.sequences import longest_match
 from kvstrata.tiers.base import Encoded
 from kvstrata.tiers.remote import RemoteTier
@@ -68,6 +70,7 @@ class RemoteBlocks:
         self._extra_keys: ExtraKeys | None = None
         self._ns: dict[tuple[int, str], str] = {}
         self._step: tuple[float, int] | None = None
+        self.events: KVEventRecorder | None = None  # set by the prefix index
 
     def bind(self, manager: BlockManager, extra_keys: ExtraKeys) -> None:
         """The store's block manager and its hash extra keys per (group, salt)."""
@@ -167,10 +170,17 @@ class RemoteBlocks:
             (fetched[(g, i)], hashes[g][i], tuple(token_ids[i * bs : (i + 1) * bs]))
             for g, i in needed
         ]
-        return self._install(items, protect)
+        chain = [(g, hashes[g][i - 1] if i else None) for g, i in needed]
+        return self._install(items, protect, chain)
 
-    def _install(self, items: list[tuple[Encoded, bytes, tuple[int, ...]]], protect: set) -> set:
-        """Write fetched blocks to a local tier and index them as cached blocks."""
+    def _install(
+        self,
+        items: list[tuple[Encoded, bytes, tuple[int, ...]]],
+        protect: set,
+        chain: list[tuple[int, bytes | None]],
+    ) -> set:
+        """Write fetched blocks to a local tier and index them as cached blocks
+        (`chain`: each one's group and parent hash, for the KV events)."""
         mgr = self.manager
         assert mgr is not None
         target = self._room(len(items), protect)
@@ -186,10 +196,14 @@ class RemoteBlocks:
         except BaseException:
             tier.free(slots)
             raise
-        return {
+        ids = [
             mgr.adopt_cached(target, slot, h, tokens)
             for (_, h, tokens), slot in zip(items, slots, strict=True)
-        }
+        ]
+        if self.events is not None:
+            for block_id, (g, parent) in zip(ids, chain, strict=True):
+                self.events.stored(mgr.state.pool.blocks[block_id], parent, g)
+        return set(ids)
 
     def _room(self, n: int, protect: set) -> str | None:
         """The highest tier with `n` free slots in its budget, else the lowest one that
@@ -233,7 +247,14 @@ class RemoteBlocks:
                 (self.namespace(g, salt), b.block_hash, tuple(b.token_ids or ()))
                 for b, g in entries
             ]
-            session.write_behind(mgr.state.tiers[name], [b.slot for b, _ in entries], metas)
+            written = None
+            if self.events is not None:
+                written = functools.partial(
+                    self.events.remote_written, self.events.offered(entries)
+                )
+            session.write_behind(
+                mgr.state.tiers[name], [b.slot for b, _ in entries], metas, written
+            )
 
     # -- lifecycle ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -64,8 +64,10 @@ CONNECT_TIMEOUT_S = 2.0
 # Round-trip latency histogram buckets (seconds), Prometheus style (cumulative).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-# (make the (key, value) pairs, bytes held, blocks) — `make` runs on the writer thread
-WriteJob = tuple[Callable[[], list[tuple[bytes, bytes]]], int, int]
+Make = Callable[[], list[tuple[bytes, bytes]]]  # a write's (key, value) pairs
+Written = Callable[[list[bool]], object]  # told which of a write's pairs the server stored
+# (make, bytes held, blocks, written) — `make` and `written` run on the writer thread
+WriteJob = tuple[Make, int, int, Written | None]
 
 
 def load_redis() -> Any:
@@ -375,11 +377,10 @@ class RemoteTier:
         return values
 
     # -- writes -------------------------------------------------------------------------
-    def submit(
-        self, make: Callable[[], list[tuple[bytes, bytes]]], nbytes: int, blocks: int
-    ) -> bool:
+    def submit(self, make: Make, nbytes: int, blocks: int, written: Written | None = None) -> bool:
         """Queue a write of `blocks` blocks (`make` builds their (key, value) pairs on the
-        writer thread); False when dropped: the queue is full or the server down."""
+        writer thread); False when dropped: the queue is full or the server down.
+        `written` is called on the writer thread with which pairs the server stored."""
         with self._cond:
             if self._closed or not self.available:
                 self.stats.writes_dropped += blocks
@@ -387,7 +388,7 @@ class RemoteTier:
             if self._pending_bytes + nbytes > self.max_pending_bytes:
                 self.stats.writes_dropped += blocks
                 return False
-            self._queue.append((make, nbytes, blocks))
+            self._queue.append((make, nbytes, blocks, written))
             self._pending_bytes += nbytes
             self._cond.notify_all()
             return True
@@ -397,7 +398,7 @@ class RemoteTier:
         if keys:
             with self._cond:
                 if not self._closed:
-                    self._queue.append((lambda: [(k, b"") for k in keys], 0, 0))
+                    self._queue.append((lambda: [(k, b"") for k in keys], 0, 0, None))
                     self._cond.notify_all()
 
     def _run(self) -> None:
@@ -407,10 +408,10 @@ class RemoteTier:
                     self._cond.wait()
                 if not self._queue:
                     return
-                make, nbytes, blocks = self._queue.popleft()
+                make, nbytes, blocks, written = self._queue.popleft()
                 self._busy = True
             try:
-                self._send(make, blocks)
+                self._send(make, blocks, written)
             except Exception:  # noqa: BLE001 - the writer thread outlives any one write
                 self.stats.write_errors += blocks
                 log.exception("kvstrata: a remote write failed unexpectedly; writing goes on")
@@ -420,7 +421,7 @@ class RemoteTier:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _send(self, make: Callable[[], list[tuple[bytes, bytes]]], blocks: int) -> None:
+    def _send(self, make: Make, blocks: int, written: Written | None) -> None:
         if not self.available:
             self.stats.writes_dropped += blocks
             return
@@ -449,6 +450,8 @@ class RemoteTier:
             self.stats.bytes_written += sum(
                 len(v) for (_, v), r in zip(items, results, strict=True) if r is True
             )
+            if written is not None:
+                written([r is True for r in results])
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is sent (or dropped); False on timeout."""

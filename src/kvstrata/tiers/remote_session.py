@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,10 +133,15 @@ class RemoteSession:
 
     # -- writes -------------------------------------------------------------------------
     def write_behind(
-        self, tier: Tier, slots: list[int], metas: list[tuple[str, bytes, tuple[int, ...]]]
+        self,
+        tier: Tier,
+        slots: list[int],
+        metas: list[tuple[str, bytes, tuple[int, ...]]],
+        written: Callable[[list[bool]], object] | None = None,
     ) -> None:
         """Queue the blocks in `slots` of `tier` for the server, as (namespace, block
-        hash, token ids) each: copied now, encoded and sent by the writer thread."""
+        hash, token ids) each: copied now, encoded and sent by the writer thread, which
+        calls `written` with which of them the server stored."""
         if not slots:
             return
         if not self.tier.available:
@@ -144,7 +149,7 @@ class RemoteSession:
             return
         data = self.format.read_tier(tier, slots)
         make = functools.partial(self._values, metas, data)
-        self.tier.submit(make, len(slots) * self.format.value_bytes, len(slots))
+        self.tier.submit(make, len(slots) * self.format.value_bytes, len(slots), written)
 
     def _values(self, metas: list, data: Encoded) -> list[tuple[bytes, bytes]]:
         """(key, value) of queued blocks (on the writer thread)."""
