@@ -79,7 +79,7 @@ test: lint
 # The docs site into site/: the reference pages regenerated from the code first
 # (`tests/docs` checks the committed ones are current and builds with --strict).
 docs: $(STAMP)
-	$(PY) scripts/docs_reference.py
+	$(PY) scripts/docs_generate.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: $(STAMP)

@@ -97,13 +97,20 @@ ALL = blocks()
 
 
 def _commands(code: str) -> list[str]:
-    """The block's shell commands, continuations joined, comments dropped."""
+    """The block's shell commands, continuations and quoted newlines joined, comments
+    dropped."""
     text = code.replace("\\\n", " ")
-    out = []
+    out, pending = [], ""
     for line in text.splitlines():
-        words = shlex.split(line, comments=True)
+        pending += line + "\n"
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on
+            continue
+        pending = ""
         if words:
             out.append(shlex.join(words))
+    assert not pending, f"unclosed quote in: {pending!r}"
     return out
 
 

@@ -18,9 +18,9 @@ MAX_PAGE_LINES = 400
 MAX_README_LINES = 150
 
 
-def _reference_script():
+def _generate_script():
     spec = importlib.util.spec_from_file_location(
-        "docs_reference", ROOT / "scripts/docs_reference.py"
+        "docs_generate", ROOT / "scripts/docs_generate.py"
     )
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
@@ -42,17 +42,18 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert (tmp_path / "reference" / "config" / "index.html").is_file()
 
 
-def test_reference_pages_are_generated_and_current() -> None:
-    script = _reference_script()
-    for name, render in script.PAGES.items():
-        committed = (ROOT / "docs" / "reference" / name).read_text()
-        assert committed == render(), (
-            f"docs/reference/{name} is stale: run python scripts/docs_reference.py"
-        )
+def test_generated_pages_and_result_tables_are_current(capsys: pytest.CaptureFixture) -> None:
+    """The reference pages and every `<!-- results: NAME -->` region equal what
+    scripts/docs_generate.py makes from the code and docs/results/*.json."""
+    script = _generate_script()
+    assert script.main(["--check"]) == 0, capsys.readouterr().err
+    assert script.REGION.search((ROOT / "README.md").read_text()), "README lost its results"
+    with pytest.raises(script.UndocumentedError, match="no renderer"):
+        script.render_regions("<!-- results: nothing -->\n<!-- /results -->", "x.md")
 
 
 def test_every_config_field_and_flag_needs_a_doc_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    script = _reference_script()
+    script = _generate_script()
     from kvstrata.config import CacheConfig
 
     doc = CacheConfig.__doc__ or ""
