@@ -86,6 +86,14 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     async def chat_completions(request: Request) -> Response:
         return await server.generate(request, CHAT)
 
+    @app.post(COMPLETIONS + "/render")
+    async def render_completions(request: Request) -> Response:
+        return await server.render(request, COMPLETIONS)
+
+    @app.post(CHAT + "/render")
+    async def render_chat(request: Request) -> Response:
+        return await server.render(request, CHAT)
+
     app.get("/v1/models")(server.models)
 
     @app.get("/v1/models/{model_id:path}")

@@ -7,6 +7,7 @@ answered whole or as an event stream; a client that goes away aborts its request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -128,16 +129,7 @@ class OpenAIServer:
         choices built off the event loop, then answered (`answer`)."""
         if self.stopping:
             raise APIError(503, "the server is shutting down", code="unavailable")
-        body = parse_request(await request.body(), endpoint, self.limits)
-        self.warn_ignored(body.ignored_fields, endpoint)
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(
-                404,
-                f"model={body.model!r} does not exist: this server serves "
-                f"{self.model_name!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        body = self.parsed(await request.body(), endpoint)
         chat = endpoint == CHAT
         kind = "chatcmpl" if chat else "cmpl"
         head = ResponseHead(f"{kind}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat)
@@ -150,6 +142,53 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down", code="unavailable")
         states = [ChoiceState(job, logprobs, self.choice_tokens(job, logprobs)) for job in jobs]
         response = await self.answer(request, jobs, states, head, body)
+        if body.ignored_fields:
+            response.headers[IGNORED_HEADER] = ", ".join(body.ignored_fields)
+        return response
+
+    def parsed(self, raw: bytes, endpoint: str) -> Body:
+        """The request body checked against the endpoint's fields and this server's model."""
+        body = parse_request(raw, endpoint, self.limits)
+        self.warn_ignored(body.ignored_fields, endpoint)
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                404,
+                f"model={body.model!r} does not exist: this server serves "
+                f"{self.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    async def render(self, request: Request, endpoint: str) -> Response:
+        """POST /v1/completions/render or /v1/chat/completions/render (vLLM's render API):
+        the token ids a request's prompt becomes (the chat template applied), generating
+        nothing. A KV-aware router (vllm-router's kv_aware) asks it to score a text or
+        chat request against the blocks the replicas' KV events announce. Completions: a
+        list with one item per prompt; chat: one item. Each is vLLM's `GenerateRequest`
+        shape: request_id, token_ids, sampling_params, model."""
+        body = self.parsed(await request.body(), endpoint)
+        logprobs = logprobs_request(body)
+        try:  # tokenizing and rendering a chat template: off the event loop
+            prompts, default_max = await asyncio.to_thread(self.prompts, body, logprobs.echo)
+            params = sampling_params(body, default_max, logprobs)
+        except KvstrataError as exc:
+            raise engine_error(exc) from None
+        sampling = {
+            name: value
+            for name, value in dataclasses.asdict(params).items()
+            if isinstance(value, (bool, int, float, str, list, tuple)) or value is None
+        }
+        items = [
+            {
+                "request_id": f"render-{uuid.uuid4().hex}",
+                "token_ids": ids,
+                "sampling_params": sampling,
+                "model": self.model_name,
+            }
+            for ids, _ in prompts
+        ]
+        response = JSONResponse(items[0] if endpoint == CHAT else items)
         if body.ignored_fields:
             response.headers[IGNORED_HEADER] = ", ".join(body.ignored_fields)
         return response

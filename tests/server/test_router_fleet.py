@@ -1,0 +1,159 @@
+"""Two `kvstrata serve` replicas behind a real router, vllm-router (PyPI, the `fleet`
+extra): its `kv_aware` policy follows the KV events the replicas publish and sends each
+request to the replica that holds its prefix; `round_robin` spreads them regardless.
+Text prompts are scored through the replicas' `/v1/completions/render`."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from serve_harness import ServeProcess
+
+ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
+    "vllm-router"
+)
+BLOCK = 16  # tokens per block: the replicas' --block-size and the router's
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (kvstrata[fleet])"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def served(base: str) -> int:
+    """Completions a replica answered, from its /metrics."""
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = 0
+    for line in text.splitlines():
+        if line.startswith("kvstrata_http_requests_total{") and 'path="/v1/completions"' in line:
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+class Replica:
+    def __init__(self) -> None:
+        self.events, self.replay = free_port(), free_port()
+        config = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+        }
+        self.proc = ServeProcess(
+            "--block-size",
+            str(BLOCK),
+            "--served-model-name",
+            "tiny",
+            "--kv-events-config",
+            json.dumps(config),
+        )
+        self.url = self.proc.url  # http://127.0.0.1:PORT/v1
+        self.origin = self.url.removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[Replica]]:
+    started = [Replica(), Replica()]
+    yield started
+    for replica in started:
+        replica.proc.proc.terminate()
+        replica.proc.proc.wait(timeout=120)
+
+
+def start_router(policy: str, replicas: list[Replica]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv += ["--worker-urls", *(r.origin for r in replicas)]
+    if policy == "kv_aware":
+        for r in replicas:
+            argv += ["--kv-event-source", f"{r.origin}=tcp://127.0.0.1:{r.events}"]
+            argv += ["--kv-event-replay-source", f"{r.origin}=tcp://127.0.0.1:{r.replay}"]
+        argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", "tiny"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, f"vllm-router exited: {argv}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                break
+        except OSError:
+            assert time.monotonic() < deadline, "vllm-router did not start"
+            time.sleep(0.3)
+    time.sleep(1.0)  # its event subscribers connect: a PUB socket keeps no history
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "round_robin"])
+def test_requests_follow_the_replica_that_holds_their_prefix(replicas, policy):
+    rng = random.Random(policy)
+    prefix = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(1024))
+    holder, other = replicas
+    router, url = start_router(policy, replicas)
+    try:
+        # one request went before, straight to one replica (its events reach the router)
+        warm = post(f"{holder.url}/completions", {"prompt": prefix, "max_tokens": 2})
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        shared = warm["usage"]["prompt_tokens"] // BLOCK * BLOCK  # its full blocks
+        time.sleep(0.5)
+        before = served(holder.url), served(other.url)
+        cached = []
+        for i in range(10):
+            body = {"model": "tiny", "prompt": f"{prefix} question {i}?", "max_tokens": 2}
+            cached.append(post(f"{url}/completions", body)["usage"])
+        after = served(holder.url), served(other.url)
+    finally:
+        router.terminate()
+        router.wait(timeout=60)
+    to_holder, to_other = after[0] - before[0], after[1] - before[1]
+    assert to_holder + to_other == 10
+    if policy == "kv_aware":
+        assert to_holder == 10, (to_holder, to_other)
+        hits = [u["prompt_tokens_details"]["cached_tokens"] for u in cached]
+        assert all(hit >= shared for hit in hits), (hits, shared)
+    else:
+        assert 3 <= to_holder <= 7, (to_holder, to_other)
+
+
+def test_render_gives_the_prompt_token_ids(replicas):
+    """vLLM's render API: the ids a completion or chat request's prompt becomes."""
+    replica = replicas[0]
+    items = post(f"{replica.url}/completions/render", {"prompt": ["ab", "abc"], "max_tokens": 3})
+    assert [len(item["token_ids"]) for item in items] in ([2, 3], [3, 4])  # with or without BOS
+    assert items[0]["token_ids"] == items[1]["token_ids"][:-1]
+    assert items[0]["sampling_params"]["max_tokens"] == 3 and items[0]["model"] == "tiny"
+    done = post(f"{replica.url}/completions", {"prompt": "abc", "max_tokens": 1})
+    assert done["usage"]["prompt_tokens"] == len(items[1]["token_ids"])
+    chat = post(
+        f"{replica.url}/chat/completions/render",
+        {"messages": [{"role": "user", "content": "hello"}]},
+    )
+    assert chat["token_ids"] and all(isinstance(t, int) for t in chat["token_ids"])
+    answer = post(
+        f"{replica.url}/chat/completions",
+        {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1},
+    )
+    assert answer["usage"]["prompt_tokens"] == len(chat["token_ids"])
