@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -162,13 +163,22 @@ class KvstrataOffloadingManager(OffloadingManager):
         self._publish_evictions()
 
     def _publish_evictions(self) -> None:
+        """The step's disk write-throughs (a copy on STORAGE, besides the CPU one
+        `complete_store` announced) and every copy that left a tier."""
         evicted, self.store.evicted_vllm_keys = self.store.evicted_vllm_keys, []
+        on_disk, self.store.disk_stored_vllm_keys = self.store.disk_stored_vllm_keys, []
         if self.events is None:
             return
+        if on_disk:  # removal_expected: vLLM keeps the block's hashes for its disk removal
+            keys = [OffloadKey(k) for k in dict.fromkeys(on_disk)]
+            self.events.append(
+                OffloadingEvent(keys, Medium.STORAGE, False, Locality.LOCAL, removal_expected=True)
+            )
         for tier, medium in _MEDIUM.items():
             keys = [OffloadKey(k) for k in dict.fromkeys(k for t, k in evicted if t == tier)]
             if keys:
-                self.events.append(OffloadingEvent(keys, medium, True))
+                locality = Locality.LOCAL if medium is Medium.STORAGE else None
+                self.events.append(OffloadingEvent(keys, medium, True, locality))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.events:

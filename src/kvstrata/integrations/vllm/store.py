@@ -72,6 +72,7 @@ class OffloadStore:
         self._leased: dict[bytes, str] = {}  # this step's hits -> tier they came from
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.evicted_vllm_keys: list[tuple[str, bytes]] = []  # (tier, key) for vLLM events
+        self.disk_stored_vllm_keys: list[bytes] = []  # written through to disk, for events
         self._dirty = True
         self._closed = False
         self.removed_namespaces: list[str] = []  # other namespaces make_room removed
@@ -316,6 +317,8 @@ class OffloadStore:
                 if error is None and not self.degraded:
                     entry.disk_ready = True
                     self.index.refresh(entry)
+                    if entry.vllm_key is not None:
+                        self.disk_stored_vllm_keys.append(entry.vllm_key)
                 else:
                     self._drop(entry, "disk")
                 if entry.doomed:
