@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -56,20 +57,30 @@ def served(base: str) -> int:
 
 
 class Replica:
-    def __init__(self) -> None:
-        self.events, self.replay = free_port(), free_port()
+    """`kvstrata serve --model tiny` publishing KV events, on fixed ports (a restart
+    comes back where the router expects it)."""
+
+    def __init__(self, *argv: str) -> None:
+        self.port, self.events, self.replay = free_port(), free_port(), free_port()
+        self.argv = argv
+        self.start()
+
+    def start(self) -> None:
         config = {
             "enable_kv_cache_events": True,
             "endpoint": f"tcp://*:{self.events}",
             "replay_endpoint": f"tcp://*:{self.replay}",
         }
         self.proc = ServeProcess(
+            "--port",
+            str(self.port),
             "--block-size",
             str(BLOCK),
             "--served-model-name",
             "tiny",
             "--kv-events-config",
             json.dumps(config),
+            *self.argv,
         )
         self.url = self.proc.url  # http://127.0.0.1:PORT/v1
         self.origin = self.url.removesuffix("/v1")
@@ -157,3 +168,40 @@ def test_render_gives_the_prompt_token_ids(replicas):
         {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1},
     )
     assert answer["usage"]["prompt_tokens"] == len(chat["token_ids"])
+
+
+def test_a_restarted_replica_announces_its_disk_and_gets_the_traffic_back(tmp_path):
+    """Fault: a replica with a disk tier stops (its cached blocks persisted) and comes
+    back on the same ports; it announces what its disk kept (AllBlocksCleared, then the
+    chains in order), and kv_aware sends the prefix's requests to it again."""
+    disk = ("--disk-dir", str(tmp_path / "kv"), "--disk-budget", "64MiB")
+    holder, other = Replica(*disk), Replica()
+    router = None
+    try:
+        router, url = start_router("kv_aware", [holder, other])
+        prefix = "".join(random.Random(7).choice("qrstuvwxyz \n") for _ in range(1024))
+        warm = post(f"{holder.url}/completions", {"prompt": prefix, "max_tokens": 2})
+        shared = warm["usage"]["prompt_tokens"] // BLOCK * BLOCK
+        holder.proc.stop(signal.SIGTERM)  # graceful: the store persists to its disk
+        holder.start()
+        # the other replica holds the prefix's first blocks: had the restart announced
+        # the chain broken (each block a chain of its own), the router would credit the
+        # holder one block and send the requests there
+        post(f"{other.url}/completions", {"prompt": prefix[: 3 * BLOCK], "max_tokens": 1})
+        time.sleep(1.5)  # the router's subscriber reconnects and hears the announcement
+        before = served(holder.url), served(other.url)
+        hits = []
+        for i in range(6):
+            body = {"model": "tiny", "prompt": f"{prefix} again {i}?", "max_tokens": 2}
+            hits.append(post(f"{url}/completions", body)["usage"])
+        after = served(holder.url), served(other.url)
+        assert (after[0] - before[0], after[1] - before[1]) == (6, 0)
+        assert hits[0]["prompt_tokens_details"]["cached_tokens"] >= shared  # from disk
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=60)
+        for replica in (holder, other):
+            if replica.proc.proc.poll() is None:
+                replica.proc.proc.terminate()
+                replica.proc.proc.wait(timeout=120)

@@ -128,11 +128,26 @@ def test_the_exact_sequence_of_one_block_moving_device_host_disk(tmp_path):
     store.close()
 
 
+def _parents(events: list) -> dict[bytes, bytes | None]:
+    """Each announced block's parent hash (a merged event chains its blocks)."""
+    out: dict[bytes, bytes | None] = {}
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            parent = ev.parent_block_hash
+            for h in ev.block_hashes:
+                out.setdefault(h, parent)
+                parent = h
+    return out
+
+
 def test_a_restarted_store_announces_what_its_disk_kept(tmp_path):
     store = _store(tmp_path)
+    first = KVEventRecorder()
+    store.record_events(first)
     for k in range(3):
-        _run(store, list(range(100 * k, 100 * k + 9)))
-    store.close()  # persists every cached block to the disk tier
+        _run(store, list(range(100 * k, 100 * k + 13)))  # 3 full blocks each
+    chained = _parents(first.take())
+    store.close()  # persists every cached block to the disk tier (4 fit)
     again = _store(tmp_path)
     rec = KVEventRecorder()
     again.record_events(rec)
@@ -140,11 +155,22 @@ def test_a_restarted_store_announces_what_its_disk_kept(tmp_path):
     held = _held(again)
     assert events[0] == AllBlocksCleared() and len(held) == 4  # the disk budget
     assert set(held.values()) == {"disk"}
+
+    def reachable(h: bytes | None) -> bool:  # its whole chain is held
+        return h is None or (h in held and reachable(chained[h]))
+
     hashes = [h for ev in events[1:] for h in ev.block_hashes]
-    assert sorted(hashes) == sorted(held)
-    for ev in events[1:]:  # the disk index keeps no parent and no group
+    assert sorted(hashes) == sorted(h for h in held if reachable(h))
+    assert len(hashes) < len(held)  # this run kept a block whose parent went: not announced
+    seen: set[bytes] = set()
+    for ev in events[1:]:  # chain by chain, every block after its parent
         assert isinstance(ev, BlockStored) and ev.medium == "STORAGE" and ev.locality == "LOCAL"
-        assert ev.parent_block_hash is None and ev.group_idx is None
+        assert ev.group_idx is None  # the disk index keeps no group
+        assert ev.parent_block_hash is None or ev.parent_block_hash in seen
+        seen.update(ev.block_hashes)
+    # the chains the first store hashed, kept by the disk index across the restart
+    assert _parents(events) == {h: chained[h] for h in hashes}
+    assert any(parent is not None for parent in _parents(events).values())
     again.close()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -767,3 +768,30 @@ def test_library_without_usable_xxhash_disables_only_the_disk_io(io_path):
     if io_path != "native":
         pytest.skip("native library only")
     subprocess.run([sys.executable, "-c", _NO_XXH3_CHILD], check=True)
+
+
+def test_parents_are_kept_across_a_reopen_and_an_old_index_gains_the_column(tmp_path):
+    """The index keeps each keyed block's parent hash (a restarted store announces its
+    chains in order); an index from before parents were kept opens, its blocks with no
+    parent, and keeps the parents given from then on."""
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    k, v = _blocks(LAYOUT, 3)
+    tier.write_blocks([0, 1, 2], k, v)
+    tier.put_keys([(0, b"a", [1]), (1, b"b", [2])], [None, b"a"])
+    tier.put_keys([(2, b"c", [3])])  # no parents given: none kept
+    assert (tier.parent_of(b"a"), tier.parent_of(b"b"), tier.parent_of(b"c")) == (None, b"a", None)
+    tier.close()
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    assert tier.parent_of(b"b") == b"a" and tier.lookup(b"b") == (1, [2])
+    tier.close()
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.execute("ALTER TABLE blocks DROP COLUMN parent")  # the index as it was before
+    db.commit()
+    db.close()
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    assert tier.lookup(b"b") == (1, [2]) and tier.parent_of(b"b") is None
+    tier.put_keys([(1, b"b", [2])], [b"a"])
+    tier.close()
+    tier = DiskTier(LAYOUT, 4, tmp_path)
+    assert tier.parent_of(b"b") == b"a"
+    tier.close()

@@ -48,7 +48,7 @@ class CachedBlocks:
                 if self.state.on_unindex is not None:
                     self.state.on_unindex(block)
                 del hash_to_block[block.block_hash]
-            block.block_hash = block.token_ids = None
+            block.block_hash = block.token_ids = block.parent_hash = None
         self.uncache(block)
 
     def uncache(self, block: Block) -> None:
@@ -56,14 +56,20 @@ class CachedBlocks:
         self.state.hash_to_block.unrank(block.tier, block.block_id)
 
     # -- content hashes -----------------------------------------------------------------------
-    def set_hash(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
-        """Index a full block under its content hash. False when another block already
-        holds that hash (the first one stays the cached copy)."""
+    def set_hash(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        token_ids: tuple[int, ...],
+        parent: bytes | None = None,
+    ) -> bool:
+        """Index a full block under its content hash (chained to `parent`). False when
+        another block already holds that hash (the first one stays the cached copy)."""
         hash_to_block = self.state.hash_to_block
         if block_hash in hash_to_block:
             return hash_to_block[block_hash] == block_id
         block = self.state.pool.blocks[block_id]
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.token_ids, block.parent_hash = block_hash, token_ids, parent
         hash_to_block[block_hash] = block_id
         return True
 
@@ -73,13 +79,20 @@ class CachedBlocks:
         assert block.ref_count == 0
         self.release(block)
 
-    def adopt_cached(self, tier: str, slot: int, block_hash: bytes, token_ids: tuple) -> int:
+    def adopt_cached(
+        self,
+        tier: str,
+        slot: int,
+        block_hash: bytes,
+        token_ids: tuple,
+        parent: bytes | None = None,
+    ) -> int:
         """Register a block a durable tier already holds (found again after a restart)
         as an unreferenced cached block; returns its id."""
         state = self.state
         block = state.pool.new_block(tier, slot)
         block.ref_count, block.num_tokens = 0, state.layout.block_size
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.token_ids, block.parent_hash = block_hash, token_ids, parent
         state.hash_to_block[block_hash] = block.block_id
         state.hash_to_block.rank(tier, block.block_id, (block.last_access, -block.block_id))
         state.on_tier[tier].add(block.block_id)

@@ -301,10 +301,16 @@ class BlockManager:
         return self._applier.demote(seq_id, keep_tokens)
 
     # -- cached blocks ------------------------------------------------------------------------
-    def set_hash(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
-        """Index a full block under its content hash. False when another block already
-        holds that hash (the first one stays the cached copy)."""
-        return self._cached.set_hash(block_id, block_hash, token_ids)
+    def set_hash(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        token_ids: tuple[int, ...],
+        parent: bytes | None = None,
+    ) -> bool:
+        """Index a full block under its content hash (chained to `parent`). False when
+        another block already holds that hash (the first one stays the cached copy)."""
+        return self._cached.set_hash(block_id, block_hash, token_ids, parent)
 
     def unhash(self, block: Block) -> None:
         """The block's contents no longer match its hash: unindex (and uncache) it."""
@@ -314,10 +320,17 @@ class BlockManager:
         """Drop an unreferenced cached block now (e.g. it failed verification)."""
         self._cached.evict_cached(block_id)
 
-    def adopt_cached(self, tier: str, slot: int, block_hash: bytes, token_ids: tuple) -> int:
+    def adopt_cached(
+        self,
+        tier: str,
+        slot: int,
+        block_hash: bytes,
+        token_ids: tuple,
+        parent: bytes | None = None,
+    ) -> int:
         """Register a block a durable tier already holds (found again after a restart)
         as an unreferenced cached block; returns its id."""
-        return self._cached.adopt_cached(tier, slot, block_hash, token_ids)
+        return self._cached.adopt_cached(tier, slot, block_hash, token_ids, parent)
 
     # -- placement ----------------------------------------------------------------------------
     def eviction_order(self) -> list[int]:

@@ -22,7 +22,8 @@ class Block:
     """Metadata of one block. `tier`/`slot` say where its K/V live.
 
     `block_hash` / `token_ids` are set once the block is full and its tokens are
-    known (prefix caching): the chained content hash and the tokens it holds."""
+    known (prefix caching): the chained content hash and the tokens it holds;
+    `parent_hash` is the hash it was chained to (None for a sequence's first block)."""
 
     block_id: int
     tier: str = ""
@@ -34,6 +35,7 @@ class Block:
     access_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    parent_hash: bytes | None = None
 
 
 class BlockPool:

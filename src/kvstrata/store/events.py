@@ -22,11 +22,13 @@ remote copies are never announced removed.
 
 A block hash is the store's own (`core.hashing`): it already folds in the model,
 codecs, layer group and the tenant salt, and nothing else here names the salt.
-Blocks a restarted store adopts from its disk carry no parent hash and no group
-(the disk index keeps neither). `take()` hands the events over once per engine
-step, merging runs of consecutive blocks of one chain as vLLM batches them. The
-store calls the recorder only when one is attached: without one a step pays a None
-check per changed cached block.
+When a recorder is attached (after a restart: to what the disk kept), the blocks held
+are announced chain by chain, each after its parent (the disk index keeps each block's
+parent, not its group), and a block whose parent is gone is not announced: no request
+can reach it.
+`take()` hands the events over once per engine step, merging runs of consecutive
+blocks of one chain as vLLM batches them. The store calls the recorder only when one
+is attached: without one a step pays a None check per changed cached block.
 """
 
 from __future__ import annotations
@@ -249,3 +251,23 @@ def _joined(run: list) -> KVEvent:
         first.group_idx,
         first.tier,
     )
+
+
+def chain_order(blocks: Iterable[Block]) -> list[Block]:
+    """The blocks a prefix lookup can reach, chain by chain, every block after its
+    parent (depth first from each chain's first block, ids breaking ties). A block
+    whose parent is not among them is left out, with its descendants: no request can
+    hit it (a lookup stops at the first missing block), and a consumer that anchors a
+    block on its parent (vllm-router) would skip it. A chain in order merges into one
+    event."""
+    blocks = list(blocks)
+    children: dict[bytes | None, list[Block]] = {}
+    for block in sorted(blocks, key=lambda b: b.block_id, reverse=True):
+        children.setdefault(block.parent_hash, []).append(block)
+    out: list[Block] = []
+    stack = list(children.get(None, []))  # reversed ids: the lowest id pops first
+    while stack:
+        block = stack.pop()
+        out.append(block)
+        stack.extend(children.get(block.block_hash, []))
+    return out

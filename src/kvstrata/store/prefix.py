@@ -22,7 +22,7 @@ from kvstrata.blocks.manager import BlockManager
 from kvstrata.core.errors import TierIOError
 from kvstrata.core.hashing import block_hash, block_namespace
 from kvstrata.model.groups import LayerGroup
-from kvstrata.store.events import KVEventRecorder
+from kvstrata.store.events import KVEventRecorder, chain_order
 from kvstrata.store.remote import RemoteBlocks
 from kvstrata.store.sequences import SequenceState, longest_match, table_keys
 from kvstrata.tiers.disk import DiskTier
@@ -148,7 +148,7 @@ class PrefixIndex:
                     continue
                 block = blocks[block_id]
                 new = block.block_hash is None
-                if mgr.set_hash(block_id, h, tuple(tokens)):
+                if mgr.set_hash(block_id, h, tuple(tokens), parent):
                     indexed.append(block)
                     fresh.append((block, g))
                     if new and events is not None:
@@ -177,8 +177,8 @@ class PrefixIndex:
         state.on_move, state.on_unindex = moved, recorder.removed
         recorder.cleared()
         blocks = state.pool.blocks
-        for block_id in sorted(state.hash_to_block.values()):
-            recorder.stored(blocks[block_id], None, None)
+        for block in chain_order([blocks[i] for i in state.hash_to_block.values()]):
+            recorder.stored(block, block.parent_hash, None)
 
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),
@@ -287,7 +287,7 @@ class PrefixIndex:
         for slot, key in sorted(disk.keyed_slots().items()):
             hit = disk.lookup(key)
             if hit is not None:
-                mgr.adopt_cached(disk.name, slot, key, tuple(hit[1]))
+                mgr.adopt_cached(disk.name, slot, key, tuple(hit[1]), disk.parent_of(key))
 
     def key_on_disk(self, blocks: list) -> None:
         """Key the hashed ones of these blocks that live on the disk tier in its durable
@@ -295,13 +295,12 @@ class PrefixIndex:
         disk = self.disk
         if disk is None:
             return
-        entries = [
-            (b.slot, b.block_hash, list(b.token_ids or ()))
-            for b in blocks
-            if b.tier == disk.name and b.block_hash is not None
-        ]
-        if entries:
-            disk.put_keys(entries)
+        keyed = [b for b in blocks if b.tier == disk.name and b.block_hash is not None]
+        if keyed:
+            disk.put_keys(
+                [(b.slot, b.block_hash, list(b.token_ids or ())) for b in keyed],
+                [b.parent_hash for b in keyed],
+            )
 
     def persist(self) -> int:
         """Write hashed blocks that live only in memory tiers to free disk slots and
@@ -329,7 +328,8 @@ class PrefixIndex:
                     [
                         (slot, block.block_hash, list(block.token_ids or ()))
                         for block, slot in zip(group, slots, strict=True)
-                    ]
+                    ],
+                    [block.parent_hash for block in group],
                 )
             except BaseException:  # e.g. a full disk: the slots go back, nothing is keyed
                 disk.free(slots)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -255,8 +256,13 @@ class DiskTier(Tier):
         """
         self.put_keys([(slot, block_hash, token_ids)])
 
-    def put_keys(self, entries: list[tuple[int, bytes, list[int]]]) -> None:
-        """`put_key` for many written slots in one index transaction."""
+    def put_keys(
+        self,
+        entries: list[tuple[int, bytes, list[int]]],
+        parents: Sequence[bytes | None] | None = None,
+    ) -> None:
+        """`put_key` for many written slots in one index transaction; `parents`
+        (parallel to `entries`) records each block's parent hash for `parent_of`."""
         if not entries:
             return
         self._owned()
@@ -264,11 +270,16 @@ class DiskTier(Tier):
         for slot, _, _ in entries:
             if not self._index.written[slot]:
                 raise self._error(BlockMissingError, f"put_key on unwritten slot {slot}", [slot])
-        self._index.put_keys(entries)
+        self._index.put_keys(entries, parents)
 
     def lookup(self, block_hash: bytes) -> tuple[int, list[int]] | None:
         """(slot, token_ids) of the block stored under `block_hash`, or None."""
         return self._index.lookup(block_hash)
+
+    def parent_of(self, block_hash: bytes) -> bytes | None:
+        """The parent hash a keyed block was stored with (None: a chain's first block,
+        or one written before parents were kept)."""
+        return self._index.parent_of(block_hash)
 
     def keyed_slots(self) -> dict[int, bytes]:
         """slot -> block hash, for every keyed slot."""

@@ -24,7 +24,7 @@ import os
 import sqlite3
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -37,8 +37,9 @@ from kvstrata.tiers.disk_format import RETIRED_CHECKSUMS
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
     "CREATE TABLE IF NOT EXISTS blocks (slot INTEGER PRIMARY KEY, sums BLOB NOT NULL,"
-    " lens BLOB NOT NULL, hash BLOB UNIQUE, token_ids BLOB)",
+    " lens BLOB NOT NULL, hash BLOB UNIQUE, token_ids BLOB, parent BLOB)",
 )
+_COLUMNS = "slot, sums, lens, hash, token_ids, parent"
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 REBUILD_SUFFIX = ".rebuild"
 
@@ -102,6 +103,7 @@ class DiskIndex:
         self.written = np.zeros(num_slots, dtype=bool)
         self._hash_of: dict[int, bytes] = {}
         self._keys: dict[bytes, tuple[int, list[int]]] = {}
+        self._parents: dict[bytes, bytes] = {}  # hash -> its parent's (chains after a restart)
         self._meta: str | None = None
         self._ident: tuple[int, int] | None = None
         self.db: sqlite3.Connection | None = None
@@ -140,6 +142,9 @@ class DiskIndex:
             db.execute("PRAGMA journal_mode=WAL")
             for statement in _SCHEMA:
                 db.execute(statement)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(blocks)")}
+            if "parent" not in columns:  # an index from before parents were kept
+                db.execute("ALTER TABLE blocks ADD COLUMN parent BLOB")
         except BaseException:
             db.close()
             raise
@@ -199,7 +204,9 @@ class DiskIndex:
                     db.execute(statement)
                 if self._meta is not None:
                     db.execute("INSERT INTO meta VALUES ('config', ?)", (self._meta,))
-                db.executemany("INSERT INTO blocks VALUES (?, ?, ?, ?, ?)", self._rows())
+                db.executemany(
+                    f"INSERT INTO blocks ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", self._rows()
+                )
                 db.commit()
             finally:
                 db.close()
@@ -227,6 +234,7 @@ class DiskIndex:
                 self.lens[slot].astype("<i8").tobytes(),
                 key,
                 ids,
+                None if key is None else self._parents.get(key),
             )
 
     # -- open -------------------------------------------------------------------------
@@ -283,7 +291,9 @@ class DiskIndex:
                     "DELETE FROM blocks WHERE hash IS NULL OR slot >= ? OR slot < 0",
                     (self.num_slots,),
                 )
-            for slot, sums, lens, key, tokens in db.execute("SELECT * FROM blocks"):
+            for slot, sums, lens, key, tokens, parent in db.execute(
+                f"SELECT {_COLUMNS} FROM blocks"
+            ):
                 if not self._valid(slot, sums, lens, key, tokens, slot_bytes, layer_bytes):
                     bad.append(slot)
                     continue
@@ -296,6 +306,8 @@ class DiskIndex:
                 ids = np.frombuffer(tokens, dtype="<i8").tolist()
                 self._hash_of[slot] = key
                 self._keys[key] = (slot, ids)
+                if isinstance(parent, bytes) and parent:
+                    self._parents[key] = parent
                 taken.append(slot)
             if bad:
                 with db:
@@ -323,10 +335,18 @@ class DiskIndex:
         return bool((n > 0).all() and (n <= layer_bytes).all() and n.sum() <= slot_bytes)
 
     # -- keys -------------------------------------------------------------------------
-    def put_keys(self, entries: list[tuple[int, bytes, list[int]]]) -> None:
-        """Key written slots by block hash, in one transaction: (slot, hash, token ids).
-        A key held by another slot moves to the new one. The mirror changes only once
-        the transaction has committed."""
+    def put_keys(
+        self,
+        entries: list[tuple[int, bytes, list[int]]],
+        parents: Sequence[bytes | None] | None = None,
+    ) -> None:
+        """Key written slots by block hash, in one transaction: (slot, hash, token ids),
+        and with `parents` (parallel to `entries`) each block's parent hash, so a
+        restarted store knows its chains. A key held by another slot moves to the new
+        one. The mirror changes only once the transaction has committed."""
+        parent_of = dict(
+            zip((e[1] for e in entries), parents or [None] * len(entries), strict=True)
+        )
         # changes to the mirror, applied once committed (None: removed)
         keys: dict[bytes, tuple[int, list[int]] | None] = {}
         hash_of: dict[int, bytes | None] = {}
@@ -344,16 +364,22 @@ class DiskIndex:
                         keys[prev] = None
                     blob = np.asarray(token_ids, dtype="<i8").tobytes()
                     db.execute(
-                        "UPDATE blocks SET hash=?, token_ids=? WHERE slot=?",
-                        (block_hash, blob, slot),
+                        "UPDATE blocks SET hash=?, token_ids=?, parent=? WHERE slot=?",
+                        (block_hash, blob, parent_of[block_hash], slot),
                     )
                     hash_of[slot] = block_hash
                     keys[block_hash] = (slot, list(token_ids))
             for h, hit in keys.items():
                 if hit is None:
                     self._keys.pop(h, None)
+                    self._parents.pop(h, None)
                 else:
                     self._keys[h] = hit
+                    parent = parent_of.get(h)
+                    if parent is not None:
+                        self._parents[h] = parent
+                    else:
+                        self._parents.pop(h, None)
             for s, h in hash_of.items():
                 if h is None:
                     self._hash_of.pop(s, None)
@@ -364,6 +390,11 @@ class DiskIndex:
         """(slot, token_ids) of the block stored under `block_hash`, or None."""
         hit = self._keys.get(block_hash)
         return None if hit is None else (hit[0], list(hit[1]))
+
+    def parent_of(self, block_hash: bytes) -> bytes | None:
+        """The parent hash a keyed block was stored with (None: a chain's first block,
+        or written before parents were kept)."""
+        return self._parents.get(block_hash)
 
     def keyed_slots(self) -> dict[int, bytes]:
         """slot -> block hash, for every keyed slot."""
@@ -384,6 +415,7 @@ class DiskIndex:
                 key = self._hash_of.pop(s, None)
                 if key is not None:
                     self._keys.pop(key, None)
+                    self._parents.pop(key, None)
 
     def commit_rows(self, slots: list[int], sums: np.ndarray, lens: np.ndarray) -> None:
         """Record freshly written, unkeyed blocks: per-layer checksums and stored
@@ -394,7 +426,9 @@ class DiskIndex:
         ]
         with self.lock:
             with self._transaction("recording written blocks in the index") as db:
-                db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, NULL, NULL)", rows)
+                db.executemany(
+                    "INSERT OR REPLACE INTO blocks (slot, sums, lens) VALUES (?, ?, ?)", rows
+                )
             idx = np.asarray(slots)
             self.sums[idx], self.lens[idx] = sums, lens
             self.written[idx] = True
