@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,6 +203,43 @@ def test_a_restarted_replica_announces_its_disk_and_gets_the_traffic_back(tmp_pa
             router.terminate()
             router.wait(timeout=60)
         for replica in (holder, other):
+            if replica.proc.proc.poll() is None:
+                replica.proc.proc.terminate()
+                replica.proc.proc.wait(timeout=120)
+
+
+def test_a_killed_replica_costs_no_wrong_answer(tmp_path):
+    """Fault: one replica is killed (SIGKILL) with the router in front; every request
+    after it is answered by the survivor with the same greedy text the survivor gives
+    directly, or fails with an HTTP error — never a wrong or truncated answer."""
+    first, second = Replica(), Replica()
+    router = None
+    try:
+        router, url = start_router("kv_aware", [first, second])
+        prompt = "".join(random.Random(11).choice("abcdef \n") for _ in range(300))
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        expected = post(f"{second.url}/completions", body)["choices"][0]["text"]
+        post(f"{first.url}/completions", body)  # both hold it: either may be chosen
+        first.proc.proc.kill()
+        first.proc.proc.wait(timeout=60)
+        answered = failed = 0
+        for _ in range(8):
+            try:
+                out = post(f"{url}/completions", body)
+            except urllib.error.HTTPError as exc:  # refused, never a wrong answer
+                assert exc.code >= 500, exc.code
+                failed += 1
+                continue
+            assert out["choices"][0]["text"] == expected
+            assert out["usage"]["completion_tokens"] == 8
+            answered += 1
+        print(f"after the kill: {answered} answered, {failed} refused")
+        assert answered >= 4, (answered, failed)  # the router moves on to the survivor
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=60)
+        for replica in (first, second):
             if replica.proc.proc.poll() is None:
                 replica.proc.proc.terminate()
                 replica.proc.proc.wait(timeout=120)
