@@ -4,7 +4,8 @@ Files in `directory`:
 
     blocks.bin     the arena, preallocated at creation: num_slots * slot_bytes
     index.sqlite   meta (layout, codec, checksum) + one row per written slot:
-                   (slot, checksum per layer, stored bytes per layer, key, token ids)
+                   (slot, checksum per layer, stored bytes per layer, key, token ids,
+                   the parent key it was chained to)
     tier.lock      an exclusive flock held while the tier is open (one owner)
 
 The slot layout (one block = one contiguous extent; with `compress=True` the layers
