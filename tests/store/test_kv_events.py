@@ -229,6 +229,10 @@ def test_blocks_written_to_the_remote_tier_are_announced_remote(tmp_path):
         installed = rec.take()[0]
         assert installed.block_hashes == local[0].block_hashes and installed.tier == "device"
         assert installed.parent_block_hash is None and installed.group_idx == 0
+        first, second = installed.block_hashes
+        blocks = other.manager.state.pool.blocks
+        held = {blocks[i].block_hash: blocks[i] for i in other.manager.state.hash_to_block.values()}
+        assert (held[first].parent_hash, held[second].parent_hash) == (None, first)  # kept
         other.close()
     finally:
         srv.stop()

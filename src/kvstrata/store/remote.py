@@ -197,8 +197,8 @@ class RemoteBlocks:
             tier.free(slots)
             raise
         ids = [
-            mgr.adopt_cached(target, slot, h, tokens)
-            for (_, h, tokens), slot in zip(items, slots, strict=True)
+            mgr.adopt_cached(target, slot, h, tokens, parent)
+            for (_, h, tokens), slot, (_, parent) in zip(items, slots, chain, strict=True)
         ]
         if self.events is not None:
             for block_id, (g, parent) in zip(ids, chain, strict=True):
