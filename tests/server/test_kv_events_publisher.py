@@ -155,3 +155,23 @@ def test_the_config_takes_vllms_keys_and_defaults():
     assert make_publisher(KVEventsConfig.from_json('{"publisher": "null"}')) is None
     with pytest.raises(ConfigError, match="max_queue_size=0 is invalid"):
         KVEventsConfig.from_json('{"max_queue_size": 0}')
+
+
+def test_a_new_subscriber_asks_for_a_snapshot():
+    """The XPUB hears each subscription: `wants_snapshot` turns True once per joining
+    subscriber (the engine then announces everything again), not otherwise."""
+    pub = _publisher()
+    try:
+        assert not pub.wants_snapshot()
+        subs = []
+        for _ in range(2):
+            subs.append(_subscriber(pub.endpoint))
+            deadline = time.monotonic() + 5
+            while not pub.wants_snapshot():
+                assert time.monotonic() < deadline, "the subscription was not heard"
+                time.sleep(0.02)
+            assert not pub.wants_snapshot()  # once per subscriber
+        for sub in subs:
+            sub.close(linger=0)
+    finally:
+        pub.shutdown()

@@ -243,3 +243,25 @@ def test_a_killed_replica_costs_no_wrong_answer(tmp_path):
             if replica.proc.proc.poll() is None:
                 replica.proc.proc.terminate()
                 replica.proc.proc.wait(timeout=120)
+
+
+def test_a_router_started_after_the_traffic_learns_what_each_replica_holds(replicas):
+    """Fault: the router (re)starts after a replica computed a prefix. Each replica hears
+    the new subscription and announces everything it holds again (AllBlocksCleared, then
+    its blocks), so kv_aware routes the prefix's requests to it (vllm-router itself asks
+    no replay when it subscribes)."""
+    holder, other = replicas
+    prefix = "".join(random.Random(13).choice("ghijklmn \\n") for _ in range(1024))
+    post(f"{holder.url}/completions", {"prompt": prefix, "max_tokens": 2})
+    router, url = start_router("kv_aware", replicas)  # after the traffic
+    try:
+        time.sleep(1.5)  # the replicas' next idle tick announces their snapshot
+        before = served(holder.url), served(other.url)
+        for i in range(6):
+            body = {"model": "tiny", "prompt": f"{prefix} late {i}?", "max_tokens": 2}
+            post(f"{url}/completions", body)
+        after = served(holder.url), served(other.url)
+    finally:
+        router.terminate()
+        router.wait(timeout=60)
+    assert (after[0] - before[0], after[1] - before[1]) == (6, 0)

@@ -386,6 +386,9 @@ class Engine:
 
     def _publish_events(self) -> None:
         if self._kv_events is not None and self._kv_sink is not None:
+            wants_snapshot = getattr(self._kv_sink, "wants_snapshot", None)
+            if wants_snapshot is not None and wants_snapshot():  # a subscriber joined
+                self.store.record_events(self._kv_events)  # AllBlocksCleared + all held
             events = self._kv_events.take()
             if events:
                 self._kv_sink.publish(time.time(), events)

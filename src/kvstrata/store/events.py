@@ -84,7 +84,9 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventSink(Protocol):
-    """Where an engine hands each step's events (e.g. a ZMQ publisher)."""
+    """Where an engine hands each step's events (e.g. a ZMQ publisher). A sink may also
+    have `wants_snapshot() -> bool`: True asks the engine to announce everything again
+    (AllBlocksCleared, then every block held), e.g. for a subscriber that just joined."""
 
     def publish(self, ts: float, events: list[KVEvent]) -> None: ...
 

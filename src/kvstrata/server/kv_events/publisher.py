@@ -9,6 +9,12 @@ that sequence on, then [empty, empty, -1 (8 bytes, signed), empty]. An endpoint 
 `*` or `::`, or an ipc / inproc one, is bound, any other is connected to (vLLM's
 rule); "tcp://*:0" binds a free port (`endpoint` then names it). A thread of its own
 encodes and sends, so `publish` only queues (a full queue drops the batch, counted).
+
+Unlike vLLM's, the socket is an XPUB (the same wire to a SUB): it hears each new
+subscription, and the engine then announces everything again (AllBlocksCleared, then
+every block held; `wants_snapshot`), so a router that starts or restarts after the
+traffic learns what each replica holds without a replay (vllm-router 0.1.17 does not
+ask for one when it subscribes). Consumers already following see the same state again.
 """
 
 from __future__ import annotations
@@ -75,8 +81,10 @@ class ZmqEventPublisher:
         self._seq = count()
         self._zmq = zmq
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first
         self._pub.set_hwm(config.hwm)
+        self._joined = threading.Event()
         self.endpoint = self._open(self._pub, config.endpoint)
         self._replay = None
         self.replay_endpoint = None
@@ -98,6 +106,14 @@ class ZmqEventPublisher:
         return (
             sock.getsockopt_string(self._zmq.LAST_ENDPOINT) if endpoint.endswith(":0") else endpoint
         )
+
+    def wants_snapshot(self) -> bool:
+        """Whether a subscriber joined since the last call (the engine then announces
+        everything it holds again)."""
+        if self._joined.is_set():
+            self._joined.clear()
+            return True
+        return False
 
     def publish(self, ts: float, events: list[KVEvent]) -> None:
         """Queue one step's events (never blocks: a full queue drops them, counted)."""
@@ -124,6 +140,9 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         encode = self._wire.msgspec.msgpack.Encoder().encode
         while True:
+            while self._pub.poll(0):  # (un)subscriptions: b"\x01" + topic joins
+                if self._pub.recv()[:1] == b"\x01":
+                    self._joined.set()
             if self._replay is not None and self._replay.poll(0):
                 try:
                     self._serve_replay()
