@@ -7,8 +7,9 @@ A fenced block must name its language. What the test does with it:
   embedded model as `model` / `tokenizer` and a prompt as `input_ids` / `prompt_ids`.
 - `bash`: every `kvstrata ...` command (pipes and `\\` continuations followed) is parsed
   by kvstrata's own parser with the empty-value check, every `make X` names a target of
-  the Makefile, every `pip install '.[a,b]'` names extras of pyproject.toml;
-  `<!-- docs-test: run -->` also runs the block with bash in a temporary directory.
+  the Makefile, every `pip install '.[a,b]'` names extras of pyproject.toml. Then the
+  block either runs (`<!-- docs-test: run -->`: bash in a temporary directory) or says
+  why it cannot (`<!-- docs-test: skip REASON -->`, still checked as above).
 - `text` (diagrams, a command's printed output), `json`, `yaml`: not code.
 - `<!-- docs-test: skip REASON -->` skips a block; the reason is required (a server that
   must be running, a GPU, vLLM's own virtualenv...).
@@ -115,11 +116,15 @@ def _commands(code: str) -> list[str]:
 
 
 def _segments(command: str) -> list[list[str]]:
-    """A pipeline's commands as word lists, environment assignments dropped."""
+    """A command line's commands (split at |, &&, ;, &) as word lists, environment
+    assignments dropped."""
     words = shlex.split(command)
     segments: list[list[str]] = [[]]
     for word in words:
-        if word == "|":
+        if word in ("|", "||", "&&", ";", "&"):
+            segments.append([])
+        elif word.endswith(";"):  # `for i in 1 2; do`
+            segments[-1].append(word[:-1])
             segments.append([])
         else:
             segments[-1].append(word)
@@ -192,24 +197,26 @@ RUNNABLE = [b for b in ALL if b.lang in ("python", "bash")]
 @pytest.mark.slow
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_block_runs(block: Block, tmp_path: Path) -> None:
+    if block.lang == "bash":
+        _check_shell(block)  # a skipped block too: its commands must still be right
     if block.marker.startswith("skip"):
         reason = block.marker[len("skip") :].strip()
         assert reason, f"{block.id}: `docs-test: skip` needs a reason"
         pytest.skip(f"{block.id}: {reason}")
     if block.lang == "bash":
-        _check_shell(block)
-        if block.marker == "run":
-            done = subprocess.run(
-                ["bash", "-euo", "pipefail", "-c", block.code],
-                cwd=tmp_path,
-                env=_env(),
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            assert done.returncode == 0, f"{block.id} failed:\n{done.stdout}\n{done.stderr}"
-        else:
-            assert block.marker == "", f"{block.id}: unknown docs-test marker {block.marker!r}"
+        assert block.marker == "run", (
+            f"{block.id}: a bash block runs (<!-- docs-test: run -->) or says why not "
+            "(<!-- docs-test: skip REASON -->)"
+        )
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block.code],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, f"{block.id} failed:\n{done.stdout}\n{done.stderr}"
         return
     setup = ""
     if block.marker:
