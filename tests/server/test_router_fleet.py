@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from redis_harness import RedisServer, needs_redis
 from serve_harness import ServeProcess
 
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
@@ -265,3 +266,36 @@ def test_a_router_started_after_the_traffic_learns_what_each_replica_holds(repli
         router.terminate()
         router.wait(timeout=60)
     assert (after[0] - before[0], after[1] - before[1]) == (6, 0)
+
+
+@needs_redis
+def test_a_killed_redis_leaves_the_replicas_serving_from_their_own_tiers(tmp_path):
+    """Fault: two replicas share a Redis behind kv_aware; the server is killed. Every
+    later request is answered, with the same greedy text as before, the replica that
+    computed a prefix still serving it from its own tiers."""
+    srv = RedisServer(tmp_path).start()
+    remote = ("--remote-url", srv.url)
+    holder, other = Replica(*remote), Replica(*remote)
+    router = None
+    try:
+        router, url = start_router("kv_aware", [holder, other])
+        prefix = "".join(random.Random(17).choice("opqrstu \\n") for _ in range(600))
+        body = {"model": "tiny", "prompt": prefix, "max_tokens": 6, "temperature": 0}
+        expected = post(f"{holder.url}/completions", body)["choices"][0]["text"]
+        srv.stop()  # SIGKILL: the shared tier is gone
+        time.sleep(0.5)
+        before = served(holder.url)
+        for _ in range(4):
+            out = post(f"{url}/completions", body)
+            assert out["choices"][0]["text"] == expected
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # local tiers
+        assert served(holder.url) - before == 4
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=60)
+        for replica in (holder, other):
+            if replica.proc.proc.poll() is None:
+                replica.proc.proc.terminate()
+                replica.proc.proc.wait(timeout=120)
+        srv.stop()
