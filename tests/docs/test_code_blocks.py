@@ -208,29 +208,16 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
             f"{block.id}: a bash block runs (<!-- docs-test: run -->) or says why not "
             "(<!-- docs-test: skip REASON -->)"
         )
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", block.code],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"{block.id} failed:\n{done.stdout}\n{done.stderr}"
-        return
-    setup = ""
-    if block.marker:
-        name = block.marker.removeprefix("setup=")
-        assert name in SETUPS, f"{block.id}: unknown docs-test marker {block.marker!r}"
-        setup = SETUPS[name]
+        argv, source = ["bash", "-euo", "pipefail", "-c", block.code], None
+    else:
+        setup = ""
+        if block.marker:
+            name = block.marker.removeprefix("setup=")
+            assert name in SETUPS, f"{block.id}: unknown docs-test marker {block.marker!r}"
+            setup = SETUPS[name]
+        argv, source = [sys.executable, "-c", RUNNER], setup + block.code
     done = subprocess.run(
-        [sys.executable, "-c", RUNNER],
-        input=setup + block.code,
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        argv, input=source, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, f"{block.id} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 

@@ -88,13 +88,22 @@ class Replica:
         self.origin = self.url.removesuffix("/v1")
 
 
+def stop(router: subprocess.Popen | None, replicas: tuple[Replica, ...] = ()) -> None:
+    """Stop the router and whichever of the replicas still run."""
+    if router is not None:
+        router.terminate()
+        router.wait(timeout=60)
+    for replica in replicas:
+        if replica.proc.proc.poll() is None:
+            replica.proc.proc.terminate()
+            replica.proc.proc.wait(timeout=120)
+
+
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[Replica]]:
     started = [Replica(), Replica()]
     yield started
-    for replica in started:
-        replica.proc.proc.terminate()
-        replica.proc.proc.wait(timeout=120)
+    stop(None, tuple(started))
 
 
 def start_router(policy: str, replicas: list[Replica]) -> tuple[subprocess.Popen, str]:
@@ -139,8 +148,7 @@ def test_requests_follow_the_replica_that_holds_their_prefix(replicas, policy):
             cached.append(post(f"{url}/completions", body)["usage"])
         after = served(holder.url), served(other.url)
     finally:
-        router.terminate()
-        router.wait(timeout=60)
+        stop(router)
     to_holder, to_other = after[0] - before[0], after[1] - before[1]
     assert to_holder + to_other == 10
     if policy == "kv_aware":
@@ -200,13 +208,7 @@ def test_a_restarted_replica_announces_its_disk_and_gets_the_traffic_back(tmp_pa
         assert (after[0] - before[0], after[1] - before[1]) == (6, 0)
         assert hits[0]["prompt_tokens_details"]["cached_tokens"] >= shared  # from disk
     finally:
-        if router is not None:
-            router.terminate()
-            router.wait(timeout=60)
-        for replica in (holder, other):
-            if replica.proc.proc.poll() is None:
-                replica.proc.proc.terminate()
-                replica.proc.proc.wait(timeout=120)
+        stop(router, (holder, other))
 
 
 def test_a_killed_replica_costs_no_wrong_answer(tmp_path):
@@ -237,13 +239,7 @@ def test_a_killed_replica_costs_no_wrong_answer(tmp_path):
         print(f"after the kill: {answered} answered, {failed} refused")
         assert answered >= 4, (answered, failed)  # the router moves on to the survivor
     finally:
-        if router is not None:
-            router.terminate()
-            router.wait(timeout=60)
-        for replica in (first, second):
-            if replica.proc.proc.poll() is None:
-                replica.proc.proc.terminate()
-                replica.proc.proc.wait(timeout=120)
+        stop(router, (first, second))
 
 
 def test_a_router_started_after_the_traffic_learns_what_each_replica_holds(replicas):
@@ -252,7 +248,7 @@ def test_a_router_started_after_the_traffic_learns_what_each_replica_holds(repli
     its blocks), so kv_aware routes the prefix's requests to it (vllm-router itself asks
     no replay when it subscribes)."""
     holder, other = replicas
-    prefix = "".join(random.Random(13).choice("ghijklmn \\n") for _ in range(1024))
+    prefix = "".join(random.Random(13).choice("ghijklmn \n") for _ in range(1024))
     post(f"{holder.url}/completions", {"prompt": prefix, "max_tokens": 2})
     router, url = start_router("kv_aware", replicas)  # after the traffic
     try:
@@ -263,8 +259,7 @@ def test_a_router_started_after_the_traffic_learns_what_each_replica_holds(repli
             post(f"{url}/completions", body)
         after = served(holder.url), served(other.url)
     finally:
-        router.terminate()
-        router.wait(timeout=60)
+        stop(router)
     assert (after[0] - before[0], after[1] - before[1]) == (6, 0)
 
 
@@ -279,7 +274,7 @@ def test_a_killed_redis_leaves_the_replicas_serving_from_their_own_tiers(tmp_pat
     router = None
     try:
         router, url = start_router("kv_aware", [holder, other])
-        prefix = "".join(random.Random(17).choice("opqrstu \\n") for _ in range(600))
+        prefix = "".join(random.Random(17).choice("opqrstu \n") for _ in range(600))
         body = {"model": "tiny", "prompt": prefix, "max_tokens": 6, "temperature": 0}
         expected = post(f"{holder.url}/completions", body)["choices"][0]["text"]
         srv.stop()  # SIGKILL: the shared tier is gone
@@ -291,11 +286,5 @@ def test_a_killed_redis_leaves_the_replicas_serving_from_their_own_tiers(tmp_pat
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # local tiers
         assert served(holder.url) - before == 4
     finally:
-        if router is not None:
-            router.terminate()
-            router.wait(timeout=60)
-        for replica in (holder, other):
-            if replica.proc.proc.poll() is None:
-                replica.proc.proc.terminate()
-                replica.proc.proc.wait(timeout=120)
+        stop(router, (holder, other))
         srv.stop()

@@ -146,11 +146,11 @@ class KVEventRecorder:
         self._meta.clear()
         self._events.append(AllBlocksCleared())
 
-    def stored(self, block: Block, parent: bytes | None, group: int | None) -> None:
+    def stored(self, block: Block, group: int | None) -> None:
         """An indexed block got its copy on its tier (hashed, installed or adopted)."""
         assert block.block_hash is not None
         tokens = tuple(block.token_ids or ())
-        self._meta[block.block_hash] = _Meta(parent, group, block.tier, tokens)
+        self._meta[block.block_hash] = _Meta(block.parent_hash, group, block.tier, tokens)
         self._events.append(self._stored(block.block_hash, self._meta[block.block_hash]))
 
     def moved(self, blocks: Iterable[Block]) -> None:
@@ -176,10 +176,8 @@ class KVEventRecorder:
         """What to announce for these (block, group) once the remote tier stored them."""
         out = []
         for block, group in blocks:
-            meta = self._meta.get(block.block_hash) if block.block_hash is not None else None
-            parent = meta.parent if meta is not None else None
             tokens = tuple(block.token_ids or ())
-            out.append((block.block_hash, _Meta(parent, group, REMOTE_TIER, tokens)))
+            out.append((block.block_hash, _Meta(block.parent_hash, group, REMOTE_TIER, tokens)))
         return out
 
     def remote_written(self, offered: list[tuple[bytes, _Meta]], written: list[bool]) -> None:

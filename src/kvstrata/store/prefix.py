@@ -152,7 +152,7 @@ class PrefixIndex:
                     indexed.append(block)
                     fresh.append((block, g))
                     if new and events is not None:
-                        events.stored(block, parent, g)
+                        events.stored(block, g)
         seq.num_hashed = max(seq.num_hashed, num_full)
         self.key_on_disk(indexed)
         if self.remote is not None:
@@ -178,7 +178,7 @@ class PrefixIndex:
         recorder.cleared()
         blocks = state.pool.blocks
         for block in chain_order([blocks[i] for i in state.hash_to_block.values()]):
-            recorder.stored(block, block.parent_hash, None)
+            recorder.stored(block, None)
 
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),

@@ -201,8 +201,8 @@ class RemoteBlocks:
             for (_, h, tokens), slot, (_, parent) in zip(items, slots, chain, strict=True)
         ]
         if self.events is not None:
-            for block_id, (g, parent) in zip(ids, chain, strict=True):
-                self.events.stored(mgr.state.pool.blocks[block_id], parent, g)
+            for block_id, (g, _) in zip(ids, chain, strict=True):
+                self.events.stored(mgr.state.pool.blocks[block_id], g)
         return set(ids)
 
     def _room(self, n: int, protect: set) -> str | None:

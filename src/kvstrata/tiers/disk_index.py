@@ -344,8 +344,8 @@ class DiskIndex:
         and with `parents` (parallel to `entries`) each block's parent hash, so a
         restarted store knows its chains. A key held by another slot moves to the new
         one. The mirror changes only once the transaction has committed."""
-        parent_of = dict(
-            zip((e[1] for e in entries), parents or [None] * len(entries), strict=True)
+        parent_of: dict[bytes, bytes | None] = (
+            {} if parents is None else dict(zip((e[1] for e in entries), parents, strict=True))
         )
         # changes to the mirror, applied once committed (None: removed)
         keys: dict[bytes, tuple[int, list[int]] | None] = {}
@@ -365,7 +365,7 @@ class DiskIndex:
                     blob = np.asarray(token_ids, dtype="<i8").tobytes()
                     db.execute(
                         "UPDATE blocks SET hash=?, token_ids=?, parent=? WHERE slot=?",
-                        (block_hash, blob, parent_of[block_hash], slot),
+                        (block_hash, blob, parent_of.get(block_hash), slot),
                     )
                     hash_of[slot] = block_hash
                     keys[block_hash] = (slot, list(token_ids))
