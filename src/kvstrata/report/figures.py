@@ -11,8 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvstrata.core.errors import ConfigError
+from kvstrata.platform.plotting import pyplot
 from kvstrata.report.markdown import PPL_LABEL
+
+__all__ = ["FIGURES", "pyplot"]
 
 MIB = 2**20
 DPI = 110
@@ -26,25 +28,6 @@ COLOURS = {
     "int4-g128": "#8c564b",
     "DynamicCache": "#7f7f7f",
 }
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend (files only, no display).
-
-    Raises:
-        ConfigError: matplotlib is not installed (names the extra).
-    """
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise ConfigError(
-            "the report's figures need matplotlib (not installed): pip install 'kvstrata[report]'"
-        ) from exc
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"font.size": 10, "axes.grid": True, "grid.alpha": 0.3})
-    return plt
 
 
 def _save(fig: Any, path: Path) -> None:
