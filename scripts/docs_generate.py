@@ -210,7 +210,13 @@ PAGES = {
 
 RESULTS_DIR = ROOT / "docs" / "results"
 REGION = re.compile(r"(<!-- results: ([\w-]+) -->\n)(.*?)(<!-- /results -->)", re.S)
-REGION_FILES = ("README.md", "docs/vs-vllm.md")
+REGION_FILES = (
+    "README.md",
+    "docs/vs-vllm.md",
+    "docs/performance.md",
+    "docs/remote-tier.md",
+    "docs/models.md",
+)
 PEER_FILE = "peer-docqa.json"
 PEER_PHASES = {"docqa_warm": "docqa warm-up", "docqa_query": "docqa queries"}
 PEER_VARIANTS = {
@@ -227,8 +233,31 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS_DIR / name).read_text())
 
 
+def _uptime_load(line: str | None) -> str | None:
+    """The 1-minute load average of an `uptime` line."""
+    found = re.search(r"load averages?: ([\d.]+)", line or "")
+    return found.group(1) if found else None
+
+
+def _load_text(report: dict) -> str:
+    """The load the numbers were taken under: `uptime`'s 1-minute figure before and after
+    (recorded by --record), else what the bench itself recorded."""
+    m = report.get("machine") or {}
+    before = _uptime_load(report.get("uptime_before"))
+    after = _uptime_load(report.get("uptime_after"))
+    if before is None and m.get("load_before") is not None:
+        before = f"{m['load_before']:.2f}"
+    if after is None and m.get("load_after") is not None:
+        after = f"{m['load_after']:.2f}"
+    if before is None:
+        return "load not recorded"
+    text = f"load average {before}" + (f" before, {after} after" if after else " before")
+    nice = report.get("niceness")
+    return text + (f", run at nice {nice}" if nice else "")
+
+
 def _source(report: dict, path: str) -> str:
-    """Which run made the numbers: command, date, machine, the raw file."""
+    """Which run made the numbers: command, date, machine, load, the raw file."""
     m = report.get("machine") or {}
     versions = m.get("versions") or {}
     where = ", ".join(
@@ -239,15 +268,28 @@ def _source(report: dict, path: str) -> str:
             "no GPU" if m.get("accelerator", "").startswith("none") else m.get("accelerator"),
             f"torch {versions['torch']}" if versions.get("torch") else "",
             f"commit {m['commit']}" if m.get("commit") else "",
+            _load_text(report),
         )
         if x
     )
-    repeats = report.get("repeats", 1)
-    medians = f"medians of {repeats} repeats" if repeats > 1 else "one repeat"
-    warning = report.get("machine_warning")
+    result = report.get("result") or {}
+    repeats = report.get("repeats", result.get("repeats"))
+    medians = (
+        ""
+        if repeats is None
+        else f"; medians of {repeats} repeats"
+        if repeats > 1
+        else "; one repeat"
+    )
+    warning = (
+        report.get("machine_warning")
+        or result.get("machine_warning")
+        or result.get("load_warning")
+        or result.get("warning")
+    )
     return (
         f"Generated from [{path}]({path}): `{report['command']}` on "
-        f"{report.get('date', 'an unrecorded date')} ({where}; {medians})."
+        f"{report.get('date', 'an unrecorded date')} ({where}{medians})."
         + (f" The bench warned: {warning}." if warning else "")
     )
 
@@ -327,7 +369,491 @@ def peer_table() -> str:
     return "\n".join(rows) + "\n\n" + _source(report, "results/" + PEER_FILE) + "\n"
 
 
-RESULTS = {"peer-headline": peer_headline, "peer-docqa": peer_table}
+def _x(ratio: float | None) -> str:
+    return "–" if ratio is None or ratio != ratio else f"{ratio:.2f}×"
+
+
+def _pct(share: float | None, digits: int = 0) -> str:
+    return "–" if share is None else f"{100 * share:.{digits}f} %"
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def _recorded(name: str, body: list[str]) -> str:
+    """A region's table and notes, then the line naming the run that made them."""
+    report = _load(name)
+    return "\n".join(body) + "\n\n" + _source(report, "results/" + name) + "\n"
+
+
+def perf_tiers() -> str:
+    """`kvstrata bench tiers`: tier I/O against raw copies, the block-size sweep, the
+    one-block latency spread and the prefetch overlap."""
+    r = _load("tiers.json")["result"]
+    tp = r["throughput"]
+    rows = []
+    for tier in ("host", "disk"):
+        g = tp[tier]["gb_per_s"]
+        for op in [k.removeprefix("tier ") for k in g if k.startswith("tier ")]:
+            raw = g["raw write"] if op == "write" else g["raw read"]
+            rows.append(
+                (tier, op, f"{g['tier ' + op]:.2f}", f"{raw:.2f}", _x(g["tier " + op] / raw))
+            )
+    body = [
+        f"Moving {tp['bytes'] / 2**20:.0f} MiB in blocks of {tp['block_size']} tokens "
+        f"({r['note']}):",
+        "",
+        *_table(("tier", "operation", "tier GB/s", "raw GB/s", "tier ÷ raw"), rows),
+        "",
+        "One-block reads by block size (fp16, one block of every layer):",
+        "",
+        *_table(
+            ("tokens per block", "block", "host µs", "host GB/s", "disk µs", "disk GB/s"),
+            [
+                (
+                    str(s["block_size"]),
+                    f"{s['block_bytes'] / 2**10:.0f} KiB",
+                    f"{s['host']['latency_us']:.0f}",
+                    f"{s['host']['gb_per_s']:.2f}",
+                    f"{s['disk']['latency_us']:.0f}",
+                    f"{s['disk']['gb_per_s']:.2f}",
+                )
+                for s in r["sweep"]
+            ],
+        ),
+    ]
+    j, pf = r["jitter"], r["prefetch"]
+    body += [
+        "",
+        f"- One-block read latency over {j['samples']} reads of "
+        f"{j['block_bytes'] / 2**20:.0f} MiB, p50 / p99: host "
+        f"{j['host']['p50_us']:.0f} / {j['host']['p99_us']:.0f} µs, disk "
+        f"{j['disk']['p50_us']:.0f} / {j['disk']['p99_us']:.0f} µs.",
+        f"- Prefetch over a modelled link ({pf['link']}), compute "
+        f"{_x(pf['compute_over_transfer'])} the transfer: {_pct(pf['hidden_fraction'], 1)} "
+        f"of the transfer hidden behind compute, {_x(pf['speedup_vs_serial'])} the speed of "
+        "transfer-then-compute.",
+    ]
+    return _recorded("tiers.json", body)
+
+
+def perf_codecs() -> str:
+    """`kvstrata bench codecs`: encode / decode against a copy, bits, attention error."""
+    r = _load("codecs.json")["result"]
+    rows = [
+        (
+            f"`{c['codec']}`",
+            f"{c['bits']:.2f}",
+            f"{c['enc']:.2f}",
+            f"{c['dec']:.2f}",
+            f"{c['copy']:.2f}",
+            _x(c["enc_ratio"]),
+            _x(c["dec_ratio"]),
+            f"{c['attn_rel_err']:.3f}",
+        )
+        for c in r["codecs"]
+    ]
+    body = [
+        f"{r['dtype']} K/V with outlier channels; GB/s of model-dtype bytes:",
+        "",
+        *_table(
+            (
+                "codec",
+                "bits per element",
+                "encode GB/s",
+                "decode GB/s",
+                "copy GB/s",
+                "encode ÷ copy",
+                "decode ÷ copy",
+                "attention relative error",
+            ),
+            rows,
+        ),
+    ]
+    lossless = r.get("lossless")
+    if lossless:
+        body += [
+            "",
+            f"Lossless disk codec (byte planes + zstd) on model K/V: "
+            f"{_x(lossless['ratio'])} smaller (zstd alone {_x(lossless['ratio_zstd_only'])}), "
+            f"compress {lossless['compress_gbs']:.2f} GB/s, decompress "
+            f"{lossless['decompress_gbs']:.2f} GB/s.",
+        ]
+    return _recorded("codecs.json", body)
+
+
+def perf_decode() -> str:
+    """`kvstrata bench decode`: decode speed of the cache's placements."""
+    r = _load("decode.json")["result"]
+    m = r["model"]
+    rows = [
+        (
+            f"({v['key']}) {v['variant']}",
+            f"{v['tok_per_s']:.1f}",
+            _pct(v["spread"]),
+            "–" if v["host_fraction"] is None else _pct(v["host_fraction"]),
+            "yes" if v["tokens_identical"] else "**no**",
+        )
+        for v in r["variants"]
+    ]
+    ratio, target = r["ratios"], r["targets"]
+    c0, c1 = r["contexts"][0], r["contexts"][-1]
+    notes = [
+        f"- (b) ÷ (a), all resident vs `DynamicCache` @ {c0}: "
+        f"{_x(ratio['resident_vs_dynamic'])} (target ≥ {target['resident_vs_dynamic']})",
+        f"- (d) ÷ (c), 90 % on the host vs all resident @ {c1}: "
+        f"{_x(ratio['host90_vs_resident'])} (target ≥ {target['host90_vs_resident']})",
+        f"- (c) ÷ (e), all resident vs `DynamicCache` @ {c1}: "
+        f"{_x(ratio['resident_vs_dynamic_long'])}",
+    ]
+    if "staged_vs_resident" in ratio:
+        notes.append(
+            f"- (f) ÷ (c), staged through the staging buffer vs all resident: "
+            f"{_x(ratio['staged_vs_resident'])}"
+        )
+    sensitive = all(r["context_sensitive"].values())
+    notes.append(
+        "- Every variant's greedy tokens equal `DynamicCache`'s: "
+        + ("yes" if r["tokens_identical"] else "**no**")
+        + "; the reference changes when the first prompt tokens change: "
+        + ("yes" if sensitive else "**no**")
+    )
+    body = [
+        f"A random {m['layers']}-layer Llama (hidden {m['hidden']}, {m['dtype']}), "
+        f"{r['steps']} greedy decode steps, {m['threads']} threads, block "
+        f"{r['block_size']}:",
+        "",
+        *_table(("variant", "tok/s", "spread", "KV on host", "tokens equal"), rows),
+        "",
+        *notes,
+    ]
+    return _recorded("decode.json", body)
+
+
+def perf_quantized() -> str:
+    """`kvstrata bench quantized`: an int4 host tier against exact and transformers'
+    `QuantizedCache`."""
+    r = _load("quantized.json")["result"]
+    q = r["quantized_cache"]
+    rows = [
+        (
+            v["variant"],
+            str(v["context"]),
+            f"{v['tok_per_s']:.1f}",
+            _pct(v["spread"]),
+            f"{v['logits_rel_err_mean']:.4f}",
+            _pct(v["top1_agreement"], 1),
+        )
+        for v in r["variants"]
+    ]
+    ratios = [
+        f"- kvstrata `{r['kvstrata']['host_codec']}` ÷ exact @ {ctx}: "
+        f"{_x(r['ratios'][f'kvstrata_vs_exact@{ctx}'])}"
+        + (
+            f"; ÷ `QuantizedCache`: {_x(r['ratios'][f'kvstrata_vs_quantized@{ctx}'])}"
+            if r["ratios"].get(f"kvstrata_vs_quantized@{ctx}")
+            else ""
+        )
+        for ctx in r["contexts"]
+    ]
+    body = [
+        f"A random {r['model']['layers']}-layer Llama ({r['model']['dtype']}), "
+        f"{r['steps']} decode steps teacher-forced on the exact greedy tokens; kvstrata's "
+        f"host tier in `{r['kvstrata']['host_codec']}` with a "
+        f"{r['kvstrata']['residual_tokens']}-token exact window:",
+        "",
+        *_table(("variant", "context", "tok/s", "spread", "logits relative error", "top-1"), rows),
+        "",
+        *ratios,
+    ]
+    if not q["available"]:
+        body.append(
+            "- transformers' `QuantizedCache` was not installed for this run "
+            "(`pip install 'kvstrata[quanto]'`), so its rows are missing."
+        )
+    return _recorded("quantized.json", body)
+
+
+PREFIX_VARIANTS = {
+    "cold": "cold: empty cache",
+    "warm": "warm: hit in the same process",
+    "restart": "restart: new store on the same disk directory",
+    "cold_disk": "cold with an empty disk tier",
+}
+
+
+def perf_prefix() -> str:
+    """`kvstrata bench prefix`: time to first token with a cached prefix."""
+    r = _load("prefix.json")["result"]
+    rows = [
+        (
+            PREFIX_VARIANTS.get(v["variant"], v["variant"]),
+            f"{v['ttft_ms']:.1f}",
+            _pct(v["spread"]),
+            ", ".join(f"{n:,} {t}" for t, n in v["hit_tokens_by_tier"].items()) or "–",
+            "yes" if v["tokens_identical"] else "**no**",
+        )
+        for v in r["variants"]
+    ]
+    ratios = [
+        f"- {name.replace('/', ' ÷ ')}: {_x(value)} (target ≥ {r['targets'][name]:g})"
+        for name, value in r["ratios"].items()
+    ]
+    body = [
+        f"{r['prefix_tokens']:,} cached tokens + {r['suffix_tokens']} new, the embedded "
+        f"model, {r['threads']} threads:",
+        "",
+        *_table(("variant", "TTFT ms", "spread", "prefix tokens hit", "tokens equal"), rows),
+        "",
+        *ratios,
+    ]
+    return _recorded("prefix.json", body)
+
+
+def perf_placement() -> str:
+    """`kvstrata bench placement`: the store's bookkeeping per decode step."""
+    r = _load("placement.json")["result"]
+    rows = [
+        (
+            f"{row['context']:,}",
+            f"{row['blocks']:,}",
+            f"{row['manager_ms']:.3f}",
+            f"{row['model_step_ms']:.1f}",
+            _pct(row["fraction"], 3),
+        )
+        for row in r["rows"]
+    ]
+    body = [
+        f"{r['sequences']} sequences decoding at once, {r['steps']} timed steps:",
+        "",
+        *_table(
+            ("tokens per sequence", "blocks", "bookkeeping ms", "model step ms", "share"), rows
+        ),
+        "",
+        f"- Share at the largest context: {_pct(r['fraction_at_largest'], 3)} "
+        f"(target ≤ {_pct(r['target_fraction'])}).",
+        f"- Bookkeeping growth over block-count growth: {r['growth_vs_blocks']:.3f} "
+        "(below 1: it grows slower than the blocks).",
+    ]
+    return _recorded("placement.json", body)
+
+
+SERVE_VARIANTS = {
+    "baseline": "one at a time: `generate` + `DynamicCache`",
+    "c1": "engine, concurrency 1",
+    "c4": "engine, concurrency 4",
+    "c8": "engine, concurrency 8",
+    "c8_dev25": "engine, concurrency 8, device budget {share} of the running KV",
+}
+
+
+def perf_serve() -> str:
+    """`kvstrata bench serve`: the engine's throughput and latency."""
+    r = _load("serve.json")["result"]
+    base = r["variants"]["baseline"]["tokens_per_s"]
+
+    def ms(v: dict, key: str) -> str:
+        if f"{key}_p50_s" not in v:
+            return "–"
+        return f"{v[f'{key}_p50_s'] * 1000:.1f} / {v[f'{key}_p99_s'] * 1000:.1f}"
+
+    rows = [
+        (
+            SERVE_VARIANTS.get(name, name).format(share=_pct(r.get("dev25_device_share"))),
+            f"{v['median_s']:.2f}",
+            f"{v['tokens_per_s']:.1f}",
+            _x(v["tokens_per_s"] / base),
+            ms(v, "ttft"),
+            ms(v, "tpot"),
+            "–" if "exact_vs_baseline" not in v else "yes" if v["exact_vs_baseline"] else "**no**",
+        )
+        for name, v in r["variants"].items()
+    ]
+    prompts = r["prompt_tokens"]
+    body = [
+        f"{r['requests']} requests ({min(prompts)}–{max(prompts)} prompt tokens + "
+        f"{r['max_tokens']} new), the embedded model, {r['threads']} threads:",
+        "",
+        *_table(
+            (
+                "variant",
+                "round s",
+                "output tok/s",
+                "vs one at a time",
+                "TTFT p50 / p99 ms",
+                "TPOT p50 / p99 ms",
+                "tokens equal",
+            ),
+            rows,
+        ),
+        "",
+        *(
+            f"- {name.replace('/', ' ÷ ')}: {_x(r['ratios'][name])} (target ≥ {target:g})"
+            for name, target in r["targets"].items()
+        ),
+    ]
+    if r.get("under_load") is None:
+        body.append("- The part under a competing CPU-bound process was not run (`--no-load`).")
+    return _recorded("serve.json", body)
+
+
+REMOTE_ROWS = {
+    "A": "A, first (writes the document to Redis)",
+    "cold": "B cold (a fresh `cache_salt`: nothing to reuse)",
+    "remote": "B, A's document (its blocks from Redis)",
+    "disk": "B restarted, its own disk tier",
+    "slow_cold": "B_slow cold (fresh salt), slow link",
+    "slow_remote": "B_slow, A's document, slow link",
+}
+
+
+def perf_remote() -> str:
+    """`kvstrata bench remote`: two servers sharing one Redis, and a slow link."""
+    r = _load("remote.json")["result"]
+    s = r["summary"]
+    rows = [
+        (
+            REMOTE_ROWS.get(kind, kind),
+            f"{row['ttft_s'] * 1000:.0f}",
+            _x(row["vs_cold"]),
+            f"{row['cached_tokens']:,.0f}",
+            f"{row['remote_hits']:.0f}",
+            f"{row['decisions_load']:.0f} / {row['decisions_recompute']:.0f}",
+            row["same_as_cold"],
+            ", ".join(f"{x:.1f}" for x in row["load_1m"]),
+        )
+        for kind, row in s["rows"].items()
+    ]
+    from kvstrata.bench.remote.report import TARGET_SLOW_WITHIN, TARGET_SPEEDUP
+
+    rt, v = s["round_trip"], s["verdicts"]
+    body = [
+        f"{r['model']} model, {r['prompt_tokens']}-token prompts ({r['doc_tokens']}-token "
+        f"documents), {r['repeats']} repeat(s), {r['max_tokens']} greedy tokens, "
+        f"{r['block_tokens']}-token blocks; the slow link holds every answer chunk back "
+        f"{r['delay_ms']} ms and passes {r['link_mb_s']:g} MB/s:",
+        "",
+        *_table(
+            (
+                "configuration",
+                "TTFT ms",
+                "vs B cold",
+                "prompt tokens cached",
+                "remote hits",
+                "load / recompute decisions",
+                "same tokens as B cold",
+                "load average at the request",
+            ),
+            rows,
+        ),
+        "",
+        f"- B's remote reads: {rt['blocks']:.0f} blocks in {rt['reads']:.0f} batched "
+        f"read(s), {rt['ms_per_block']:.1f} ms and {rt['bytes_per_block'] / 2**10:,.0f} KiB "
+        f"a block.",
+    ]
+    link = r.get("slow_link")
+    if link:
+        pred = s["predicted"]
+        body.append(
+            f"- The slow link as B_slow's link model measured it: latency "
+            f"{link['latency_s'] * 1000:.0f} ms, {link['bytes_per_s'] / 1e6:.2f} MB/s, "
+            f"prefill {link['compute_tok_s']:,.0f} tok/s; predicted load "
+            f"{pred['load_s'] * 1000:,.0f} ms against {pred['recompute_s'] * 1000:,.0f} ms to "
+            f"recompute, so it recomputed {link['recompute']:.0f} time(s) and loaded "
+            f"{link['load']:.0f} time(s)."
+        )
+    if "remote_target_met" in v:
+        body.append(
+            f"- Target, B's remote hit ≥ {TARGET_SPEEDUP:g}× faster than B cold with "
+            "identical tokens: "
+            + ("met" if v["remote_target_met"] else "**not met**")
+            + f"; the slow link within {100 * TARGET_SLOW_WITHIN:g} % of B_slow's own cold run: "
+            + ("met" if v.get("slow_target_met") else "**not met**")
+            + "."
+        )
+    return _recorded("remote.json", body)
+
+
+def eval_ppl(name: str) -> str:
+    """`kvstrata eval ppl --json`: perplexity through the tiered cache per host codec,
+    against the exact cache."""
+    r = _load(name)["result"]
+    exact = r["exact"]
+    rows = [("exact (`DynamicCache`)", f"{exact['ppl']:.4f}", f"{exact['bits_per_byte']:.4f}")]
+    rows[0] += ("–", "–")
+    for c in r["configs"]:
+        rows.append(
+            (
+                f"`{c['name'].split(' @')[0]}`",
+                f"{c['ppl']:.4f}",
+                f"{c['bits_per_byte']:.4f}",
+                f"{round(c['delta_ppl_pct'], 4) + 0.0:+.4f} %".replace("-", "−"),
+                _pct(c["top1_agreement"], 2),
+            )
+        )
+    return _recorded(
+        name,
+        _table(("history codec", "PPL", "bits/byte", "ΔPPL vs exact", "top-1 agreement"), rows),
+    )
+
+
+REPORT_FIGURES = {
+    "strategy": "Offloading strategies",
+    "resident": "Resident fraction vs decode speed",
+    "context": "Context length vs device memory and step time",
+    "block_size": "Block size vs tier transfers",
+    "codecs": "Codec bits vs error, ΔPPL and speed",
+    "planner": "kvstrata plan next to the measurement",
+}
+
+
+def perf_report() -> str:
+    """The evidence report's plots (docs/report/, `make report`) and the run that made
+    them, from its report.json."""
+    report = json.loads((ROOT / "docs" / "report" / "report.json").read_text())
+    figures = [
+        f"![{title}](report/{name}.png)"
+        for name, title in REPORT_FIGURES.items()
+        if name in report["sections"] and (ROOT / "docs" / "report" / f"{name}.png").is_file()
+    ]
+    runs = report.get("runs") or [report]
+    made = "; ".join(
+        f"`{run['command']}` on {run['date']}"
+        + (
+            f" (load average {run['load'][0]:.2f} before, {run['load'][1]:.2f} after)"
+            if run.get("load")
+            else ""
+        )
+        for run in runs
+    )
+    m = report.get("machine") or {}
+    return (
+        "\n\n".join(figures)
+        + f"\n\nGenerated from [report/report.json](report/report.json), made by {made} "
+        + f"on {m.get('cores')} cores ({m.get('cpu')}, commit {m.get('commit')}); every "
+        + "table behind the plots: [the report](report/report.md).\n"
+    )
+
+
+RESULTS = {
+    "peer-headline": peer_headline,
+    "peer-docqa": peer_table,
+    "perf-tiers": perf_tiers,
+    "perf-codecs": perf_codecs,
+    "perf-decode": perf_decode,
+    "perf-quantized": perf_quantized,
+    "perf-prefix": perf_prefix,
+    "perf-placement": perf_placement,
+    "perf-serve": perf_serve,
+    "perf-report": perf_report,
+    "perf-remote": perf_remote,
+    "eval-ppl-tiny": lambda: eval_ppl("eval-ppl-tiny.json"),
+}
 
 
 def render_regions(text: str, where: str) -> str:
@@ -344,11 +870,78 @@ def render_regions(text: str, where: str) -> str:
     return REGION.sub(fill, text)
 
 
+def _uptime() -> str:
+    """`uptime`'s line (the load averages over 1, 5 and 15 minutes), or os.getloadavg's."""
+    import os
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["uptime"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def record(out: Path, command: list[str]) -> int:
+    """Run a bench that prints JSON (`kvstrata bench NAME ... --json`, or writes it to
+    `--json PATH`) and write `out`:
+    the command, the date, the machine (`kvstrata.bench.machine.describe()`), the load
+    before and after (`uptime`), the process's niceness, the seconds it ran and the
+    bench's own JSON under "result". Its stderr passes through; a failure writes
+    nothing."""
+    import os
+    import subprocess
+    import time
+    from datetime import datetime, timezone
+
+    from kvstrata.bench.machine import describe
+
+    if not command or command[0] != "kvstrata":
+        raise SystemExit("--record: give the command as `kvstrata bench ... --json`")
+    exe = Path(sys.executable).parent / "kvstrata"
+    # a bench whose --json takes a PATH (peer, remote) writes there and prints a table
+    at = command.index("--json") + 1 if "--json" in command else len(command)
+    written = Path(command[at]) if at < len(command) and command[at][:1] != "-" else None
+    machine = describe(threads=None)
+    before = _uptime()
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    start = time.monotonic()
+    done = subprocess.run([str(exe), *command[1:]], stdout=subprocess.PIPE, text=True)
+    seconds = time.monotonic() - start
+    if done.returncode != 0:
+        print(f"{' '.join(command)} exited {done.returncode}", file=sys.stderr)
+        return done.returncode
+    report = {
+        "command": " ".join(command),
+        "date": date,
+        "seconds": round(seconds, 1),
+        "niceness": os.nice(0),
+        "machine": machine,
+        "uptime_before": before,
+        "uptime_after": _uptime(),
+        "result": json.loads(written.read_text() if written else done.stdout),
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--check", action="store_true", help="exit 1 when a page is stale")
-    check = args.parse_args(argv).check
+    args.add_argument(
+        "--record",
+        metavar="FILE",
+        type=Path,
+        help="run the command after `--` (kvstrata bench ... --json) and write its JSON "
+        "with the command, date, machine and load to FILE (docs/results/NAME.json)",
+    )
+    args.add_argument("command", nargs="*", help="with --record: the bench command")
+    parsed = args.parse_args(argv)
+    check = parsed.check
     sys.path.insert(0, str(ROOT / "src"))
+    if parsed.record is not None:
+        return record(parsed.record, parsed.command)
     stale = []
     outputs = {OUT / name: render for name, render in PAGES.items()}
     for rel in REGION_FILES:
