@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import _timing
+from kvstrata.bench._models import bench_model
 from kvstrata.bench.fleet import processes as proc
 from kvstrata.bench.fleet import report as rep
 from kvstrata.bench.fleet import workload as wl
@@ -138,12 +139,11 @@ class Context:
     """The model, its tokenizer, the workload and the replicas' budgets."""
 
     def __init__(self, o: argparse.Namespace) -> None:
-        from kvstrata.bench.peer.command import _model
         from kvstrata.model.geometry import KVGeometry
         from kvstrata.workload.zoo import heldout_files, load_tokenizer
 
         self.o = o
-        self.model_name, self.model_dir = _model(o.model)
+        self.model_name, self.model_dir = bench_model(o.model, _progress)
         tok = load_tokenizer(self.model_dir)
         s = o.sizes
         need = s.tenants * s.system_tokens + (s.tenants + s.requests) * s.question_tokens

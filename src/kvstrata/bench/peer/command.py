@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import _timing
+from kvstrata.bench._models import bench_model
 from kvstrata.bench.machine import describe
 from kvstrata.bench.peer import report as rep
 from kvstrata.bench.peer import servers as srv
@@ -104,18 +105,6 @@ def _options(args: argparse.Namespace) -> argparse.Namespace:
     return o
 
 
-def _model(name: str | None) -> tuple[str, Path]:
-    from kvstrata.workload.zoo import EMBEDDED_NAMES, resolve_model_dir
-
-    if name is not None:
-        return name, resolve_model_dir(name)
-    try:
-        return "smollm2", resolve_model_dir("smollm2")
-    except KvstrataError as exc:
-        _progress(f"smollm2 is not available ({exc}); using the tiny embedded model")
-        return EMBEDDED_NAMES[0], resolve_model_dir(EMBEDDED_NAMES[0])
-
-
 _STARTED = [time.monotonic()]  # when the run began (reset by `run`)
 
 
@@ -132,7 +121,7 @@ class Context:
         from kvstrata.workload.zoo import heldout_files, load_tokenizer
 
         self.o = o
-        self.model_name, self.model_dir = _model(o.model)
+        self.model_name, self.model_dir = bench_model(o.model, _progress)
         tok = load_tokenizer(self.model_dir)
         self.encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])
         ids: list[int] = []
