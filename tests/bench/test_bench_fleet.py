@@ -139,3 +139,10 @@ def test_a_small_fleet_run_reports_where_prompts_were_found(tmp_path):
     assert "ttft_p90 round_robin / kv_aware" in report["ratios"]
     assert "TTFT p50" in done.stdout and "kv_aware" in done.stdout
     assert "warm-up" in done.stderr  # progress
+
+
+def test_a_shared_tier_policy_without_redis_names_the_fix(monkeypatch):
+    monkeypatch.setattr(command.proc, "redis_available", lambda: False)
+    with pytest.raises(ConfigError, match="redis-server"):
+        command._options(args_of("--policies", "round_robin,kv_aware+remote"))
+    assert command._options(args_of("--policies", "round_robin")).policies == ["round_robin"]

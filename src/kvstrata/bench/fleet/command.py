@@ -117,6 +117,14 @@ def _options(args: argparse.Namespace) -> argparse.Namespace:
     if not names or any(n not in proc.POLICIES for n in names):
         known = ", ".join(proc.POLICIES)
         raise ConfigError.field("--policies", args.policies, f"comma-separated names from {known}")
+    shared = [n for n in names if proc.POLICIES[n][1]]
+    if shared and not proc.redis_available():
+        raise ConfigError.field(
+            "--policies",
+            args.policies,
+            f"{shared[0]} needs redis-server (apt-get install redis-server) and the redis "
+            "client (pip install 'kvstrata[remote]'), or leave the +remote policies out",
+        )
     if args.hold is not None and args.hold <= 0:
         raise ConfigError.field("--hold", args.hold, "a positive number of tenants")
     o = argparse.Namespace(**vars(args))
@@ -229,6 +237,7 @@ def _run_policy(ctx: Context, name: str, router_bin: str, log_dir: Path) -> dict
     from kvstrata.bench._redis import RedisServer
 
     o = ctx.o
+    load = _timing.machine_load()[0]
     policy, shared = proc.POLICIES[name]
     redis = RedisServer(Path(tempfile.mkdtemp(prefix="kvstrata-fleet-redis-"))) if shared else None
     replicas: list[proc.Replica] = []
@@ -261,6 +270,7 @@ def _run_policy(ctx: Context, name: str, router_bin: str, log_dir: Path) -> dict
             for b, a in zip(before, after, strict=True)
         ]
         return {
+            "load_at_start": load,
             "router": shlex.join(router.command),
             "replica": shlex.join(replicas[0].server.command),
             "warmup": warm_summary,
@@ -319,6 +329,7 @@ def measure(o: argparse.Namespace) -> dict[str, Any]:
             f"{m['errors']} error(s)"
         )
     runs = {n: p["records"] for n, p in report["policies"].items()}
+    report["machine"]["load_after"] = _timing.machine_load()[0]
     report["texts"] = wl.texts_equal(runs)
     report["ratios"] = rep.ratios(report)
     return report

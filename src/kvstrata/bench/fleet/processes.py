@@ -37,6 +37,15 @@ def find_router() -> str:
     return found
 
 
+def redis_available() -> bool:
+    """redis-server on PATH and the redis client importable (the +remote policies)."""
+    import importlib.util
+
+    from kvstrata.bench._redis import REDIS_SERVER
+
+    return REDIS_SERVER is not None and importlib.util.find_spec("redis") is not None
+
+
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What every replica runs with."""
