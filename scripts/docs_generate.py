@@ -216,6 +216,7 @@ REGION_FILES = (
     "docs/performance.md",
     "docs/remote-tier.md",
     "docs/models.md",
+    "docs/fleet.md",
 )
 PEER_FILE = "peer-docqa.json"
 PEER_PHASES = {"docqa_warm": "docqa warm-up", "docqa_query": "docqa queries"}
@@ -802,6 +803,56 @@ def eval_ppl(name: str) -> str:
     )
 
 
+FLEET_SOURCES = ("device", "host", "disk", "remote", "recomputed")
+
+
+def fleet_table() -> str:
+    """`kvstrata bench fleet`: each routing policy's TTFT, where its prompt tokens were
+    found, and its answers against the first policy's."""
+    r = _load("fleet.json")
+    pols = r["policies"]
+    base = pols.get("round_robin", {}).get("measured", {}).get("ttft_p90_s")
+    rows = []
+    for name, p in pols.items():
+        m = p["measured"]
+        src = m["sources"]
+        total = sum(src.values()) or 1.0
+        same = r["texts"].get(name)
+        rows.append(
+            (
+                f"`{name}`",
+                f"{m['ttft_p50_s']:.2f}",
+                f"{m['ttft_p90_s']:.2f}",
+                "–" if name == "round_robin" or not base else _faster(m["ttft_p90_s"], base),
+                f"{m['requests_per_s']:.2f}",
+                " / ".join(f"{100 * src.get(k, 0.0) / total:.0f}" for k in FLEET_SOURCES),
+                "/".join(f"{n:.0f}" for n in m["per_replica"]),
+                "–" if same is None else f"{same['equal']} of {same['equal'] + same['differ']}",
+            )
+        )
+    w, b = r["workload"], r["budgets"]
+    head = (
+        f"{r['replicas']} replicas of {r['model']}, {w['tenants']} tenants with a "
+        f"{w['prompt_tokens']}-token prompt each, {w['requests']} requests at {w['rate']:g} a "
+        f"second (Poisson) after a warm-up asking each tenant once; each replica's device + "
+        f"host budgets hold {b['hold_tenants']} tenants' prompts."
+    )
+    table = _table(
+        (
+            "policy",
+            "TTFT p50 (s)",
+            "TTFT p90 (s)",
+            "p90 against round_robin",
+            "requests/s",
+            "prompt tokens: device / host / disk / remote / recomputed (%)",
+            "requests per replica",
+            "answers equal to the first policy's",
+        ),
+        rows,
+    )
+    return _recorded("fleet.json", [head, "", *table])
+
+
 REPORT_FIGURES = {
     "strategy": "Offloading strategies",
     "resident": "Resident fraction vs decode speed",
@@ -853,6 +904,7 @@ RESULTS = {
     "perf-report": perf_report,
     "perf-remote": perf_remote,
     "eval-ppl-tiny": lambda: eval_ppl("eval-ppl-tiny.json"),
+    "fleet": fleet_table,
 }
 
 

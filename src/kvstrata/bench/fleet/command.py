@@ -290,9 +290,8 @@ def _run_policy(ctx: Context, name: str, router_bin: str, log_dir: Path) -> dict
 def measure(o: argparse.Namespace) -> dict[str, Any]:
     ctx = Context(o)
     router_bin = proc.find_router()
-    cores = _timing.machine_load()[1]
-    # the replicas load the machine themselves: warn only of load from elsewhere
-    warning = _timing.load_warning(min(cores, o.replicas * o.threads))
+    # the replicas load every core themselves: warn of load from elsewhere, as for one
+    warning = _timing.load_warning(o.threads)
     if warning:
         _progress(f"warning: {warning}")
     log_dir = Path(o.log_dir) if o.log_dir else Path(tempfile.mkdtemp(prefix="kvstrata-fleet-"))
