@@ -16,11 +16,19 @@ O(log n), and the lowest m of a tier are read without a sort. What a rank means,
 when an item is ranked, is the owner's: the index only keeps the order. A rank must
 be unique within its tier (end it with the item's id or a sequence number), so ties
 never compare items.
+
+Room on a tier is made the same way for both owners (`evict`): the lowest-ranked
+items outside the ones a caller protects (the blocks of the lookup or store that
+needs the room) go first, all or none (or as many as can, where falling short is
+fine), each dropped by the owner's own function.
+The store's remote tier installs fetched blocks that way, the block manager frees a
+device slot for a cropped block, and the vLLM backend takes host slots for stores,
+disk reads and remote hits and disk slots for its write-through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from sortedcontainers import SortedList
@@ -101,3 +109,42 @@ class HashIndex(Generic[V]):
     def ascending(self, tier: str) -> Iterator[tuple[tuple, Hashable]]:
         """(rank, item) of the items ranked on `tier`, lowest first."""
         return iter(self._order[tier])
+
+    def lowest(self, tier: str, count: int, protect: Container = ()) -> list[Hashable]:
+        """Up to `count` items ranked on `tier`, lowest first, skipping those in
+        `protect`: the first to evict."""
+        out: list[Hashable] = []
+        if count <= 0:
+            return out
+        for _, item in self._order[tier]:
+            if item not in protect:
+                out.append(item)
+                if len(out) == count:
+                    break
+        return out
+
+    def room(self, tier: str, count: int, free: int, protect: Container = ()) -> int:
+        """How many of `count` slots `tier` can give: its `free` ones plus those
+        `evict` would make by dropping items outside `protect`."""
+        return min(count, free + len(self.lowest(tier, count - free, protect)))
+
+    def evict(
+        self,
+        tier: str,
+        count: int,
+        drop: Callable[[Hashable], object],
+        protect: Container = (),
+        partial: bool = False,
+    ) -> bool:
+        """Make room for `count` on `tier`: `drop(item)` for each of the `count` lowest
+        items outside `protect` (the owner frees the slot and unranks it). Nothing is
+        dropped when fewer can go, unless `partial` (then as many as can). Returns
+        whether `count` went (True at once for a count <= 0)."""
+        if count <= 0:
+            return True
+        items = self.lowest(tier, count, protect)
+        if len(items) < count and not partial:
+            return False
+        for item in items:
+            drop(item)
+        return len(items) == count

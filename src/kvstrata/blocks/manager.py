@@ -190,16 +190,17 @@ class BlockManager:
         counted them as free): the oldest one moves to tier `lower` when it has room,
         else it is dropped from the cache."""
         state = self.state
-        device = state.tier_order[0]
-        oldest = next(state.hash_to_block.ascending(device), None)
-        if oldest is None:
+
+        def make_way(block_id: int) -> None:
+            block = state.pool.blocks[block_id]
+            if state.tiers[lower].num_free > 0:
+                self._applier.move([block], lower)
+            else:
+                self._cached.evict_cached(block_id)
+                state.num_evicted_cached += 1
+
+        if not state.hash_to_block.evict(state.tier_order[0], 1, make_way):
             raise OutOfBlocksError(self._no_device_slot("a cropped block"))
-        block = state.pool.blocks[oldest[1]]
-        if state.tiers[lower].num_free > 0:
-            self._applier.move([block], lower)
-        else:
-            self._cached.evict_cached(block.block_id)
-            state.num_evicted_cached += 1
 
     def abort_step(self, seq_id: Hashable, num_tokens: int) -> None:
         """Undo a step that failed before `end_step`: the table goes back to its

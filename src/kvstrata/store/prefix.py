@@ -19,16 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.blocks.manager import BlockManager
-from kvstrata.core.errors import TierIOError
 from kvstrata.core.hashing import block_hash, block_namespace
 from kvstrata.model.groups import LayerGroup
 from kvstrata.store.events import KVEventRecorder, chain_order
 from kvstrata.store.remote import RemoteBlocks
 from kvstrata.store.sequences import SequenceState, longest_match, table_keys
 from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.movement import unreadable_slots, write_keyed
 
 LAYOUT_VERSION = 2  # part of every block hash: bump when stored bytes change meaning
-VERIFY_CHUNK_BYTES = 64 << 20  # disk hits are read back (checksums) this much at a time
 
 
 @dataclass
@@ -261,22 +260,16 @@ class PrefixIndex:
         slots = [blocks[b].slot for b in block_ids if blocks[b].tier == disk]
         if not slots:
             return False
-        per_read = max(1, VERIFY_CHUNK_BYTES // self.disk.block_bytes)
-        try:
-            for i in range(0, len(slots), per_read):  # bounded memory for long hits
-                self.disk.read_encoded(slots[i : i + per_read])
-        except TierIOError as exc:
-            bad_slots = set(getattr(exc, "slots", None) or slots[i : i + per_read])
-            for block_id in block_ids:
-                block = blocks[block_id]
-                if block.tier == disk and block.slot in bad_slots:
-                    self.stats.corrupt_blocks += 1
-                    if block.ref_count == 0:
-                        mgr.evict_cached(block_id)
-                    else:
-                        mgr.unhash(block)
-            return True
-        return False
+        bad_slots = unreadable_slots(self.disk, slots)
+        for block_id in block_ids:
+            block = blocks[block_id]
+            if block.tier == disk and block.slot in bad_slots:
+                self.stats.corrupt_blocks += 1
+                if block.ref_count == 0:
+                    mgr.evict_cached(block_id)
+                else:
+                    mgr.unhash(block)
+        return bool(bad_slots)
 
     def adopt_from_disk(self) -> None:
         """Index the blocks the disk tier's durable index keys (written by an earlier
@@ -323,13 +316,15 @@ class PrefixIndex:
             slots = disk.allocate(len(group))
             assert slots is not None
             try:
-                mgr.copy_blocks(state.tiers[tier_name], [b.slot for b in group], disk, slots)
-                disk.put_keys(
-                    [
-                        (slot, block.block_hash, list(block.token_ids or ()))
-                        for block, slot in zip(group, slots, strict=True)
-                    ],
-                    [block.parent_hash for block in group],
+                write_keyed(
+                    state.tiers[tier_name],
+                    [b.slot for b in group],
+                    disk,
+                    slots,
+                    [b.block_hash for b in group],
+                    [b.token_ids or () for b in group],
+                    [b.parent_hash for b in group],
+                    copy=mgr.copy_blocks,
                 )
             except BaseException:  # e.g. a full disk: the slots go back, nothing is keyed
                 disk.free(slots)

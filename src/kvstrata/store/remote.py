@@ -216,18 +216,17 @@ class RemoteBlocks:
             tier = state.tiers[name]
             return min(tier.num_free, state.budget_slots[name] - len(state.on_tier[name]))
 
+        def drop(block_id: int) -> None:
+            mgr.evict_cached(block_id)
+            state.num_evicted_cached += 1
+
         for name in state.tier_order:
             if free(name) >= n:
                 return name
         for name in reversed(state.tier_order):
             short = n - max(0, free(name))
-            evictable = [b for _, b in state.hash_to_block.ascending(name) if b not in protect]
-            if len(evictable) >= short:
-                for block_id in evictable[:short]:
-                    mgr.evict_cached(block_id)
-                    state.num_evicted_cached += 1
-                if free(name) >= n:
-                    return name
+            if state.hash_to_block.evict(name, short, drop, protect) and free(name) >= n:
+                return name
         return None
 
     # -- writes -------------------------------------------------------------------------

@@ -9,11 +9,17 @@ and the vLLM backend (its write-through and its batched disk reads) both make.
   match (one read per run of consecutive slots, no staging tensor).
 - `read_verified`: a batch read from disk that serves only verified blocks: one that
   fails its checksum or cannot be read is left out, named, and the rest read again.
+- `unreadable_slots`: disk blocks read back and dropped, only to learn whether they
+  pass their checksums (a store's prefix hit on disk stays there: attention reads it
+  from the disk tier when it needs it).
+- `write_keyed`: blocks copied to disk slots and keyed in its durable index once their
+  bytes are there, so a restart finds them and a key never names a failed write (the
+  vLLM backend's write-through on its disk thread, the store's `persist` at close).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,6 +34,7 @@ from kvstrata.tiers.memory import MemoryTier
 # blocks leave it through another codec).
 COPY_CHUNK_BYTES = 32 * 2**20
 MAX_RUNS_IN_PLACE = 16  # more runs of memory slots than this: read into a staging tensor
+VERIFY_CHUNK_BYTES = 64 << 20  # blocks read back only to check them: this much at a time
 
 # copy(src tier, src slots, dst tier, dst slots)
 CopyBlocks = Callable[[Tier, list[int], Tier, list[int]], None]
@@ -136,3 +143,45 @@ def read_verified(
                 bad[i] = exc
             todo = [i for i in todo if disk_slots[i] not in failed]
     return bad
+
+
+def unreadable_slots(disk: DiskTier, slots: list[int]) -> set[int]:
+    """Read disk blocks back (checksums), VERIFY_CHUNK_BYTES at a time, keeping nothing.
+
+    Returns:
+        The slots of the first chunk that fails, as the tier names them (the whole
+        chunk when it names none); empty when every block reads.
+    """
+    per_read = max(1, VERIFY_CHUNK_BYTES // disk.block_bytes)
+    for i in range(0, len(slots), per_read):  # bounded memory for long hits
+        chunk = slots[i : i + per_read]
+        try:
+            disk.read_encoded(chunk)
+        except TierIOError as exc:
+            return set(getattr(exc, "slots", None) or chunk)
+    return set()
+
+
+def write_keyed(
+    src: Tier,
+    src_slots: list[int],
+    disk: DiskTier,
+    disk_slots: list[int],
+    keys: Sequence[bytes],
+    token_ids: Sequence[Sequence[int]] | None = None,
+    parents: Sequence[bytes | None] | None = None,
+    copy: CopyBlocks | None = None,
+) -> None:
+    """Copy blocks to disk slots the caller took, then key them in the disk tier's
+    durable index (one transaction): `keys[i]` names `disk_slots[i]`, with its token
+    ids (None: none known) and parent hash. Keys go in only after the copy, so a crash
+    or a failed write never leaves a key on a slot without its bytes; the slots stay
+    the caller's to free when this raises.
+
+    `copy(src, src_slots, dst, dst_slots)` copies (default `copy_blocks`)."""
+    if copy is None:
+        copy_blocks(src.layout, src, src_slots, disk, disk_slots)
+    else:
+        copy(src, src_slots, disk, disk_slots)
+    tokens = [[] for _ in keys] if token_ids is None else [list(t) for t in token_ids]
+    disk.put_keys(list(zip(disk_slots, keys, tokens, strict=True)), parents)

@@ -39,7 +39,7 @@ from kvstrata.tiers.base import SlotAllocator, Tier
 from kvstrata.tiers.disk import ARENA_FILE, INDEX_FILE, LOCK_FILE, DiskTier
 from kvstrata.tiers.disk_format import SlotFormat
 from kvstrata.tiers.disk_lock import DirLock
-from kvstrata.tiers.movement import copy_blocks, read_verified
+from kvstrata.tiers.movement import read_verified, write_keyed
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -164,13 +164,12 @@ class DiskWriter:
         keys: list[bytes],
         token: int,
     ) -> None:
-        """Copy host blocks to disk slots and key them, in the background; `token` and
-        the error (or None) come back from `finished()`."""
+        """Copy host blocks to disk slots and key them (`write_keyed`), in the
+        background; `token` and the error (or None) come back from `finished()`."""
 
         def write() -> None:
-            self.tier.allocator.take(slots)
-            copy_blocks(host.layout, host, host_slots, self.tier, slots)
-            self.tier.put_keys([(s, k, []) for s, k in zip(slots, keys, strict=True)])
+            self.tier.allocator.take(slots)  # taken already in the scheduler's view
+            write_keyed(host, host_slots, self.tier, slots, keys)
 
         self.submit(write).add_done_callback(self._report(token))
 

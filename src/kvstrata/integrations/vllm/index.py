@@ -19,7 +19,7 @@ count then last use, `window` by store order (oldest first).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvstrata.blocks.eviction import BlockView, EvictionPolicy
@@ -107,13 +107,24 @@ class BlockIndex:
     def victims(self, tier: str, count: int, protect: set[bytes]) -> list[Entry]:
         """Up to `count` evictable copies on `tier`, lowest-ranked first, skipping the
         keys in `protect`."""
-        out: list[Entry] = []
-        for _, key in self.entries.ascending(tier):
-            if len(out) == count:
-                break
-            if key not in protect:
-                out.append(self.entries[key])
-        return out
+        return [self.entries[key] for key in self.entries.lowest(tier, count, protect)]
+
+    def room(self, tier: str, count: int, free: int, protect: set[bytes]) -> int:
+        """How many of `count` slots `tier` can give (`free` + evictable copies)."""
+        return self.entries.room(tier, count, free, protect)
+
+    def evict(
+        self,
+        tier: str,
+        count: int,
+        protect: set[bytes],
+        drop: Callable[[Entry, str], object],
+        partial: bool = False,
+    ) -> bool:
+        """`HashIndex.evict`: `drop(entry, tier)` the `count` lowest-ranked copies on
+        `tier` outside `protect` (all or none unless `partial`); whether `count` went."""
+        entries = self.entries
+        return entries.evict(tier, count, lambda key: drop(entries[key], tier), protect, partial)
 
     def num_evictable(self, tier: str) -> int:
         return self.entries.num_ranked(tier)

@@ -204,8 +204,7 @@ class OffloadStore:
     def _read_room(self, entries: list[Entry]) -> list[int]:
         """Host slots for the first of `entries` that fit (evicting other copies)."""
         protect = {e.key for e in entries}
-        victims = self.index.victims("host", len(entries), protect)
-        fit = min(len(entries), self.host.num_free + len(victims))
+        fit = self.index.room("host", len(entries), self.host.num_free, protect)
         return (self._host_slots(fit, protect) or []) if fit else []
 
     def _read_done(self, entry: Entry, error: BaseException | None) -> None:
@@ -240,7 +239,7 @@ class OffloadStore:
         if not new:
             return [], []
         protect = set(keys)
-        room = self.host.num_free + len(self.index.victims("host", len(new), protect))
+        room = self.index.room("host", len(new), self.host.num_free, protect)
         if self.remote is not None:  # the remote cost rule times prefill steps
             self.remote.computed([v for _, v in new])
         if room < len(new):
@@ -281,10 +280,11 @@ class OffloadStore:
         assert self.disk is not None
         entries = [e for e in entries if e.disk_slot is None]
         shortfall = len(entries) - self.disk.num_free
-        if shortfall > 0:
-            for victim in self.index.victims("disk", shortfall, {e.key for e in entries}):
-                self._drop(victim, "disk")  # the frees are queued, never waited for
-        entries = entries[: self.disk.num_free]  # the rest stay on the host only
+        protect = {e.key for e in entries}
+        # as many copies as can go (their frees are queued, never waited for); the
+        # blocks that still find no disk slot stay on the host only
+        self.index.evict("disk", shortfall, protect, self._drop, partial=True)
+        entries = entries[: self.disk.num_free]
         slots = self.disk.allocate(len(entries))
         if not slots:
             return
@@ -350,13 +350,8 @@ class OffloadStore:
     def _host_slots(self, count: int, protect: set[bytes]) -> list[int] | None:
         """`count` host slots, evicting the lowest-ranked host copies; None when not
         enough can be evicted."""
-        shortfall = count - self.host.num_free
-        if shortfall > 0:
-            victims = self.index.victims("host", shortfall, protect)
-            if len(victims) < shortfall:
-                return None
-            for victim in victims:
-                self._drop(victim, "host")
+        if not self.index.evict("host", count - self.host.num_free, protect, self._drop):
+            return None
         return self.host.allocate(count)
 
     def _drop(self, entry: Entry, tier: str) -> None:
