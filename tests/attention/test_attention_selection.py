@@ -445,6 +445,17 @@ def test_bench_selection_span_errors_and_longer_positions():
     assert cfg.max_position_embeddings == 32768
 
 
+@pytest.mark.parametrize("engine", ["1", "-2"])
+def test_bench_selection_engine_of_one_token_is_a_one_line_error(engine, capsys):
+    """--engine 1 decodes no step after the first token: nothing to time (it used to
+    end in a StatisticsError traceback)."""
+    from kvstrata.cli import main
+
+    assert main(["bench", "selection", "--windows", "0", "--engine", engine]) == 2
+    err = capsys.readouterr().err
+    assert f"engine={engine} is invalid" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("attention_page", 0), ("attention_page", 257), ("attention_page", True),

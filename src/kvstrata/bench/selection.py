@@ -329,6 +329,10 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.core.units import parse_tokens
 
     context = parse_tokens(args.context, "context")
+    if args.engine == 1 or args.engine < 0:  # a step after the first token is what it times
+        from kvstrata.core.errors import ConfigError
+
+        raise ConfigError.field("engine", args.engine, "0 (off) or at least 2 tokens")
     budgets = [
         CacheConfig(attention_budget=v.strip()).attention_budget
         for v in args.budget.split(",")

@@ -44,8 +44,8 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disk-delta",
         action="store_true",
-        help="with --disk-compress: delta-code keys "
-        "first (lossless; int8 keys ~9 %% smaller, others 0-2 %%, for 2-3x zstd's CPU time)",
+        help="with --disk-compress: delta-code keys first (lossless; pays most on int8 "
+        "keys, for more CPU time than zstd alone: docs/codecs.md)",
     )
     g.add_argument("--disk-o-direct", action="store_true", help="disk I/O with O_DIRECT")
     g.add_argument("--residual", default="128", help="newest tokens kept exact (lossy codecs)")
