@@ -51,13 +51,6 @@ ALLOWED: dict[str, dict[str, str]] = {
         "4×": "the same rule's consequence (a load that slow still wins 4 times over)",
         "0.2 s": "a constant: the reconnect back-off starts at 0.2 s and doubles",
     },
-    "design.md": {
-        "22.0 ms": "a design decision's measured reason (huge pages); design.md is "
-        "edited separately and its figures are still to move to a result file",
-        "59 ms": "the same",
-        "24.8 ms": "the same",
-        "3.25×": "the same (block groups for sliding-window layers)",
-    },
 }
 
 
