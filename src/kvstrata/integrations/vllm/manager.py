@@ -164,11 +164,17 @@ class KvstrataOffloadingManager(OffloadingManager):
 
     def _publish_evictions(self) -> None:
         """The step's disk write-throughs (a copy on STORAGE, besides the CPU one
-        `complete_store` announced) and every copy that left a tier."""
+        `complete_store` announced), the blocks the shared remote tier's server stored
+        (STORAGE, REMOTE; never announced removed: the server evicts without telling),
+        and every copy that left a tier."""
         evicted, self.store.evicted_vllm_keys = self.store.evicted_vllm_keys, []
         on_disk, self.store.disk_stored_vllm_keys = self.store.disk_stored_vllm_keys, []
+        remote = self.store.remote.take_written() if self.store.remote is not None else []
         if self.events is None:
             return
+        if remote:  # reachable from every engine that shares the server: REMOTE
+            keys = [OffloadKey(k) for k in dict.fromkeys(remote)]
+            self.events.append(OffloadingEvent(keys, Medium.STORAGE, False, Locality.REMOTE))
         if on_disk:  # removal_expected: vLLM keeps the block's hashes for its disk removal
             keys = [OffloadKey(k) for k in dict.fromkeys(on_disk)]
             self.events.append(

@@ -39,6 +39,7 @@ thread and sent by the tier's writer thread (a full queue drops writes, counted)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -101,6 +102,7 @@ class VllmRemote:
         self._step_began: float | None = None  # perf_counter() of the last step's end
         self._step_blocks = 0  # blocks prefilled by the step since then
         self.counters = dict.fromkeys(("remote_hits", "remote_misses", "remote_corrupt"), 0)
+        self._written: list[bytes] = []  # vLLM keys the server stored, for KV events
 
     def block_hash(self, vllm_key: bytes) -> bytes:
         """The remote tier's block hash of a vLLM offload key (under the namespace)."""
@@ -221,7 +223,20 @@ class VllmRemote:
         """Queue blocks just stored on the host tier, as (host slot, vLLM key), for the
         server (copied now, encoded and sent by the writer thread)."""
         metas = [(self.namespace, self.block_hash(k), self._zeros) for _, k in entries]
-        self.session.write_behind(host, [slot for slot, _ in entries], metas)
+        written = functools.partial(self._stored, [k for _, k in entries])
+        self.session.write_behind(host, [slot for slot, _ in entries], metas, written)
+
+    def _stored(self, vllm_keys: list[bytes], results: list[bool]) -> None:
+        """The writer thread's report: which offered blocks the server stored."""
+        with self._lock:
+            self._written += [k for k, ok in zip(vllm_keys, results, strict=True) if ok]
+
+    def take_written(self) -> list[bytes]:
+        """The vLLM keys the server stored since the last call (each block on the shared
+        tier is announced once; the server's own evictions are never reported)."""
+        with self._lock:
+            out, self._written = self._written, []
+        return out
 
     # -- lifecycle ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
