@@ -187,6 +187,17 @@ def print_table(
         console.print(note, highlight=False)
 
 
+def plain(value: Any) -> Any:
+    """JSON-safe, recursively: NaN and infinities as None."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
 def print_json(report: dict[str, Any]) -> None:
     """Print the report as indented JSON (machine-readable `--json` output)."""
     print(json.dumps(report, indent=2, sort_keys=False))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import _timing
-from kvstrata.bench._models import bench_model
+from kvstrata.bench._models import bench_model, heldout_ids
 from kvstrata.bench.fleet import processes as proc
 from kvstrata.bench.fleet import report as rep
 from kvstrata.bench.fleet import workload as wl
@@ -148,20 +148,14 @@ class Context:
 
     def __init__(self, o: argparse.Namespace) -> None:
         from kvstrata.model.geometry import KVGeometry
-        from kvstrata.workload.zoo import heldout_files, load_tokenizer
+        from kvstrata.workload.zoo import load_tokenizer
 
         self.o = o
         self.model_name, self.model_dir = bench_model(o.model, _progress)
         tok = load_tokenizer(self.model_dir)
         s = o.sizes
         need = s.tenants * s.system_tokens + (s.tenants + s.requests) * s.question_tokens
-        ids: list[int] = []
-        for path in heldout_files("default"):
-            ids += tok(path.read_text(errors="replace"), add_special_tokens=False, verbose=False)[
-                "input_ids"
-            ]
-            if len(ids) >= need:
-                break
+        ids = heldout_ids(tok, need)
         self.workload = wl.build(ids, tok.decode, s, o.seed)
         self.prompt_tokens = len(tok(self.workload.warmup[0].prompt)["input_ids"])
         self.bytes_per_token = int(KVGeometry.from_json(self.model_dir).bytes_per_token("fp32"))
@@ -351,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     report = measure(o)
     rep.print_report(report)
     if o.json:
-        Path(o.json).write_text(json.dumps(rep.plain(report), indent=1))
+        Path(o.json).write_text(json.dumps(_timing.plain(report), indent=1))
         print(f"raw numbers: {o.json}")
     if o.plot:
         rep.plot(report, Path(o.plot))

@@ -94,17 +94,6 @@ def failures(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def plain(value: Any) -> Any:
-    """JSON-safe: NaN and infinities as None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
-    return value
-
-
 def plot(report: dict[str, Any], path: Path) -> None:
     """TTFT p50 / p90 per policy, and where each policy's prompt tokens came from."""
     from kvstrata.platform.plotting import pyplot

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import _timing
-from kvstrata.bench._models import bench_model
+from kvstrata.bench._models import bench_model, heldout_ids
 from kvstrata.bench.machine import describe
 from kvstrata.bench.peer import report as rep
 from kvstrata.bench.peer import servers as srv
@@ -118,18 +118,13 @@ class Context:
 
     def __init__(self, o: argparse.Namespace) -> None:
         from kvstrata.model.geometry import KVGeometry
-        from kvstrata.workload.zoo import heldout_files, load_tokenizer
+        from kvstrata.workload.zoo import load_tokenizer
 
         self.o = o
         self.model_name, self.model_dir = bench_model(o.model, _progress)
         tok = load_tokenizer(self.model_dir)
         self.encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])
-        ids: list[int] = []
-        for path in heldout_files("default"):
-            text = path.read_text(errors="replace")
-            ids += tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-            if len(ids) >= wl.tokens_needed(o.workload, o.repeats):
-                break
+        ids = heldout_ids(tok, wl.tokens_needed(o.workload, o.repeats))
         self.frame = wl.Frame.build(self.encode)
         self.plans = wl.plans(wl.TokenPool(ids), self.frame, o.workload, o.repeats)
         config = json.loads((self.model_dir / "config.json").read_text())
@@ -371,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     report = measure(o)
     rep.print_report(report)
     if o.json:
-        Path(o.json).write_text(json.dumps(wl.plain(report), indent=1))
+        Path(o.json).write_text(json.dumps(_timing.plain(report), indent=1))
         print(f"raw numbers: {o.json}")
     for error in report["errors"]:
         print(f"kvstrata bench peer: {error}", file=sys.stderr)

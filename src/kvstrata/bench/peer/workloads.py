@@ -395,17 +395,6 @@ def failures(report: dict[str, Any]) -> int:
     return bad
 
 
-def plain(value: Any) -> Any:
-    """JSON-safe: NaN -> None, recursively."""
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
-    return value
-
-
 def common_prefix(a: str, b: str) -> float:
     """The share of the longer text that both start with (1.0 for two empty texts)."""
     longest = max(len(a), len(b))
