@@ -44,6 +44,7 @@ from kvstrata.platform.hardware import device_memory, machine_ram
 
 POLICIES = ("window", "lru", "lfu")
 COLD_ATTENTION = ("auto", "local", "stage")
+HOST_PRESSURE = ("off", "auto")
 # Tokens per block the cache accepts (generation through host and disk tiers with the
 # none/int8/fp8 codecs matches DynamicCache at 1, 3, 64 and 4096; int4 further needs a
 # multiple of its group size and says so; 64-256 is the usual choice).
@@ -135,6 +136,12 @@ class CacheConfig:
         attention_channels: each query row scores pages over its this many
             largest-|q| channels only (SparQ's approximation; their summary rows are
             all it reads); 0 scores every channel.
+        host_pressure: "auto" lets the host tier yield to memory pressure (its cgroup's
+            limit, MemAvailable, PSI): its coldest blocks move to disk before the
+            kernel's OOM killer acts, and it takes memory back when memory frees (up
+            to host_budget); needs host_budget and disk_dir. "off": a fixed budget.
+        host_headroom: with host_pressure="auto", the memory kept free: below it the
+            host tier shrinks, above twice it the tier grows back ("256MiB").
     """
 
     block_size: int = 64
@@ -169,6 +176,8 @@ class CacheConfig:
     attention_coarse: int = 0
     attention_refine: float = 2.0
     attention_channels: int = 16
+    host_pressure: str = "off"
+    host_headroom: int | str = "256MiB"
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -245,6 +254,7 @@ class CacheConfig:
         )
         put("attention_refine", check_two_level(self.attention_coarse, self.attention_refine))
         check_channels(self.attention_channels)
+        _check_pressure(self, put)
         _bind_calibrated(self, put)
         _check_codecs(self)
         _check_remote(self, put)
@@ -398,6 +408,17 @@ def _check_remote(config: CacheConfig, put: Any) -> None:
     )
 
 
+def _check_pressure(config: CacheConfig, put: Any) -> None:
+    check_choice("host_pressure", config.host_pressure, HOST_PRESSURE)
+    put("host_headroom", parse_size(config.host_headroom, "host_headroom"))
+    if config.host_pressure == "auto" and (config.host_budget == 0 or config.disk_dir is None):
+        raise ConfigError.field(
+            "host_pressure",
+            "auto",
+            "the host tier yields its blocks to disk: set host_budget and disk_dir",
+        )
+
+
 def _check_device(value: Any) -> str:
     """'auto', 'cpu', 'cuda' or 'cuda:N' (also a torch.device), present on this machine."""
     if type(value).__module__ == "torch" and type(value).__name__ == "device":
@@ -495,6 +516,7 @@ __all__ = [
     "BLOCK_SIZE_MAX",
     "BLOCK_SIZE_MIN",
     "COLD_ATTENTION",
+    "HOST_PRESSURE",
     "FIELD_NAMES",
     "MAX_TOKENS",
     "POLICIES",

@@ -3,17 +3,20 @@
 remote tier's (`--remote-*`) and query-aware key selection's (`--attention-budget`,
 `--attention-summary`, `--attention-page`, `--attention-score`,
 `--attention-dense-layers`, `--attention-coarse`, `--attention-refine`,
-`--attention-channels`)."""
+`--attention-channels`) and the host tier's under memory pressure (`--host-pressure`,
+`--host-headroom`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from kvstrata.config import CacheConfig
-from kvstrata.core.units import parse_float, parse_int
+from kvstrata.config import HOST_PRESSURE, CacheConfig
+from kvstrata.core.selection import check_choice
+from kvstrata.core.units import parse_float, parse_int, parse_size
 
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
+PRESSURE_FIELDS = ("host_pressure", "host_headroom")
 ATTENTION_FIELDS = (
     "attention_budget",
     "attention_summary",
@@ -52,6 +55,17 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sinks", default="4", help="first tokens kept on the device (default 4)")
     g.add_argument("--staging-tokens", default=None, help="device staging buffer (4096)")
     g.add_argument("--cold-attention", default="auto", help="auto, local or stage")
+    g.add_argument(
+        "--host-pressure",
+        default=None,
+        help="auto: the host tier moves its coldest blocks to disk under memory pressure "
+        "(cgroup limit, MemAvailable, PSI) and grows back when memory frees; off (default)",
+    )
+    g.add_argument(
+        "--host-headroom",
+        default=None,
+        help="with --host-pressure auto: memory kept free (256MiB); twice it grows back",
+    )
     add_cache_flags(g)
 
 
@@ -109,7 +123,18 @@ def cache_fields(args: argparse.Namespace) -> dict[str, Any]:
     kw = {n: getattr(args, n) for n in ATTENTION_FIELDS if getattr(args, n, None) is not None}
     if kw:
         kw = {n: getattr(CacheConfig(**kw), n) for n in kw}
-    return kw | remote_fields(args)
+    return kw | pressure_fields(args) | remote_fields(args)
+
+
+def pressure_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """--host-pressure / --host-headroom (ConfigError, one line; their pairing with the
+    host and disk tiers is checked with the whole config)."""
+    kw = {n: getattr(args, n) for n in PRESSURE_FIELDS if getattr(args, n, None) is not None}
+    if "host_pressure" in kw:
+        check_choice("host_pressure", kw["host_pressure"], HOST_PRESSURE)
+    if "host_headroom" in kw:
+        kw["host_headroom"] = parse_size(kw["host_headroom"], "host_headroom")
+    return kw
 
 
 def add_remote_flags(g: argparse._ArgumentGroup) -> None:

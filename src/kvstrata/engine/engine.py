@@ -360,9 +360,11 @@ class Engine:
         sched, runner = self.sched, self.runner
         assert sched is not None and runner is not None
         while not self._stop:
+            wait = self.store.adapt()  # budgets under memory pressure, between steps
             if not sched.has_work():  # idle: sleep until a command comes...
                 try:
-                    self._command(*self._commands.get(timeout=IDLE_SNAPSHOT_S))
+                    idle = IDLE_SNAPSHOT_S if wait is None else min(IDLE_SNAPSHOT_S, wait)
+                    self._command(*self._commands.get(timeout=idle))
                 except queue.Empty:  # ...taking snapshots: the remote tier's write-behind
                     self._take_snapshot()  # goes on while idle, and stats() follow it
                     if self._kv_events is not None:

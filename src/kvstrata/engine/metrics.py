@@ -83,6 +83,8 @@ class _SnapshotCollector:
         yield evicted
         if store_stats.get("remote"):
             yield from _remote_metrics(store_stats["remote"])
+        if store_stats.get("host_pressure"):
+            yield from _pressure_metrics(store_stats["host_pressure"])
         xfer = store_stats.get("transfers")
         if xfer:
             stall = CounterMetricFamily(
@@ -94,6 +96,36 @@ class _SnapshotCollector:
             )
             hidden.add_metric([], xfer["overlap_ratio"])
             yield from (stall, hidden)
+
+
+def _pressure_metrics(p: dict[str, Any]) -> Iterator[Metric]:
+    """The host tier under memory pressure: its decisions and the room it reads (its
+    budget and use over time are kvstrata_tier_budget_bytes / _used_bytes{tier="host"})."""
+    decisions = CounterMetricFamily(
+        "kvstrata_host_pressure_decisions",
+        "host budget changes under memory pressure (shrink, grow; refused: no room below)",
+        labels=["choice"],
+    )
+    for choice, n in p["decisions"].items():
+        decisions.add_metric([choice], n)
+    yield decisions
+    for key, doc in (
+        ("blocks_moved", "blocks the host tier moved down when it shrank"),
+        ("released_bytes", "bytes of free host slots given back to the kernel"),
+    ):
+        c = CounterMetricFamily(f"kvstrata_host_pressure_{key}", doc)
+        c.add_metric([], p[key])
+        yield c
+    for key, doc in (
+        ("available_bytes", "memory left before the OOM killer (cgroup limit, MemAvailable)"),
+        ("limit_bytes", "the memory limit read (the cgroup's, else the machine's)"),
+        ("headroom_bytes", "host_headroom: below it the host tier shrinks"),
+        ("configured_bytes", "host_budget: the most the host tier grows back to"),
+    ):
+        if p.get(key) is not None:
+            g = GaugeMetricFamily(f"kvstrata_host_pressure_{key}", doc)
+            g.add_metric([], p[key])
+            yield g
 
 
 _REMOTE_COUNTERS = (

@@ -17,6 +17,8 @@ nano-vllm's sees five verbs). What crosses the line, and nothing else:
     usage() -> Usage                       occupancy per tier, cached blocks evicted
     stats() / close()                      the store's counters; persist and release files
     record_events(recorder)                report cached-block changes (KV events)
+    adapt() -> seconds | None              move budgets to memory pressure (between
+                                           steps and while idle; None: fixed budgets)
 
 Extending sequences and writing their K/V is the model adapter's side (the packed
 step of `integrations.hf`), which the engine hands the store to without reading it.
@@ -92,3 +94,4 @@ class EngineStore(Protocol):
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
     def record_events(self, recorder: KVEventRecorder | None) -> None: ...
+    def adapt(self) -> float | None: ...

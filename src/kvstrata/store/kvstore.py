@@ -12,7 +12,8 @@ Prefix reuse (DESIGN.md decision 6) is the `PrefixIndex` (prefix.py): full block
 shared by reference, verified on a hit (a corrupt disk block is a miss, recomputed), kept cached
 after their last use, found again after a restart, written to the disk tier by `close()`, shared
 through a remote tier (remote_url, store/remote.py) and reported as KV events (`record_events`,
-store/events.py). The engine sees the store through `contract.EngineStore`.
+store/events.py). The host tier yields to memory pressure (`adapt`, store/pressure.py). The
+engine sees the store through `contract.EngineStore`.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from kvstrata.store.build import CODEC_FIELDS, build_remote, build_tiers, lossy_
 from kvstrata.store.contract import Capacity, Usage
 from kvstrata.store.events import RecordsEvents
 from kvstrata.store.prefix import PrefixIndex, PrefixStats
+from kvstrata.store.pressure import AdaptsBudgets
 from kvstrata.store.sequences import SequenceState, table_keys
 from kvstrata.store.threads import OneThread
 from kvstrata.tiers.memory import resolve_device
 
 
-class KVStore(OneThread, RecordsEvents):
+class KVStore(OneThread, RecordsEvents, AdaptsBudgets):
     """Tiers, placement and prefix index for many sequences of one model.
 
     Args:
@@ -185,10 +187,6 @@ class KVStore(OneThread, RecordsEvents):
             raise RuntimeError("KVStore is empty: build() it or run a forward pass first")
         self.check_thread()
         return self.manager
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def rewind(self, lengths: dict[int, int]) -> None:
         """Cut sequences back to these lengths (a forward that failed after its last
@@ -475,6 +473,7 @@ class KVStore(OneThread, RecordsEvents):
             "selection": runtime.selector.stats.as_dict() if runtime and runtime.selector else None,
             "prefix": self.prefix.as_dict(),
             "remote": self.prefix_index.remote_stats(),
+            "host_pressure": self.pressure_stats(),
             "tokens": {s: self.num_tokens(s) for s in sorted(self._seqs)},
         }
 

@@ -38,6 +38,10 @@ class OneThread:
             )
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def is_user_thread(self) -> bool:
         """The calling thread may use the store (it is its user, or it has none yet)."""
         return self._thread in (None, threading.get_ident())

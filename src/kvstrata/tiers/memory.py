@@ -42,6 +42,7 @@ from kvstrata.codecs.base import Codec, NoneCodec
 from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
 from kvstrata.core.slots import slot_runs
 from kvstrata.platform.host_memory import cpu_empty, pinned_empty
+from kvstrata.platform.memory_pressure import release_pages
 from kvstrata.platform.streams import DeviceEvent, DeviceStreams, streams_for
 from kvstrata.tiers.base import Encoded, Tier
 
@@ -111,6 +112,27 @@ class MemoryTier(Tier):
                     if pin_memory
                     else cpu_empty(shape, spec.dtype, self.device)
                 )
+
+    def release_slots(self, slots: list[int]) -> int:
+        """Give the memory of these (free) slots back to the kernel: the whole pages of
+        each slot run in every (layer, head) row of every arena. A CPU arena's only
+        (pinned ones stay locked; a GPU's stay with its allocator). Returns the bytes
+        released; the slots read as zeros until written again."""
+        if self.pinned or self.device.type != "cpu" or not slots:
+            return 0
+        released = 0
+        for key, arena in self.arenas.items():
+            if not arena.is_contiguous() or arena.numel() == 0:
+                continue
+            kind, _, fname = key.partition(".")
+            slot_bytes = self.field_specs[kind][fname].rows * arena.shape[-1] * arena.itemsize
+            strip_bytes = arena.stride(1) * arena.itemsize  # one (layer, head) row
+            base = arena.data_ptr()
+            for _, first, count in slot_runs(sorted(slots)):
+                for strip in range(arena.shape[0] * arena.shape[1]):
+                    start = base + strip * strip_bytes + first * slot_bytes
+                    released += release_pages(start, count * slot_bytes)
+        return released
 
     # -- index helpers -------------------------------------------------------------------
     def _rows_index(self, slots: list[int], rows: int) -> torch.Tensor:
