@@ -41,6 +41,7 @@ from kvstrata.core.units import (
     parse_tokens,
 )
 from kvstrata.platform.hardware import device_memory, machine_ram
+from kvstrata.platform.numa import check_numa
 
 POLICIES = ("window", "lru", "lfu")
 COLD_ATTENTION = ("auto", "local", "stage")
@@ -142,6 +143,10 @@ class CacheConfig:
             to host_budget); needs host_budget and disk_dir. "off": a fixed budget.
         host_headroom: with host_pressure="auto", the memory kept free: below it the
             host tier shrinks, above twice it the tier grows back ("256MiB").
+        numa: where the arenas in host RAM and the thread that builds the store go on
+            a multi-socket machine: "auto" (the GPU's node; CPU-only: the node the
+            process runs on, else pages interleaved), "off", or a node id (a CPU-less
+            CXL node too); read from sysfs, a no-op that says so on one node.
     """
 
     block_size: int = 64
@@ -178,6 +183,7 @@ class CacheConfig:
     attention_channels: int = 16
     host_pressure: str = "off"
     host_headroom: int | str = "256MiB"
+    numa: str | int = "auto"
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -254,6 +260,7 @@ class CacheConfig:
         )
         put("attention_refine", check_two_level(self.attention_coarse, self.attention_refine))
         check_channels(self.attention_channels)
+        put("numa", check_numa(self.numa))
         _check_pressure(self, put)
         _bind_calibrated(self, put)
         _check_codecs(self)

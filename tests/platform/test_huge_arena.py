@@ -83,11 +83,14 @@ def test_small_or_unsupported_arenas_are_torch_empty(monkeypatch):
 
 def test_cpu_empty_takes_huge_pages_on_the_cpu_only(monkeypatch):
     calls = []
-    monkeypatch.setattr(host_memory, "huge_empty", lambda s, d: calls.append(s) or torch.empty(s))
+    monkeypatch.setattr(
+        host_memory, "huge_empty", lambda s, d, numa: calls.append((s, numa)) or torch.empty(s)
+    )
     assert cpu_empty((4, 4), torch.float32, "cpu").shape == (4, 4)
-    assert calls == [(4, 4)]
+    assert cpu_empty((4, 4), torch.float32, "cpu", ((0,), "preferred")).shape == (4, 4)
+    assert calls == [((4, 4), None), ((4, 4), ((0,), "preferred"))]  # the NUMA binding too
     meta = cpu_empty((4, 4), torch.float32, "meta")
-    assert meta.device.type == "meta" and calls == [(4, 4)]
+    assert meta.device.type == "meta" and len(calls) == 2
 
 
 @pytest.mark.skipif(not LINUX_THP, reason="MADV_HUGEPAGE is Linux's")

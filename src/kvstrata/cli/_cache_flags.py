@@ -4,7 +4,7 @@ remote tier's (`--remote-*`) and query-aware key selection's (`--attention-budge
 `--attention-summary`, `--attention-page`, `--attention-score`,
 `--attention-dense-layers`, `--attention-coarse`, `--attention-refine`,
 `--attention-channels`) and the host tier's under memory pressure (`--host-pressure`,
-`--host-headroom`)."""
+`--host-headroom`), and `--numa`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 from kvstrata.config import HOST_PRESSURE, CacheConfig
 from kvstrata.core.selection import check_choice
 from kvstrata.core.units import parse_float, parse_int, parse_size
+from kvstrata.platform.numa import check_numa
 
 FIELDS = ("remote_url", "remote_codec", "remote_ttl", "remote_timeout")
 PRESSURE_FIELDS = ("host_pressure", "host_headroom")
@@ -65,6 +66,12 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
         "--host-headroom",
         default=None,
         help="with --host-pressure auto: memory kept free (256MiB); twice it grows back",
+    )
+    g.add_argument(
+        "--numa",
+        default=None,
+        help="NUMA placement of the host arenas and the engine thread: auto (default: the "
+        "GPU's node; a no-op on one node), off, or a node id (docs/numa.md)",
     )
     add_cache_flags(g)
 
@@ -123,6 +130,8 @@ def cache_fields(args: argparse.Namespace) -> dict[str, Any]:
     kw = {n: getattr(args, n) for n in ATTENTION_FIELDS if getattr(args, n, None) is not None}
     if kw:
         kw = {n: getattr(CacheConfig(**kw), n) for n in kw}
+    if getattr(args, "numa", None) is not None:  # checked against this machine's nodes
+        kw["numa"] = check_numa(args.numa)
     return kw | pressure_fields(args) | remote_fields(args)
 
 

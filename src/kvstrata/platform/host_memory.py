@@ -18,6 +18,10 @@ two: a 70 GiB budget would lock 128 GiB); a finalizer synchronises the device an
 unregisters it before the memory is freed. A refusal (locked-memory limit, no CUDA
 runtime) is a RuntimeError with nothing left locked and no CUDA error left pending:
 the caller decides whether pageable memory will do (the host tier does).
+
+`huge_empty`, `cpu_empty` and `pinned_empty` take `numa=(nodes, policy)`: the mapping is
+bound to those NUMA nodes (`kvstrata.platform.numa_bind.bind_region`) before any of its
+pages is touched; where the kernel refuses, first touch places them (one warning).
 """
 
 from __future__ import annotations
@@ -26,17 +30,44 @@ import contextlib
 import ctypes
 import math
 import mmap
+import warnings
 import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvstrata.platform.numa_bind import bind_region
+
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB base pages) PMD size
 HUGE_MIN_BYTES = 4 * HUGE_PAGE  # below this an arena gains too few huge pages to matter
+Numa = tuple[tuple[int, ...], str]  # (nodes, policy): see kvstrata.platform.numa_bind
+_REFUSED: list[str] = []  # the first mbind refusal of this process (warned about once)
 
 
-def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def bind_numa(address: int, nbytes: int, numa: Numa | None) -> bool:
+    """Bind a fresh mapping's pages to `numa`'s nodes before they are touched. False
+    for None, and (with one warning per process) where the kernel refuses."""
+    if numa is None:
+        return False
+    try:
+        bind_region(address, nbytes, *numa)
+    except OSError as err:
+        if not _REFUSED:
+            _REFUSED.append(str(err))
+            warnings.warn(
+                f"host arena not bound to NUMA node(s) {list(numa[0])} ({err}): its pages "
+                "go where they are first touched",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+    return True
+
+
+def huge_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, numa: Numa | None = None
+) -> torch.Tensor:
     """An uninitialised CPU tensor on memory advised for transparent huge pages.
 
     Private anonymous memory (shared anonymous memory is shmem, which THP's "madvise"
@@ -55,20 +86,26 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
         region.madvise(advice)
     buf = np.frombuffer(region, dtype=np.uint8)  # the array keeps the mapping alive
+    bind_numa(buf.ctypes.data, len(region), numa)
     skip = -buf.ctypes.data % HUGE_PAGE
     return torch.from_numpy(buf[skip : skip + nbytes]).view(dtype).view(shape)
 
 
 def cpu_empty(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    numa: Numa | None = None,
 ) -> torch.Tensor:
     """`torch.empty` on `device`; on the CPU, `huge_empty` (an arena attention reads)."""
     if torch.device(device).type == "cpu":
-        return huge_empty(shape, dtype)
+        return huge_empty(shape, dtype, numa)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def pinned_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, numa: Numa | None = None
+) -> torch.Tensor:
     """An uninitialised CPU tensor, page-locked for DMA with CUDA devices.
 
     Pageable memory of exactly its size, registered with `cudaHostRegister` (torch's
@@ -87,6 +124,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # mmap: page-aligned and whole pages of its own (cudaHostRegister locks pages; an
     # arena sharing a page with another allocation could not be registered twice)
     buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    bind_numa(buf.ctypes.data, nbytes, numa)  # before cudaHostRegister faults it in
     tensor = torch.from_numpy(buf).view(dtype).view(shape)
     try:
         cudart = torch.cuda.cudart()

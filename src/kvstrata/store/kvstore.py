@@ -36,7 +36,7 @@ from kvstrata.core.layout import BlockLayout
 from kvstrata.model import budgets
 from kvstrata.model.geometry import KVGeometry
 from kvstrata.model.groups import LayerGroup, layer_groups
-from kvstrata.store.build import CODEC_FIELDS, build_remote, build_tiers, lossy_below
+from kvstrata.store.build import CODEC_FIELDS, build_remote, build_tiers, lossy_below, numa_stats
 from kvstrata.store.contract import Capacity, Usage
 from kvstrata.store.events import RecordsEvents
 from kvstrata.store.prefix import PrefixIndex, PrefixStats
@@ -474,6 +474,7 @@ class KVStore(OneThread, RecordsEvents, AdaptsBudgets):
             "prefix": self.prefix.as_dict(),
             "remote": self.prefix_index.remote_stats(),
             "host_pressure": self.pressure_stats(),
+            "numa": numa_stats(state.tiers),
             "tokens": {s: self.num_tokens(s) for s in sorted(self._seqs)},
         }
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.core.layout import BlockLayout
+from kvstrata.platform.numa import NumaPlan
 
 Encoded = dict[str, torch.Tensor]
 """Encoded blocks: key f"{kind}.{field}" -> tensor [L, Hkv, n*rows, cols]."""
@@ -133,6 +134,7 @@ class Tier(ABC):
     name: str
     layout: BlockLayout
     num_slots: int
+    numa_plan: NumaPlan | None = None  # the store's NUMA plan, set when the store builds it
 
     def __init__(self, name: str, layout: BlockLayout, num_slots: int, codec: object) -> None:
         self.name = name

@@ -19,6 +19,10 @@ and unregistered before it is freed. When CUDA refuses to lock that much memory 
 tier falls back to pageable arenas (correct, but such copies are synchronous and
 slower) and says so in `pinned`.
 
+NUMA: a host arena (and a CPU device's) may be bound to NUMA nodes, `numa=(nodes,
+policy)` (kvstrata.platform.numa, chosen by the store's `numa` setting): its pages come
+from there whoever touches them first.
+
 Writes from a GPU into a host tier: quantizing codecs encode where the data is (on
 the GPU: only the encoded bytes cross PCIe), then the copies into the arena run on
 the device's d2h copy stream, after an event recorded on the caller's (compute)
@@ -41,7 +45,7 @@ import torch
 from kvstrata.codecs.base import Codec, NoneCodec
 from kvstrata.core.layout import KINDS, BlockLayout, FieldSpec
 from kvstrata.core.slots import slot_runs
-from kvstrata.platform.host_memory import cpu_empty, pinned_empty
+from kvstrata.platform.host_memory import Numa, cpu_empty, pinned_empty
 from kvstrata.platform.memory_pressure import release_pages
 from kvstrata.platform.streams import DeviceEvent, DeviceStreams, streams_for
 from kvstrata.tiers.base import Encoded, Tier
@@ -69,10 +73,12 @@ class MemoryTier(Tier):
         codec: Codec | None = None,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        numa: Numa | None = None,
     ) -> None:
         codec = codec or NoneCodec()
         super().__init__(name, layout, num_slots, codec)
         self.device = torch.device(device)
+        self.numa = numa if self.device.type == "cpu" else None  # (nodes, policy) or None
         self.field_specs = {kind: codec.fields(kind, layout) for kind in KINDS}
         self.arenas: dict[str, torch.Tensor] = {}
         self.pinned = pin_memory
@@ -108,9 +114,9 @@ class MemoryTier(Tier):
             for fname, spec in specs.items():
                 shape = (layout.num_layers, layout.num_kv_heads, num_slots * spec.rows, spec.cols)
                 self.arenas[f"{kind}.{fname}"] = (
-                    pinned_empty(shape, spec.dtype)
+                    pinned_empty(shape, spec.dtype, self.numa)
                     if pin_memory
-                    else cpu_empty(shape, spec.dtype, self.device)
+                    else cpu_empty(shape, spec.dtype, self.device, self.numa)
                 )
 
     def release_slots(self, slots: list[int]) -> int:
@@ -448,14 +454,25 @@ class DeviceTier(MemoryTier):
     """The compute device's arena (`cuda` when present, else `cpu`)."""
 
     def __init__(
-        self, layout: BlockLayout, num_slots: int, codec: Codec | None = None, device: str = "auto"
+        self,
+        layout: BlockLayout,
+        num_slots: int,
+        codec: Codec | None = None,
+        device: str = "auto",
+        numa: Numa | None = None,
     ) -> None:
-        super().__init__("device", layout, num_slots, codec, resolve_device(device))
+        super().__init__("device", layout, num_slots, codec, resolve_device(device), numa=numa)
 
 
 class HostTier(MemoryTier):
     """Host RAM. With CUDA the arena is pinned once, at construction (never per copy)."""
 
-    def __init__(self, layout: BlockLayout, num_slots: int, codec: Codec | None = None) -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        num_slots: int,
+        codec: Codec | None = None,
+        numa: Numa | None = None,
+    ) -> None:
         pin = torch.cuda.is_available()
-        super().__init__("host", layout, num_slots, codec, "cpu", pin_memory=pin)
+        super().__init__("host", layout, num_slots, codec, "cpu", pin_memory=pin, numa=numa)
