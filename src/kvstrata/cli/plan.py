@@ -2,6 +2,7 @@
 
 kvstrata plan --model llama-2-7b --gpu rtx4090 --context 8k --concurrency 4
 kvstrata plan --model ./my-model --gpu h100 --link pcie5 --codec int8 --json
+kvstrata plan --model llama-2-7b --context 128k --concurrency 8 --cxl-memory auto
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvstrata.core.units import (
 )
 from kvstrata.model.geometry import DTYPES
 from kvstrata.platform.hardware import DISKS, GPUS, LINKS, make_hardware
+from kvstrata.platform.numa import cxl_memory, read_topology
 from kvstrata.workload.memory_plan import PRIORITIES, MemoryPlan, Workload, plan
 from kvstrata.workload.zoo import load_geometry
 
@@ -89,6 +91,23 @@ def _fraction(value: str | None) -> float | None:
     return None if value is None else parse_fraction(value, "resident_fraction")
 
 
+def _cxl(args: argparse.Namespace) -> tuple[int | None, float | None]:
+    """--cxl-memory / --cxl-bandwidth -> (bytes, bytes/s); 'auto' reads this machine's
+    CPU-less NUMA nodes (their size, and their HMAT bandwidth unless given)."""
+    if args.cxl_memory is None and args.cxl_bandwidth is not None:
+        raise ConfigError.field("cxl_bandwidth", args.cxl_bandwidth, "set --cxl-memory to add CXL")
+    given = _bandwidth(args.cxl_bandwidth, "cxl_bandwidth")
+    if args.cxl_memory is None or args.cxl_memory.strip().lower() != "auto":
+        size = parse_size(args.cxl_memory, "cxl_memory") if args.cxl_memory else None
+        return size, given
+    found = cxl_memory(read_topology())
+    if found is None:
+        raise ConfigError.field(
+            "cxl_memory", args.cxl_memory, "no CPU-less NUMA node here: give a size, e.g. 256GiB"
+        )
+    return found[0], given or found[1]
+
+
 def build_plan(args: argparse.Namespace) -> MemoryPlan:
     """Turn parsed flags into a `MemoryPlan` (all validation errors are ConfigError)."""
     geometry = load_geometry(args.model)
@@ -96,6 +115,7 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
     for name in ("disk_bandwidth", "disk_capacity"):
         if no_disk and getattr(args, name) is not None:
             raise ConfigError.field(name, getattr(args, name), "set --disk-link to add a disk")
+    cxl_bytes, cxl_bandwidth = _cxl(args)
     hardware = make_hardware(
         args.gpu,
         args.link,
@@ -114,6 +134,8 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         disk_capacity=parse_size(args.disk_capacity, "disk_capacity")
         if args.disk_capacity is not None
         else None,
+        cxl_memory=cxl_bytes,
+        cxl_bandwidth=cxl_bandwidth,
     )
     reserve_fraction, reserve_bytes = _reserve(args.reserve)
     gpu_bytes = hardware.gpu.memory_bytes
@@ -224,6 +246,13 @@ def render(result: MemoryPlan) -> None:
             f"cold blocks (of {format_bytes(tiers.host_capacity)} usable)",
             _ms(bounds.host_link_s),
         )
+        if hw.cxl is not None:
+            tier_table.add_row(
+                f"cxl (CPU-less node, {hw.cxl.bandwidth / 1e9:g} GB/s)",
+                format_bytes(tiers.cxl_bytes),
+                f"colder blocks (of {format_bytes(tiers.cxl_capacity)} usable)",
+                _ms(bounds.cxl_link_s),
+            )
         if hw.disk is not None:
             tier_table.add_row(
                 f"disk ({hw.disk.name} {hw.disk.bandwidth / 1e9:g} GB/s)",
@@ -275,6 +304,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link-bandwidth", default=None, help="override link bandwidth, e.g. 20GB/s")
     p.add_argument("--disk-bandwidth", default=None, help="override disk bandwidth")
     p.add_argument("--host-memory", default=None, help="host RAM (default: this machine's)")
+    p.add_argument(
+        "--cxl-memory",
+        default=None,
+        help="CXL memory (a CPU-less NUMA node) below host RAM, e.g. 256GiB; 'auto': this "
+        "machine's (docs/numa.md)",
+    )
+    p.add_argument(
+        "--cxl-bandwidth", default=None, help="its read bandwidth (default: HMAT's, or 35GB/s)"
+    )
     p.add_argument("--context", default="8k", help="tokens per request, e.g. 8k (default 8k)")
     p.add_argument("--concurrency", default="1", help="concurrent requests (default 1)")
     # Validated by the planner (ConfigError: one line, exit 2), not by argparse choices.

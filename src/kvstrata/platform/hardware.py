@@ -6,6 +6,9 @@ lists (PCIe 4.0 x16 is "32 GB/s" on paper, ~25 GB/s in a pinned cudaMemcpy). `LI
 is the one table of GPU<->host links: the planner sizes against it (`get_link`) and
 the transfer engine's simulated links are made from it (`LinkModel.preset`).
 
+A CPU-less NUMA node (CXL memory, kvstrata.platform.numa) is a `cxl` link of its own:
+the planner puts the cold KV that host RAM cannot hold there before disk.
+
 GPU capacities are the labelled size read as GiB (a "24 GB" RTX 4090 shows 24564 MiB
 in nvidia-smi); the planner's reserve covers the driver/context share that is not usable.
 """
@@ -48,6 +51,8 @@ class Hardware:
         disk: disk <-> host link, None when there is no disk tier.
         host_memory: host RAM in bytes.
         disk_capacity: disk space for KV in bytes; None = not given (assumed ample).
+        cxl: host <-> CXL memory (a CPU-less NUMA node), None when there is none.
+        cxl_memory: that memory's size in bytes (0 without one).
     """
 
     gpu: GPUSpec
@@ -55,6 +60,8 @@ class Hardware:
     disk: LinkSpec | None
     host_memory: int
     disk_capacity: int | None = None
+    cxl: LinkSpec | None = None
+    cxl_memory: int = 0
 
 
 GPUS: dict[str, GPUSpec] = {
@@ -77,6 +84,10 @@ DISKS: dict[str, LinkSpec] = {
     "nvme-gen3": LinkSpec("nvme-gen3", 3.5e9, "NVMe PCIe 3.0 x4 sequential read"),
     "nvme-gen4": LinkSpec("nvme-gen4", 7e9, "NVMe PCIe 4.0 x4 sequential read"),
 }
+
+# A CPU-less NUMA node of CXL memory: one CXL 2.0 expander on PCIe 5.0 x8, its vendor's
+# figure (docs/numa.md); `kvstrata plan --cxl-memory auto` reads the node's own (HMAT).
+CXL_LINK = LinkSpec("cxl", 35e9, "CXL 2.0 memory expander, PCIe 5.0 x8 (vendor figure)")
 
 # Fixed cost of one host<->device copy (driver call and DMA setup), seconds; the
 # transfer engine's simulated links add it to bytes / bandwidth.
@@ -190,13 +201,16 @@ def make_hardware(
     disk_bandwidth: float | None = None,
     host_memory: int | None = None,
     disk_capacity: int | None = None,
+    cxl_memory: int | None = None,
+    cxl_bandwidth: float | None = None,
 ) -> Hardware:
     """Assemble a `Hardware` from preset names and overrides.
 
     Args:
         gpu / link / disk_link: preset names (disk_link None or "none": no disk tier).
-        gpu_memory / host_memory / disk_capacity: bytes.
-        gpu_bandwidth / link_bandwidth / disk_bandwidth: bytes per second.
+        gpu_memory / host_memory / disk_capacity / cxl_memory: bytes.
+        gpu_bandwidth / link_bandwidth / disk_bandwidth / cxl_bandwidth: bytes per second
+            (cxl_bandwidth needs cxl_memory; its default is `CXL_LINK`'s).
 
     Returns:
         The hardware; host_memory defaults to this machine's RAM.
@@ -214,12 +228,21 @@ def make_hardware(
     elif isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 0:
         raise ConfigError.field("host_memory", host_memory, "a byte count >= 0")
     _positive(disk_capacity, "disk_capacity")
+    cxl = None
+    if cxl_memory is not None:
+        _positive(cxl_memory, "cxl_memory")
+        bw = _positive(cxl_bandwidth, "cxl_bandwidth")
+        cxl = CXL_LINK if bw is None else LinkSpec("cxl", float(bw), "CXL memory, user-given")
+    elif cxl_bandwidth is not None:
+        raise ConfigError.field("cxl_bandwidth", cxl_bandwidth, "set --cxl-memory to add CXL")
     return Hardware(
         gpu=get_gpu(gpu, gpu_memory, gpu_bandwidth),
         link=get_link(link, link_bandwidth),
         disk=disk,
         host_memory=host_memory,
         disk_capacity=disk_capacity,
+        cxl=cxl,
+        cxl_memory=int(cxl_memory or 0),
     )
 
 

@@ -37,13 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.core.errors import ConfigError
-from kvstrata.platform.hardware import machine_ram
+from kvstrata.platform.hardware import CXL_LINK, machine_ram
 
 NODE_DIR = "devices/system/node"
 NUMA_HELP = "'auto', 'off', or a NUMA node id of this machine (an int >= 0)"
-# A CPU-less (CXL) node's read bandwidth when its firmware publishes none (HMAT / CDAT):
-# one CXL 2.0 memory expander on PCIe 5.0 x8, as its vendor quotes it (docs/numa.md).
-CXL_DEFAULT_BANDWIDTH = 35e9
+# A CPU-less (CXL) node's read bandwidth when its firmware publishes none (HMAT / CDAT).
+CXL_DEFAULT_BANDWIDTH = CXL_LINK.bandwidth
 
 
 @dataclass(frozen=True)
@@ -202,6 +201,17 @@ def gpu_bdf(index: int) -> str | None:
         return None
     domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
     return f"{domain:04x}:{bus:02x}:{device:02x}.0"
+
+
+def cxl_memory(topology: Topology) -> tuple[int, float] | None:
+    """(bytes, read bandwidth in bytes/s) of the machine's CPU-less nodes taken together
+    (each is its own expander and link: their bandwidths add up), each node's HMAT /
+    CDAT figure or `CXL_DEFAULT_BANDWIDTH`; None when there is none."""
+    nodes = [n for n in topology.nodes.values() if n.cpuless]
+    if not nodes:
+        return None
+    size = sum(n.memory_bytes for n in nodes)
+    return size, sum(n.read_bandwidth or CXL_DEFAULT_BANDWIDTH for n in nodes)
 
 
 def check_numa(value: Any, topology: Topology | None = None) -> str | int:

@@ -7,7 +7,8 @@ Pure maths, no I/O. The numbers follow the seed documents and are checked by tes
     int8 + 80 % offloaded: (4 - 0.4) / 4 = 90 % (89.7 % once int8's scales are counted).
     4 GiB over PCIe 4.0 (25 GB/s measured): >= 172 ms per decode step.
 
-Tiers, per request (newest tokens on the right):
+Tiers, per request (newest tokens on the right; CXL memory, a CPU-less NUMA node,
+between host RAM and disk when the hardware has it):
 
     | cold: host RAM, then disk (oldest)          | hot: device (resident) |
     |<---------- context - resident ------------->|<---- resident ------->|
@@ -136,6 +137,8 @@ class TierPlan:
     host_capacity: int
     disk_capacity: int | None
     unplaced_bytes: int
+    cxl_bytes: int = 0
+    cxl_capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class StepBounds:
     host_link_s: float
     disk_link_s: float
     tiered_s: float
+    cxl_link_s: float = 0.0
 
     @property
     def slowdown(self) -> float:
@@ -389,9 +393,11 @@ def _tier_plan(
     cold = int(math.ceil(stored(ctx) * n - device))
     host_cap = int(hardware.host_memory * HOST_USABLE_FRACTION)
     host = min(cold, host_cap)
+    cxl_cap = int(hardware.cxl_memory * HOST_USABLE_FRACTION) if hardware.cxl else 0
+    cxl = min(cold - host, cxl_cap)
     disk = 0
     if hardware.disk is not None:
-        disk = cold - host
+        disk = cold - host - cxl
         if hardware.disk_capacity is not None:
             disk = min(disk, hardware.disk_capacity)
     tiers = TierPlan(
@@ -403,25 +409,30 @@ def _tier_plan(
         disk_bytes=disk,
         host_capacity=host_cap,
         disk_capacity=hardware.disk_capacity,
-        unplaced_bytes=cold - host - disk,
+        unplaced_bytes=cold - host - cxl - disk,
+        cxl_bytes=cxl,
+        cxl_capacity=cxl_cap,
     )
     return tiers, notes
 
 
 def _step_bounds(hardware: Hardware, hbm_bytes: float, tiers: TierPlan) -> StepBounds:
     """Decode-step lower bounds: `hbm_bytes` (weights + stored KV) read from device
-    memory, the cold bytes over the host link, the disk bytes over the disk link."""
+    memory, the cold bytes over the host link, the CXL and disk bytes over theirs."""
     hbm = transfer_seconds(hbm_bytes, hardware.gpu.bandwidth)
-    host_link = transfer_seconds(tiers.host_bytes + tiers.disk_bytes, hardware.link.bandwidth)
+    cold = tiers.host_bytes + tiers.cxl_bytes + tiers.disk_bytes
+    host_link = transfer_seconds(cold, hardware.link.bandwidth)
     disk_link = (
         transfer_seconds(tiers.disk_bytes, hardware.disk.bandwidth) if hardware.disk else 0.0
     )
+    cxl_link = transfer_seconds(tiers.cxl_bytes, hardware.cxl.bandwidth) if hardware.cxl else 0.0
     return StepBounds(
         all_on_gpu_s=hbm,
         hbm_s=hbm,
         host_link_s=host_link,
         disk_link_s=disk_link,
-        tiered_s=max(hbm, host_link, disk_link),
+        tiered_s=max(hbm, host_link, disk_link, cxl_link),
+        cxl_link_s=cxl_link,
     )
 
 
@@ -456,7 +467,7 @@ def _raise_hint(
     if tiers.device_bytes + tiers.staging_bytes > kv_room:
         return memory_advice.no_resident_block_hint(block_size, kv_room)
     if tiers.unplaced_bytes > 0:
-        cold = tiers.host_bytes + tiers.disk_bytes + tiers.unplaced_bytes
+        cold = tiers.host_bytes + tiers.disk_bytes + tiers.unplaced_bytes  # beside any CXL
         need_host = int(math.ceil(cold / HOST_USABLE_FRACTION))
         has_disk = hardware.disk is not None
         return memory_advice.unplaced_hint(
@@ -473,6 +484,7 @@ def _check_hardware(hardware: Hardware) -> None:
         "gpu_bandwidth": hardware.gpu.bandwidth,
         "link_bandwidth": hardware.link.bandwidth,
         "disk_bandwidth": hardware.disk.bandwidth if hardware.disk is not None else 1.0,
+        "cxl_bandwidth": hardware.cxl.bandwidth if hardware.cxl is not None else 1.0,
     }
     for name, value in values.items():
         if not _real(value) or value <= 0:
