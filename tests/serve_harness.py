@@ -69,7 +69,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
 class ServeProcess:
     """`python -m kvstrata.cli serve ...` with its stderr read line by line."""
 
-    def __init__(self, *argv: str) -> None:
+    def __init__(self, *argv: str, preexec_fn=None) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [
@@ -87,6 +87,7 @@ class ServeProcess:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            preexec_fn=preexec_fn,  # e.g. join a memory cgroup (tests/memory_squeeze.py)
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []

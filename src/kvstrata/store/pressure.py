@@ -37,6 +37,7 @@ INTERVAL_S = 0.1  # the shortest time between two readings
 HISTORY_S = 0.5  # a history sample at least this often (and at every decision)
 HISTORY_LEN = 2400  # samples kept (the newest)
 PSI_FULL = 10.0  # % of the last 10 s all tasks stalled on memory: pressure whatever the room
+STEP_BYTES = 16 << 20  # a shrink moves at most max(this, its cut / 8) between releases
 HOST = "host"
 
 
@@ -68,6 +69,7 @@ class HostPressure:
         self.last: MemoryReading | None = None
         self.decisions = {"shrink": 0, "grow": 0, "refused": 0}
         self.released_bytes = 0
+        self._released: set[int] = set()  # the free slots released last time
         self.blocks_moved = 0
         self.history: deque[tuple[float, int, int, int | None]] = deque(maxlen=HISTORY_LEN)
 
@@ -102,23 +104,40 @@ class HostPressure:
             want = max(want, self.configured * bb // 8)
         cut = max(1, -(-want // bb))
         start = min(self.budget, self.tier.num_used)  # at most what it holds: no refill
+        goal = max(0, start - cut)
+        step = max(1, STEP_BYTES // bb, cut // 8)
         moves = self.manager.state.num_moves
-        try:
-            if not self._try(max(0, start - cut)):  # the tiers below are full of live
-                self.decisions["refused"] += 1  # blocks: the lowest budget they take
-                lo, hi = max(0, start - cut), start
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if self._try(mid) else (mid, hi)
-                if self.budget > hi:
-                    self.manager.set_budget(HOST, hi)  # holds no more than now: no move
+        try:  # in steps, each one's pages given back before the next: a move's copies
+            target = start  # take memory while they run
+            while target > goal:
+                target = max(goal, target - step)
+                if not self._try(target):  # the tiers below are full of live blocks:
+                    self.decisions["refused"] += 1  # the lowest budget they take
+                    lo, hi = target, max(target + 1, min(self.budget, target + step))
+                    while hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        lo, hi = (lo, mid) if self._try(mid) else (mid, hi)
+                    if self.budget > hi:
+                        self.manager.set_budget(HOST, hi)  # holds no more than now: no move
+                    break
+                self._release()
         except KvstrataError:  # a disk write failed: the blocks stayed (next reading)
             self.decisions["refused"] += 1
             return False
+        finally:
+            self.blocks_moved += self.manager.state.num_moves - moves
+            self._release()
         self.decisions["shrink"] += 1
-        self.blocks_moved += self.manager.state.num_moves - moves
-        self.released_bytes += self.tier.release_slots(self.tier.allocator.free_slots())
         return True
+
+    def _release(self) -> None:
+        """Every free host slot's pages back to the kernel (again: a slot written and
+        freed since is committed again); the counter counts each slot once while free."""
+        free = self.tier.allocator.free_slots()
+        self.tier.release_slots(free)
+        now = set(free)
+        self.released_bytes += len(now - self._released) * self.tier.block_bytes
+        self._released = now
 
     def _try(self, target: int) -> bool:
         try:
