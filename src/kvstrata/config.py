@@ -41,7 +41,7 @@ from kvstrata.core.units import (
     parse_tokens,
 )
 from kvstrata.platform.hardware import device_memory, machine_ram
-from kvstrata.platform.numa import check_numa
+from kvstrata.platform.numa import check_numa, cxl_memory, read_topology
 
 POLICIES = ("window", "lru", "lfu")
 COLD_ATTENTION = ("auto", "local", "stage")
@@ -147,6 +147,9 @@ class CacheConfig:
             a multi-socket machine: "auto" (the GPU's node; CPU-only: the node the
             process runs on, else pages interleaved), "off", or a node id (a CPU-less
             CXL node too); read from sysfs, a no-op that says so on one node.
+        cxl_budget: size in bytes of the "cxl" tier: KV on CXL memory (the CPU-less
+            NUMA node nearest the host tier, read from sysfs) below the host tier and
+            above disk, in host_codec; 0 = none. Needs host_budget and such a node.
     """
 
     block_size: int = 64
@@ -184,6 +187,7 @@ class CacheConfig:
     host_pressure: str = "off"
     host_headroom: int | str = "256MiB"
     numa: str | int = "auto"
+    cxl_budget: int = 0
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -261,6 +265,7 @@ class CacheConfig:
         put("attention_refine", check_two_level(self.attention_coarse, self.attention_refine))
         check_channels(self.attention_channels)
         put("numa", check_numa(self.numa))
+        _check_cxl(self, put)
         _check_pressure(self, put)
         _bind_calibrated(self, put)
         _check_codecs(self)
@@ -423,6 +428,34 @@ def _check_pressure(config: CacheConfig, put: Any) -> None:
             "host_pressure",
             "auto",
             "the host tier yields its blocks to disk: set host_budget and disk_dir",
+        )
+
+
+def _check_cxl(config: CacheConfig, put: Any) -> None:
+    """cxl_budget: bytes, below a host tier, on a CPU-less NUMA node of this machine
+    that holds it (the tier is allocated up front, bound to that node)."""
+    given = config.cxl_budget
+    put("cxl_budget", parse_size(given, "cxl_budget", allow_zero=True))
+    if not config.cxl_budget:
+        return
+    if config.host_budget == 0:
+        raise ConfigError.field(
+            "cxl_budget", given, "the cxl tier sits below the host tier: set host_budget too"
+        )
+    if config.numa == "off":
+        raise ConfigError.field(
+            "cxl_budget",
+            given,
+            "the cxl tier is bound to its NUMA node: numa='off' cannot place it",
+        )
+    found = cxl_memory(read_topology())
+    if found is None:
+        raise ConfigError.field(
+            "cxl_budget", given, "this machine has no CPU-less NUMA node (CXL memory): leave it 0"
+        )
+    if config.cxl_budget > found[0]:
+        raise ConfigError.field(
+            "cxl_budget", given, f"larger than the {format_bytes(found[0])} of CXL memory here"
         )
 
 

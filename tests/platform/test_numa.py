@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from blockstore_harness import read_sequence
+from kvstrata.attention.writes import write_layer, write_plan
 from kvstrata.config import CacheConfig
 from kvstrata.core.errors import ConfigError
 from kvstrata.model.geometry import KVGeometry
@@ -289,3 +291,67 @@ def test_the_numa_flag_is_checked_in_one_line():
     assert "numa" not in cache_fields(parser.parse_args([]))
     with pytest.raises(ConfigError, match=r"^numa='socket' is invalid: 'auto', 'off', or a"):
         cache_fields(parser.parse_args(["--numa", "socket"]))
+
+
+# -- the "cxl" tier: a CPU-less node's memory below the host tier -------------------------
+def test_cxl_budget_is_checked_in_one_line():
+    base = {"host_budget": "16MiB"}
+    assert CacheConfig(**base).cxl_budget == 0
+    cases = [
+        ({"cxl_budget": "lots", **base}, r"^cxl_budget='lots' is invalid: a byte size"),
+        ({"cxl_budget": "8MiB"}, r"^cxl_budget='8MiB' is invalid: .*set host_budget too$"),
+        ({"cxl_budget": "8MiB", "numa": "off", **base}, r"^cxl_budget='8MiB' .*numa='off'"),
+    ]
+    if not any(n.cpuless for n in read_topology().nodes.values()):
+        cases.append(({"cxl_budget": "8MiB", **base}, r"no CPU-less NUMA node \(CXL memory\)"))
+    for fields, message in cases:
+        with pytest.raises(ConfigError, match=message) as err:
+            CacheConfig(**fields)
+        assert "\n" not in str(err.value)
+
+
+def test_a_store_on_the_recorded_cxl_machine_has_a_cxl_tier(monkeypatch):
+    # The recorded 1-socket + CXL topology decides: host arena on node 0 (this
+    # process's CPUs are node 0's there), the cxl tier on CPU-less node 1, below it.
+    # Node 1 does not exist here, so its mbind is refused (one warning) and first touch
+    # places those pages: the tier works as memory all the same, end to end.
+    from kvstrata.config import CacheConfig as Config
+    from kvstrata.platform import host_memory
+
+    cxl_tree = lambda: read_topology(CXL)  # noqa: E731
+    monkeypatch.setattr("kvstrata.config.read_topology", cxl_tree)
+    monkeypatch.setattr(build, "read_topology", cxl_tree)
+    monkeypatch.setattr(host_memory, "_REFUSED", [])
+    with pytest.raises(ConfigError, match=r"^cxl_budget='1TiB' is invalid: larger than the 128"):
+        Config(host_budget="16MiB", cxl_budget="1TiB")
+    cfg = Config(
+        block_size=16, max_tokens=512, device="cpu", device_budget="256KiB",
+        host_budget="256KiB", cxl_budget="16MiB", disk_codec="none",
+    )  # fmt: skip
+    store = KVStore(_geometry(), cfg)
+    with pytest.warns(RuntimeWarning, match=r"not bound to NUMA node\(s\) \[1\]"):
+        store.build(torch.float32)
+    tiers = store.manager.state.tiers
+    assert store.manager.state.tier_order == ["device", "host", "cxl"]
+    assert tiers["host"].numa == ((0,), "preferred")
+    assert tiers["cxl"].numa == ((1,), "preferred")
+    numa = store.stats()["numa"]
+    assert (numa["nodes"], numa["cxl_node"], numa["cxl_bandwidth"]) == ([0], 1, 30e9)
+    # a sequence longer than the device and host budgets, a block per step: its
+    # oldest blocks move down to cxl, and read back as written
+    lay, seq = store.layout, store.add_sequence(None)[0]
+    k = torch.randn(_geometry().num_layers, lay.num_kv_heads, 512, lay.head_dim)
+    for start in range(0, 512, 16):
+        plans = [write_plan(store.runtime, w, 1) for w in store.extend([seq], 16)]
+        for group in store.groups:
+            for local, layer in enumerate(group.layers):
+                chunk = k[layer, :, start : start + 16]
+                write_layer(plans[group.index], local, chunk[None], -chunk[None])
+        store.step_done([seq])
+    used = {t: o["used_blocks"] for t, o in store.stats()["tiers"].items()}
+    assert used["cxl"] > 0 and sum(used.values()) == 512 // 16 * len(store.groups)
+    for group in store.groups:
+        for local, layer in enumerate(group.layers):
+            got_k, got_v = read_sequence(store.manager, (seq, group.index), local)
+            assert torch.equal(got_k, k[layer]) and torch.equal(got_v, -k[layer])
+    store.close()

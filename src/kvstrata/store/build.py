@@ -3,6 +3,7 @@
 device   DeviceTier, sized by `budgets.device_slots` (device_budget, or
          resident_fraction of max_tokens; at least the floor every sequence pins)
 host     HostTier of host_budget bytes (pinned when CUDA is there), if any
+cxl      HostTier named "cxl" of cxl_budget bytes on the CPU-less (CXL) NUMA node, if any
 disk     DiskTier of disk_budget bytes in disk_dir (durable, checksummed), if any
 remote   RemoteTier on the server at remote_url (shared, content-addressed), if any:
          not an arena, the prefix index reads and writes it (store/remote.py)
@@ -77,6 +78,12 @@ def build_tiers(
         codec = codecs["host_codec"]
         slots = budgets.lower_slots(config.host_budget, codec.block_nbytes(layout), "host_budget")
         tiers.append(HostTier(layout, slots, codec, numa))
+    if config.cxl_budget:
+        codec = codecs["host_codec"]
+        slots = budgets.lower_slots(config.cxl_budget, codec.block_nbytes(layout), "cxl_budget")
+        node = plan.cxl_node if plan.cxl_node is not None else (plan.nodes or (None,))[0]
+        on_node = ((node,), "preferred") if node is not None else None
+        tiers.append(HostTier(layout, slots, codec, on_node, name="cxl"))
     for tier in tiers:
         tier.numa_plan = plan
     if config.disk_dir:

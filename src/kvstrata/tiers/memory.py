@@ -465,7 +465,8 @@ class DeviceTier(MemoryTier):
 
 
 class HostTier(MemoryTier):
-    """Host RAM. With CUDA the arena is pinned once, at construction (never per copy)."""
+    """Host RAM. With CUDA the arena is pinned once, at construction (never per copy).
+    `name="cxl"`: the same on CXL memory (a CPU-less NUMA node, bound by `numa`)."""
 
     def __init__(
         self,
@@ -473,6 +474,7 @@ class HostTier(MemoryTier):
         num_slots: int,
         codec: Codec | None = None,
         numa: Numa | None = None,
+        name: str = "host",
     ) -> None:
         pin = torch.cuda.is_available()
-        super().__init__("host", layout, num_slots, codec, "cpu", pin_memory=pin, numa=numa)
+        super().__init__(name, layout, num_slots, codec, "cpu", pin_memory=pin, numa=numa)
