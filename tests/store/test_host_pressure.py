@@ -187,3 +187,24 @@ def test_released_slots_give_their_pages_back():
     tier.read_blocks([200], kk, kk.clone())
     tier.read_blocks([3], kk, kk.clone())  # the kept slots are intact
     assert torch.equal(kk, torch.ones_like(kk))
+
+
+def test_the_decisions_reach_the_engines_metrics(tmp_path):
+    from kvstrata.engine.metrics import EngineMetrics
+
+    store = _store(tmp_path, host_pressure="auto", host_headroom=HEADROOM)
+    reader = FakeReader()
+    store.pressure = HostPressure(store.manager, store.config.host_headroom, reader, Clock())
+    _fill(store, 4, 7 * BS)
+    reader.available = 0
+    store.adapt()
+    metrics = EngineMetrics(lambda: {"store": store.stats()})
+    occ = store.usage().occupancy["host"]
+    assert metrics.value("kvstrata_host_pressure_decisions_total", choice="shrink") == 1
+    assert metrics.value("kvstrata_host_pressure_available_bytes") == 0
+    assert metrics.value("kvstrata_host_pressure_headroom_bytes") == HEADROOM
+    assert metrics.value("kvstrata_host_pressure_blocks_moved_total") > 0
+    assert metrics.value("kvstrata_host_pressure_released_bytes_total") > 0
+    budget = metrics.value("kvstrata_tier_budget_bytes", tier="host")
+    assert budget == occ["budget_blocks"] * occ["block_bytes"] < 32 * occ["block_bytes"]
+    store.close()
