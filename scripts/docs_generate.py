@@ -39,6 +39,8 @@ FEATURE_PAGES = (
     ("disk_compress", "../codecs.md", "codecs"),
     ("disk_delta", "../codecs.md", "codecs"),
     ("remote_*", "../remote-tier.md", "remote tier"),
+    ("numa", "../numa.md", "NUMA and CXL memory"),
+    ("cxl_budget", "../numa.md", "NUMA and CXL memory"),
     ("*", "../tiers.md", "tiers and budgets"),
 )
 

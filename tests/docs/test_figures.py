@@ -46,6 +46,16 @@ ALLOWED: dict[str, dict[str, str]] = {
         "+0.2 %": "a published figure of another project (KVQuant on LLaMA-7B), cited",
         "+0.9 %": "a published figure of another project (FlexGen on LLaMA-7B), cited",
     },
+    "numa.md": {
+        "112 GB/s": "a published figure (local read bandwidth of a Xeon Platinum 8160), cited",
+        "34 GB/s": "a published figure (its read bandwidth across sockets), cited",
+        "3.3×": "the ratio of those two cited figures, an estimate",
+        "1.5×": "the planner's pcie5 link over the cited cross-socket figure, an estimate",
+        "35 GB/s": "a vendor's figure (Samsung's CXL 2.0 expander), cited",
+        "90 ns": "a published figure (Pond's CXL latency adder, 70-90 ns), cited",
+        "2–5×": "a published figure (three CXL expanders' latency over DRAM), cited",
+        "5×": "the cited expander figure over the planner's nvme-gen4 link, an estimate",
+    },
     "remote-tier.md": {
         "8×": "a rule: a read's deadline is 8 times the link model's prediction",
         "4×": "the same rule's consequence (a load that slow still wins 4 times over)",
