@@ -355,3 +355,27 @@ def test_a_store_on_the_recorded_cxl_machine_has_a_cxl_tier(monkeypatch):
             got_k, got_v = read_sequence(store.manager, (seq, group.index), local)
             assert torch.equal(got_k, k[layer]) and torch.equal(got_v, -k[layer])
     store.close()
+
+
+def test_generate_stats_print_the_numa_line(capsys):
+    from kvstrata.cli.generate import render_stats
+
+    store = _built()
+    render_stats(store.stats())
+    store.close()
+    out = capsys.readouterr().out
+    assert "NUMA: " in out
+    if len(read_topology().memory_nodes) == 1:
+        assert "NUMA: one NUMA node here (node0): placement is a no-op" in out
+
+
+def test_a_node_asked_for_on_one_node_is_logged_as_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(build, "read_topology", lambda: read_topology(ONE))
+    monkeypatch.setattr(build, "_NOTICES", set())
+    with caplog.at_level("INFO", logger="kvstrata.store.build"):
+        build.place_numa("auto", torch.device("cpu"))
+        build.place_numa(0, torch.device("cpu"))
+        build.place_numa(0, torch.device("cpu"))  # once per process
+    noop = "NUMA: one NUMA node here (node0): placement is a no-op"
+    got = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert got == [("INFO", noop), ("WARNING", noop)]

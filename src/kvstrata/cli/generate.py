@@ -316,6 +316,8 @@ def render_stats(stats: dict[str, Any]) -> None:
         f"{sum(stats['tokens'].values())}",
         highlight=False,
     )
+    if stats.get("numa"):  # what NUMA placement did (on one node: that it is a no-op)
+        console.print(f"NUMA: {stats['numa']['notice']}", highlight=False)
     prefix = stats.get("prefix") or {}
     if prefix.get("lookups"):
         where = ", ".join(f"{t} {n}" for t, n in prefix["hit_tokens_by_tier"].items())

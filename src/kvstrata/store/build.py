@@ -39,7 +39,7 @@ from kvstrata.tiers.remote import RemoteTier
 
 CODEC_FIELDS = ("device_codec", "host_codec", "disk_codec")
 log = logging.getLogger(__name__)
-_NOTICES: set[str] = set()  # NUMA notices logged so far (each once per process)
+_NOTICES: set[tuple[int, str]] = set()  # NUMA notices logged so far (level, text)
 
 
 def lossy_below(codecs: dict[str, Codec]) -> bool:
@@ -138,9 +138,11 @@ def place_numa(mode: str | int, device: torch.device, host_arenas: bool = True) 
         log.warning("NUMA: could not pin the thread to CPUs %s", plan.as_dict()["cpus"])
     elif plan.cpus and torch.get_num_threads() > len(plan.cpus):
         torch.set_num_threads(len(plan.cpus))  # no more OpenMP workers than pinned CPUs
-    if plan.notice not in _NOTICES:
-        _NOTICES.add(plan.notice)
-        log.info("NUMA: %s", plan.notice)
+    # a node asked for on one node is said out loud; each notice once per process
+    level = logging.WARNING if isinstance(mode, int) and not plan.applies else logging.INFO
+    if (level, plan.notice) not in _NOTICES:
+        _NOTICES.add((level, plan.notice))
+        log.log(level, "NUMA: %s", plan.notice)
     return plan
 
 
