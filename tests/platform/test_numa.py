@@ -91,6 +91,10 @@ def test_cpu_only_the_arena_follows_the_readers():
 def test_an_explicit_node_wins():
     plan = plan_placement(read_topology(TWO), 1, gpu_node=0)
     assert (plan.nodes, plan.policy, plan.cpus) == ((1,), "preferred", NODE1_CPUS)
+    with pytest.raises(
+        ConfigError, match=r"^numa=5 is invalid: the NUMA nodes with memory are 0, 1$"
+    ):
+        plan_placement(read_topology(TWO), 5)
     off = plan_placement(read_topology(TWO), "off", gpu_node=0)
     assert not off.applies and off.notice == "NUMA placement off (numa='off')"
 

@@ -300,7 +300,8 @@ def plan_placement(
 
     Args:
         topology: the machine's nodes (`read_topology`).
-        mode: 'auto', 'off', or a node id (`check_numa`).
+        mode: 'auto', 'off', or a node id (`check_numa`; ConfigError for a node
+            without memory in this topology).
         allowed_cpus: the CPUs this process may run on (its affinity); None: all.
         gpu_node: the node of the GPU the store computes on; None: no GPU, or unknown.
     """
@@ -320,6 +321,9 @@ def plan_placement(
             mode, gpu_node=gpu_node, notice=f"one NUMA node here ({where}): placement is a no-op"
         )
     if isinstance(mode, int):
+        if mode not in mem:
+            listed = ", ".join(map(str, mem))
+            raise ConfigError.field("numa", mode, f"the NUMA nodes with memory are {listed}")
         node, why = mode, f"numa={mode}"
         pin_from = node if usable(node) else topology.nearest(node, cpu_nodes)
         cpus = usable(pin_from) if pin_from is not None else frozenset()
@@ -335,7 +339,6 @@ def plan_placement(
         node, why = cpu_nodes[0], f"this process runs on node {cpu_nodes[0]}'s CPUs only"
         nodes, policy, cpus = (node,), "preferred", frozenset()
     else:
-        node = cpu_nodes[0] if cpu_nodes else mem[0]
         spread = [n for n in cpu_nodes if topology.nodes[n].memory_bytes > 0] or mem
         why = f"readers on nodes {', '.join(map(str, cpu_nodes))}: pages interleaved"
         nodes, policy, cpus = tuple(spread), "interleave", frozenset()
