@@ -3,8 +3,9 @@
 Latencies are histograms observed as requests progress; the store's counters (tier
 occupancy, bytes moved per link, prefix lookups and hits per tier, evictions,
 demotions, transfer stalls, the remote tier's hits, faults, bytes, round trips and
-cost decisions) are read from the engine's latest snapshot when scraped,
-so a scrape never touches the store from another thread.
+cost decisions, the host tier's decisions under memory pressure) are read from the
+engine's latest snapshot when scraped, so a scrape never touches the store from another
+thread.
 """
 
 from __future__ import annotations
