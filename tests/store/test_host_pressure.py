@@ -137,6 +137,12 @@ def test_psi_stalls_shrink_it_whatever_the_room(tmp_path):
     reader.psi_full = 25.0
     store.adapt()
     assert store.usage().occupancy["host"]["budget_blocks"] == used - 32 // 8
+    for _ in range(10):  # its 10 s average trails: no second cut within the window
+        store.adapt()
+    assert store.usage().occupancy["host"]["budget_blocks"] == used - 32 // 8
+    reader.available = 0  # the room is another matter
+    store.adapt()
+    assert store.usage().occupancy["host"]["budget_blocks"] < used - 32 // 8
     store.close()
 
 

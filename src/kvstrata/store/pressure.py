@@ -8,8 +8,9 @@ OOM killer (the process's cgroup limit and use, `MemAvailable`, PSI:
 engine calls `KVStore.adapt` between steps and while idle; the store moves blocks on
 that thread only):
 
-- below `host_headroom` left (or PSI's "full" stall share at `PSI_FULL` % or more): the
-  host budget shrinks by what lifts the room to twice the headroom, in blocks.
+- below `host_headroom` left: the host budget shrinks by what lifts the room to twice
+  the headroom, in blocks; with room but PSI's "full" stall share at `PSI_FULL` % or
+  more, by an eighth of `host_budget`, once per `PSI_WINDOW_S` (PSI's average trails).
   `BlockManager.set_budget` moves the coldest blocks over the budget down to disk (a
   cached block may be dropped instead, as any eviction), and the pages of the host's
   free slots go back to the kernel (`MemoryTier.release_slots`);
@@ -37,6 +38,7 @@ INTERVAL_S = 0.1  # the shortest time between two readings
 HISTORY_S = 0.5  # a history sample at least this often (and at every decision)
 HISTORY_LEN = 2400  # samples kept (the newest)
 PSI_FULL = 10.0  # % of the last 10 s all tasks stalled on memory: pressure whatever the room
+PSI_WINDOW_S = 10.0  # ...which shrinks the host by an eighth at most once per this window
 STEP_BYTES = 16 << 20  # a shrink moves at most max(this, its cut / 8) between releases
 HOST = "host"
 
@@ -65,7 +67,7 @@ class HostPressure:
         self.reader = reader if reader is not None else MemoryPressureReader()
         self.clock = clock
         self.start = clock()
-        self._next = self._next_sample = self.start
+        self._next = self._next_sample = self._psi_next = self.start
         self.last: MemoryReading | None = None
         self.decisions = {"shrink": 0, "grow": 0, "refused": 0}
         self.released_bytes = 0
@@ -89,8 +91,11 @@ class HostPressure:
         decided = False
         if reading is not None:
             psi = (reading.psi_full_avg10 or 0.0) >= PSI_FULL
-            if (reading.available_bytes < self.low or psi) and self.budget > 0:
-                decided = self._shrink(reading, psi)
+            low = reading.available_bytes < self.low
+            if (low or (psi and now >= self._psi_next)) and self.budget > 0:
+                decided = self._shrink(reading, psi and not low)
+                if psi and not low:  # PSI's average trails: one such cut per window
+                    self._psi_next = now + PSI_WINDOW_S
             elif reading.available_bytes > self.high and not psi and self.budget < self.configured:
                 decided = self._grow(reading)
         if decided or now >= self._next_sample:
