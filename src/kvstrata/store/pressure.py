@@ -74,6 +74,7 @@ class HostPressure:
         self._released: set[int] = set()  # the free slots released last time
         self.blocks_moved = 0
         self.history: deque[tuple[float, int, int, int | None]] = deque(maxlen=HISTORY_LEN)
+        self._history_view: list[list] | None = None  # stats() runs after every step
 
     @property
     def budget(self) -> int:
@@ -164,6 +165,7 @@ class HostPressure:
         self._next_sample = now + HISTORY_S
         avail = self.last.available_bytes if self.last is not None else None
         bb = self.tier.block_bytes
+        self._history_view = None
         self.history.append(
             (round(now - self.start, 3), self.budget * bb, self.tier.num_used * bb, avail)
         )
@@ -183,8 +185,13 @@ class HostPressure:
             "decisions": dict(self.decisions),
             "blocks_moved": self.blocks_moved,
             "released_bytes": self.released_bytes,
-            "history": [list(s) for s in self.history],
+            "history": self._history(),
         }
+
+    def _history(self) -> list[list]:
+        if self._history_view is None:
+            self._history_view = [list(s) for s in self.history]
+        return self._history_view
 
 
 class AdaptsBudgets:
