@@ -383,3 +383,33 @@ def test_a_node_asked_for_on_one_node_is_logged_as_a_warning(monkeypatch, caplog
     noop = "NUMA: one NUMA node here (node0): placement is a no-op"
     got = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert got == [("INFO", noop), ("WARNING", noop)]
+
+
+@pytest.mark.skipif(numa_bind._syscall_numbers() is None, reason="mbind is Linux's")
+def test_a_pinned_arena_is_bound_before_cuda_registers_it(monkeypatch):
+    # cudaHostRegister faults every page in: the binding must already be there. A
+    # stand-in for torch.cuda.cudart() records the policy it finds, and touches the
+    # pages as the real call does.
+    import ctypes
+
+    from kvstrata.platform import host_memory
+
+    seen = {}
+
+    class Cudart:
+        def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+            seen["policy"] = numa_bind.region_policy(ptr)
+            ctypes.memset(ptr, 0, nbytes)  # faulted in, as registration does
+            seen["node"] = numa_bind.page_node(ptr)
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    arena = host_memory.pinned_empty((1 << 20,), torch.uint8, ((0,), "preferred"))
+    if seen["policy"][0] == 0:
+        pytest.skip("mbind refused here")
+    assert seen == {"policy": (numa_bind.MPOL_PREFERRED, [0]), "node": 0}
+    assert arena.numel() == 1 << 20
