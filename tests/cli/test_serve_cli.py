@@ -154,6 +154,8 @@ def test_sigint_and_sigterm_close_the_store_and_the_disk_tier_keeps_the_prefix_c
     finally:
         code = first.stop(signal.SIGINT)  # Ctrl-C
     assert code == 0, "".join(first.stderr)
+    # what NUMA placement did, one line at start-up (on one node: that it is a no-op)
+    assert sum(line.startswith("kvstrata serve: NUMA: ") for line in first.stderr) == 1
 
     second = ServeProcess(*flags)  # a new process: only the disk tier remembers
     try:

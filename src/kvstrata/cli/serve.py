@@ -331,6 +331,9 @@ def run(args: argparse.Namespace) -> int:
             server = stopping_server(config, app.state.server.stop_requests)
             host, port = sock.getsockname()[:2]
             url_host = f"[{host}]" if ":" in host else host
+            numa = (engine.stats().get("store") or {}).get("numa")
+            if numa:  # what NUMA placement did (on one node: that it is a no-op)
+                print(f"kvstrata serve: NUMA: {numa['notice']}", file=sys.stderr, flush=True)
             print(
                 f"kvstrata serve: {name} at http://{url_host}:{port}/v1 (Ctrl-C stops)",
                 file=sys.stderr,
