@@ -209,6 +209,7 @@ class TieredCache(Cache):
                     "pass the same prompt to TieredCache(prompt_ids=) and to generate(); "
                     "the reused prefix belongs to that prompt",
                 )
+            store.adapt()  # budgets under memory pressure (host_pressure), between steps
             writes = store.extend(self.seq_ids, num_new, tokens)
             self._writes = [write_plan(store.runtime, w, batch) for w in writes]
             self._mask_key = None  # a new forward: its padding mask is analysed afresh
