@@ -217,3 +217,14 @@ def test_the_decisions_reach_the_engines_metrics(tmp_path):
     budget = metrics.value("kvstrata_tier_budget_bytes", tier="host")
     assert budget == occ["budget_blocks"] * occ["block_bytes"] < 32 * occ["block_bytes"]
     store.close()
+
+
+def test_an_empty_host_tier_stops_refilling(tmp_path):
+    store = _store(tmp_path, host_pressure="auto", host_headroom=HEADROOM)
+    reader = FakeReader()
+    store.pressure = HostPressure(store.manager, HEADROOM, reader, Clock())
+    reader.available = 0
+    store.adapt()
+    assert store.usage().occupancy["host"]["budget_blocks"] == 0
+    assert store.stats()["host_pressure"]["decisions"]["shrink"] == 1
+    store.close()

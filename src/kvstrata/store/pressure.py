@@ -114,7 +114,9 @@ class HostPressure:
         step = max(1, STEP_BYTES // bb, cut // 8)
         moves = self.manager.state.num_moves
         try:  # in steps, each one's pages given back before the next: a move's copies
-            target = start  # take memory while they run
+            if self.budget > start:  # take memory while they run
+                self.manager.set_budget(HOST, start)  # what it holds: no move, no refill
+            target = start
             while target > goal:
                 target = max(goal, target - step)
                 if not self._try(target):  # the tiers below are full of live blocks:
