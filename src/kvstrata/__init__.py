@@ -43,6 +43,8 @@ _LAZY = {
     "Engine": "kvstrata.engine",
     "EngineConfig": "kvstrata.engine",
     "SamplingParams": "kvstrata.engine",
+    "Chunks": "kvstrata.workload.chunks",
+    "blend_prompt": "kvstrata.integrations.hf.blend_store",
 }
 
 
@@ -73,6 +75,8 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "SamplingParams",
+    "Chunks",
+    "blend_prompt",
     "enable",
     "get_codec",
     "load_geometry",

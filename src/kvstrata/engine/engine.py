@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvstrata.config import CacheConfig
-from kvstrata.core.errors import ConfigError, KvstrataError
+from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
 from kvstrata.core.units import format_bytes
 from kvstrata.engine.metrics import EngineMetrics
 from kvstrata.engine.params import (
@@ -37,11 +37,14 @@ from kvstrata.engine.params import (
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Request, Scheduler
 from kvstrata.integrations.hf import enable
+from kvstrata.integrations.hf.blend import check_recompute
+from kvstrata.integrations.hf.blend_store import PromptBlender
 from kvstrata.integrations.hf.lean import lean_forward
 from kvstrata.integrations.hf.linear import install as install_native_linear
 from kvstrata.integrations.hf.step import StepCache
 from kvstrata.store.events import EventSink, KVEventRecorder
 from kvstrata.store.kvstore import KVStore
+from kvstrata.workload.chunks import Chunks
 
 log = logging.getLogger("kvstrata.engine")
 IDLE_SNAPSHOT_S = 1.0  # an idle engine refreshes its stats snapshot this often
@@ -103,6 +106,7 @@ class Engine:
         self._error: BaseException | None = None
         self.sched: Scheduler | None = None
         self.runner: StepRunner | None = None
+        self._blend_refusal: str | None = None  # why prompts with documents are refused
         self._threads = self.config.threads or torch.get_num_threads()
         self._thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
         self._thread.start()
@@ -163,29 +167,47 @@ class Engine:
 
     def submit(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | Chunks,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         on_output: OnOutput | None = None,
         salt: str | None = None,
         first_output: bool = False,
+        blend_recompute: float | None = None,
     ) -> str:
         """Queue a request (thread-safe). Raises RequestRejected / ConfigError at once
         for a request that can never run. `on_output` is called from the engine
         thread with each new piece of output and last with `finish_reason` set.
         `first_output`: an output comes as soon as the first token is chosen — the
         prompt is computed and its full blocks are in the prefix cache — even when that
-        token brings no text yet (otherwise outputs come with new text only)."""
+        token brings no text yet (otherwise outputs come with new text only).
+
+        A `kvstrata.Chunks` prompt names its documents: their K/V are reused wherever
+        they sit and `blend_recompute` of their tokens (default: the config's) are
+        recomputed in context (docs/blend.md)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError.field("params", params, "a kvstrata.engine.SamplingParams")
-        ids = self.encode(prompt)
+        blend = None
+        if isinstance(prompt, Chunks):
+            if self._blend_refusal is not None:
+                raise RequestRejected(self._blend_refusal)
+            ids, spans = prompt.encode(self.tokenizer)
+            recompute = self.config.blend_recompute if blend_recompute is None else blend_recompute
+            blend = (spans, check_recompute(recompute))
+        elif blend_recompute is not None:
+            raise ConfigError.field(
+                "blend_recompute", blend_recompute, "omitted unless the prompt has documents"
+            )
+        else:
+            ids = self.encode(prompt)
         self.check(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         salt = self.config.salt if salt is None else salt
         req = Request(rid, ids, params, on_output, salt, self.tokenizer, self.eos_ids)
         req.first_output = bool(first_output)
+        req.blend = blend
         with self._submit_lock:  # nothing is queued behind the engine's "stop"
             if not self.is_running:
                 raise EngineStopped(f"the engine is shut down{_why(self._error)}")
@@ -204,7 +226,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: list[str | list[int]],
+        prompts: list[str | list[int] | Chunks],
         params: SamplingParams | list[SamplingParams] | None = None,
         timeout: float | None = None,
     ) -> list[RequestOutput]:
@@ -257,11 +279,12 @@ class Engine:
 
     async def stream(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | Chunks,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         salt: str | None = None,
+        blend_recompute: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (new tokens and text each); leaving the
         loop early (break, cancellation, a client gone) aborts the request."""
@@ -274,7 +297,14 @@ class Engine:
             except RuntimeError:  # the event loop is gone: nobody is listening
                 self.abort(out.request_id)
 
-        rid = self.submit(prompt, params, request_id=request_id, on_output=on_output, salt=salt)
+        rid = self.submit(
+            prompt,
+            params,
+            request_id=request_id,
+            on_output=on_output,
+            salt=salt,
+            blend_recompute=blend_recompute,
+        )
         finished = False
         try:
             while True:
@@ -328,6 +358,7 @@ class Engine:
                 self.abort,
                 self.config.native_linear and install_native_linear(self.model) > 0,
                 lean_forward(self.model) if self.config.lean_forward else None,
+                self._prompt_blender(),
             )
             if self._kv_sink is not None:  # AllBlocksCleared, then what the disk kept
                 self._kv_events = KVEventRecorder()
@@ -355,6 +386,15 @@ class Engine:
                 self.runner.deliver()
             self._publish_events()
             self.store.close()
+
+    def _prompt_blender(self) -> PromptBlender | None:
+        """What blends prompts with documents, or None (the reason kept for `submit`'s
+        one-line refusal) for a model it cannot serve."""
+        try:
+            return PromptBlender(self.model, self.store)
+        except UnsupportedModelError as err:
+            self._blend_refusal = str(err)
+            return None
 
     def _loop(self) -> None:
         sched, runner = self.sched, self.runner

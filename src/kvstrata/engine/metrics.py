@@ -251,6 +251,24 @@ class EngineMetrics:
         self.resumed = Counter(
             "kvstrata_resumed", "preempted requests resumed (no recompute)", registry=r
         )
+        self.blend_tokens = Counter(
+            "kvstrata_blend_tokens",
+            "prompt tokens after the head of prompts with documents: reused (a document's "
+            "K/V moved) or recomputed",
+            ["kind"],
+            registry=r,
+        )
+        self.blend_documents = Counter(
+            "kvstrata_blend_documents",
+            "documents of prompts: found in the store or computed (and kept)",
+            ["outcome"],
+            registry=r,
+        )
+        self.blend_failed = Counter(
+            "kvstrata_blend_failed",
+            "prompts with documents prefilled in full after the blend failed",
+            registry=r,
+        )
         r.register(_SnapshotCollector(snapshot))
 
     def value(self, name: str, **labels: str) -> float:

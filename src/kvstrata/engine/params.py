@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.core.errors import ConfigError, KvstrataError
+from kvstrata.integrations.hf.blend import BLEND_RECOMPUTE, check_recompute
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default limit)
@@ -210,6 +211,10 @@ class EngineConfig:
             through kvstrata's lean forward (integrations.hf.lean: the model's own
             modules, without transformers' per-call machinery; the same logits bit for
             bit); False, or another family, runs transformers' forward.
+        blend_recompute: for a prompt given with documents (`kvstrata.Chunks`), the
+            share of the documents' reused tokens recomputed in context (CacheBlend;
+            docs/blend.md); 1 recomputes all of them (a full prefill). A request may
+            bring its own.
     """
 
     max_num_seqs: int = 8
@@ -219,8 +224,10 @@ class EngineConfig:
     threads: int | None = None
     native_linear: bool = True
     lean_forward: bool = True
+    blend_recompute: float = BLEND_RECOMPUTE
 
     def __post_init__(self) -> None:
+        check_recompute(self.blend_recompute)
         _int("max_num_seqs", self.max_num_seqs, 1, 4096)
         _int("max_batched_tokens", self.max_batched_tokens, 1)
         if self.preemption not in PREEMPTION_MODES:

@@ -19,6 +19,7 @@ from kvstrata.engine.metrics import EngineMetrics
 from kvstrata.engine.params import RequestOutput, TokenLogprobs
 from kvstrata.engine.sampling import sample, token_logprobs
 from kvstrata.engine.scheduler import Request, Scheduler
+from kvstrata.integrations.hf.blend_store import PromptBlender
 from kvstrata.integrations.hf.lean import LeanForward
 from kvstrata.integrations.hf.linear import native_projections
 from kvstrata.integrations.hf.step import StepCache
@@ -41,6 +42,8 @@ class StepRunner:
         abort: queues an abort of a request id (for a consumer that failed).
         native_linear: small projections take the native kernel (hf.linear).
         lean: the model's lean packed-step forward (hf.lean), None: transformers'.
+        blender: blends prompts with documents (hf.blend_store); None: the model
+            cannot (the engine refuses such requests).
     """
 
     def __init__(
@@ -55,8 +58,10 @@ class StepRunner:
         abort: Callable[[str], None],
         native_linear: bool = False,
         lean: LeanForward | None = None,
+        blender: PromptBlender | None = None,
     ) -> None:
         self.model = model
+        self.blender = blender
         self.lean = lean
         self.native_linear = native_linear
         self.store = store
@@ -77,6 +82,8 @@ class StepRunner:
         if not batch:
             return False
         t0 = time.perf_counter()
+        if any(r.blend is not None for r, _ in batch):
+            batch = self._blend(batch)
         seq_ids = [r.seq_id for r, _ in batch]
         counts = [n for _, n in batch]
         tokens = [r.tokens(r.computed, n) for r, n in batch]
@@ -114,6 +121,33 @@ class StepRunner:
             self._accept(req, token, now)
         self.metrics.step.observe(time.perf_counter() - t0)
         return True
+
+    def _blend(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Blend the prompts with documents that start this step: their K/V up to the
+        last prompt token reused / recomputed (hf.blend_store), which this step then
+        computes like any prefill's last token. A blend that failed (out of blocks, a
+        block that cannot be read) leaves exact K/V only: the rest is prefilled."""
+        out = []
+        for req, n in batch:
+            spec, req.blend = req.blend, None
+            if spec is not None and self.blender is not None and not req.out_ids:
+                assert req.seq_id is not None
+                with torch.inference_mode():
+                    res = self.blender.blend(req.seq_id, req.prompt_ids, *spec, req.salt)
+                req.computed = res.computed
+                n = min(n, req.remaining)
+                m = self.metrics
+                m.blend_tokens.labels("reused").inc(res.reused)
+                m.blend_tokens.labels("recomputed").inc(res.recomputed)
+                m.blend_documents.labels("found").inc(res.found)
+                m.blend_documents.labels("computed").inc(res.missed)
+                if res.error is not None:
+                    m.blend_failed.inc()
+                    log.warning(
+                        "kvstrata engine: blending %s failed (%s); prefilling it", req.id, res.error
+                    )
+            out.append((req, n))
+        return out
 
     def _forward(
         self, tokens: list[list[int]], positions: list[torch.Tensor], rows: list[int]

@@ -94,6 +94,9 @@ class Request:
         self.recomputes = 0  # times its KV was dropped after a storage error
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
+        # a prompt with documents: (their token spans, the share recomputed), until
+        # its blend ran (or was given up)
+        self.blend: tuple[list[tuple[int, int]], float] | None = None
 
     @property
     def num_tokens(self) -> int:
