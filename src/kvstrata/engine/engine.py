@@ -193,6 +193,12 @@ class Engine:
         if isinstance(prompt, Chunks):
             if self._blend_refusal is not None:
                 raise RequestRejected(self._blend_refusal)
+            if params.prompt_logprobs is not None:
+                raise ConfigError.field(
+                    "prompt_logprobs",
+                    params.prompt_logprobs,
+                    "None for a prompt with documents (it has no logits before its end)",
+                )
             ids, spans = prompt.encode(self.tokenizer)
             recompute = self.config.blend_recompute if blend_recompute is None else blend_recompute
             blend = (spans, check_recompute(recompute))
@@ -213,6 +219,11 @@ class Engine:
                 raise EngineStopped(f"the engine is shut down{_why(self._error)}")
             self._commands.put(("add", req))
         return rid
+
+    @property
+    def blend_refusal(self) -> str | None:
+        """Why prompts with documents are refused (the model cannot blend), or None."""
+        return self._blend_refusal
 
     @property
     def is_running(self) -> bool:
@@ -388,8 +399,7 @@ class Engine:
             self.store.close()
 
     def _prompt_blender(self) -> PromptBlender | None:
-        """What blends prompts with documents, or None (the reason kept for `submit`'s
-        one-line refusal) for a model it cannot serve."""
+        """What blends prompts with documents; None (the reason kept) if it cannot."""
         try:
             return PromptBlender(self.model, self.store)
         except UnsupportedModelError as err:

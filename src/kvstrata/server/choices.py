@@ -15,6 +15,7 @@ from kvstrata.engine.params import RequestOutput, SamplingParams
 from kvstrata.server.detokenizer import ChoiceTokens, TokenInfo
 from kvstrata.server.responses import usage
 from kvstrata.server.validation import Logprobs
+from kvstrata.workload.chunks import Chunks
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Job:
     params: SamplingParams
     echo_text: str
     after: int | None = None
+    chunks: Chunks | None = None  # the prompt with its documents (blended), if any
+    blend_recompute: float | None = None
 
 
 class Choices:
@@ -65,9 +68,11 @@ class Choices:
         loop = asyncio.get_running_loop()
         try:
             for job in jobs:
-                extra = {"first_output": True} if job.index in self.waiting else {}
+                extra: dict[str, Any] = {"first_output": True} if job.index in self.waiting else {}
+                if job.chunks is not None:
+                    extra["blend_recompute"] = job.blend_recompute
                 self.engine.submit(
-                    job.prompt_ids,
+                    job.prompt_ids if job.chunks is None else job.chunks,
                     job.params,
                     request_id=job.request_id,
                     on_output=self._callback(loop, job.index),

@@ -153,6 +153,10 @@ class Request(_Body):
     no_stop_trim: Off = None  # type: ignore[valid-type]
     continue_final_message: Off = None  # type: ignore[valid-type]
     return_hidden_states: Off = None  # type: ignore[valid-type]
+    # kvstrata's own: texts in the prompt whose KV is reused wherever they sit, and the
+    # share of their tokens recomputed in context (docs/blend.md)
+    documents: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    blend_recompute: float | None = Field(None, ge=0, le=1)
     _ignored: tuple[str, ...] = PrivateAttr(default=())
 
     @property
@@ -174,6 +178,10 @@ class Request(_Body):
                 "cache_salt", self.cache_salt, "the same tenant as salt, or give one of them"
             )
         self.n = self.n or 1
+        if self.blend_recompute is not None and self.documents is None:
+            raise invalid(
+                "blend_recompute", self.blend_recompute, "omitted unless documents are given"
+            )
 
     @property
     def include_usage(self) -> bool:

@@ -50,6 +50,7 @@ from kvstrata.server.validation import (
     logprobs_request,
     sampling_params,
 )
+from kvstrata.workload.chunks import Chunks, find_documents
 
 log = logging.getLogger(__name__)
 IGNORED_HEADER = "X-Kvstrata-Ignored-Fields"  # the unknown request fields left out
@@ -266,17 +267,42 @@ class OpenAIServer:
         # block to share (a request scoring its prompt shares nothing: no lookup)
         share = n > 1 and params.prompt_logprobs is None
         jobs = []
+        blend = self.documents(body, [ids for ids, _ in prompts], params)
         for p, (ids, text) in enumerate(prompts):
             after = p * n if share and 0 < self.block_size < len(ids) else None
             for i in range(n):
                 index = p * n + i
                 rid = head_id if len(prompts) * n == 1 else f"{head_id}-{index}"
-                jobs.append(
-                    Job(index, p, rid, ids, choice_params(params, i), text, after if i else None)
-                )
+                job = Job(index, p, rid, ids, choice_params(params, i), text, after if i else None)
+                if blend is not None:
+                    job.chunks, job.blend_recompute = blend[p], body.blend_recompute
+                jobs.append(job)
         for job in jobs:
             self.engine.check(job.prompt_ids, job.params)
         return jobs
+
+    def documents(
+        self, body: Body, prompts: list[list[int]], params: SamplingParams
+    ) -> list[Chunks] | None:
+        """Each prompt as Chunks with the request's `documents` found in its tokens
+        (None without documents); one-line 400s for what cannot blend."""
+        if body.documents is None:
+            return None
+        refusal = self.engine.blend_refusal
+        if refusal is not None:
+            raise RequestRejected(refusal)
+        if params.prompt_logprobs is not None:
+            raise invalid(
+                "documents",
+                f"<{len(body.documents)} documents>",
+                "omitted with prompt_logprobs (a blended prompt has no logits before its end)",
+            )
+        tokenizer = self.engine.tokenizer
+        split = not self.trust_special_tokens
+        doc_ids = [
+            encode_text(tokenizer, d, split, add_special_tokens=False) for d in body.documents
+        ]
+        return [find_documents(ids, doc_ids) for ids in prompts]
 
     def prompts(self, body: Body, echo: bool) -> tuple[list[tuple[list[int], str]], int]:
         """The request's prompts as (token ids, the text echo puts in front), and the

@@ -83,6 +83,24 @@ class Chunks:
         return cls(tuple(segments), frozenset(index))
 
     @classmethod
+    def of_ids(cls, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> Chunks:
+        """Token ids with the documents' [start, end) spans (in order, apart)."""
+        segments: list[Segment] = []
+        index: list[int] = []
+        pos = 0
+        for i, (s, e) in enumerate(spans):
+            if not pos <= s < e <= len(ids):
+                raise ConfigError.field(
+                    f"spans[{i}]", (s, e), f"ordered, non-empty ranges within {len(ids)} tokens"
+                )
+            segments.append(tuple(ids[pos:s]))
+            index.append(len(segments))
+            segments.append(tuple(ids[s:e]))
+            pos = e
+        segments.append(tuple(ids[pos:]))
+        return cls(tuple(segments), frozenset(index))
+
+    @classmethod
     def split(cls, prompt: str, separator: str) -> Chunks:
         """The text split at `separator` (which is dropped): the first piece comes
         before the documents, the last after them, every piece between is one."""
@@ -114,3 +132,48 @@ class Chunks:
                 spans.append((len(ids), len(ids) + len(toks)))
             ids += toks
         return ids, spans
+
+
+def find_documents(ids: list[int], documents: list[list[int]]) -> Chunks:
+    """The prompt `ids` as Chunks whose documents are where each document's own token
+    ids (tokenized alone) appear in it, in order. Where a document's first or last
+    token merged with its neighbour in the prompt's tokenization, its inner tokens are
+    the document (the same tokens in every prompt). ConfigError naming the document
+    when it is not there."""
+    segments: list[Segment] = []
+    index: list[int] = []
+    pos = 0
+    for i, doc in enumerate(documents):
+        at, found = -1, doc
+        for cand in (doc, doc[1:], doc[:-1], doc[1:-1]):
+            if cand:
+                at = _find(ids, cand, pos)
+                if at >= 0:
+                    found = cand
+                    break
+        if at < 0:
+            raise ConfigError.field(
+                f"documents[{i}]",
+                f"<{len(doc)} tokens>",
+                "text that appears verbatim in the prompt, after the documents before it",
+            )
+        segments.append(tuple(ids[pos:at]))
+        index.append(len(segments))
+        segments.append(tuple(found))
+        pos = at + len(found)
+    segments.append(tuple(ids[pos:]))
+    return Chunks(tuple(segments), frozenset(index))
+
+
+def _find(ids: list[int], part: list[int], start: int) -> int:
+    """The first index >= start where `part` occurs in `ids`, else -1."""
+    first, n = part[0], len(part)
+    at = start
+    while True:
+        try:
+            at = ids.index(first, at)
+        except ValueError:
+            return -1
+        if ids[at : at + n] == part:
+            return at
+        at += 1

@@ -160,9 +160,7 @@ class Blender:
             if rows is None:
                 full_k, full_v = k[0], v[0]
                 if reuse is not None and i == SELECT_LAYER and recompute < 1:
-                    rows = _choose(
-                        v[0], reuse, i, recompute, q, k[0], prefix_k, start, layer.scaling
-                    )
+                    rows = _choose(v[0], q, k[0], reuse, i, recompute)
                     h, q = h[:, rows], q[:, :, rows]
             else:
                 assert reuse is not None
@@ -188,32 +186,32 @@ class Blender:
         return Blended(torch.stack(ks), torch.stack(vs), recomputed)
 
 
-STRATEGY = "deviation"
-
-
-def _choose(v, reuse, layer, recompute, q, k, prefix_k, start, scaling) -> torch.Tensor:
+def _choose(
+    v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, reuse: Reuse, layer: int, recompute: float
+) -> torch.Tensor:
     """The rows recomputed past the selection layer: every token without reused K/V,
-    the sinks, and the `recompute` share of the reused ones whose values at `layer`
-    deviate most from the ones just computed (sorted indices)."""
+    the sinks, and the `recompute` share of the reused ones that score highest (sorted
+    indices). A token's score adds two shares, each scaled to its maximum: how far its
+    values at `layer` computed in context are from the reused ones (CacheBlend's
+    deviation), and how much attention the tokens after the last document (the
+    question) give it at that layer — recomputing what the question reads keeps
+    retrieval close to a full prefill (measured in `kvstrata bench blend`)."""
     forced = ~reuse.have | reuse.sink
-    deviation = (v.float() - reuse.v[layer].float()).pow(2).sum(dim=(0, 2))
-    if STRATEGY != "deviation":
-        last = int(reuse.have.nonzero().max()) + 1
-        qt = q[0, :, last:]  # [Hq, n, D]
-        hk = k.shape[0]
-        qt = qt.reshape(hk, -1, qt.shape[-1])
-        att = torch.softmax(qt @ k.transpose(1, 2) * scaling, -1)  # [Hk, g*n, T] (prefix ignored)
-        score = att.sum(dim=(0, 1))
-        if STRATEGY == "attention":
-            deviation = score
-        else:
-            deviation = (deviation / deviation.max()) + (score / score.max())
-    deviation[forced] = -1.0
+    score = (v.float() - reuse.v[layer].float()).pow(2).sum(dim=(0, 2))
+    score = score / score.max().clamp_min(1e-30)
+    after = int(reuse.have.nonzero().max()) + 1 if bool(reuse.have.any()) else len(reuse.have)
+    if after < q.shape[2]:  # the question's queries [Hkv, group * n, D] over the keys
+        hkv = k.shape[0]
+        qs = q[0, :, after:].reshape(hkv, -1, q.shape[-1]).float()
+        read = torch.softmax(qs @ k.float().transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+        read = read.sum(dim=(0, 1))
+        score = score + read / read.max().clamp_min(1e-30)
+    score[forced] = -1.0
     candidates = int((~forced).sum())
     top = min(candidates, math.ceil(recompute * candidates))
     chosen = forced.clone()
     if top > 0:
-        chosen[torch.topk(deviation, top).indices] = True
+        chosen[torch.topk(score, top).indices] = True
     return chosen.nonzero().flatten()
 
 

@@ -180,8 +180,12 @@ def read_kv(
             slots = list(range(run.first_slot + first, run.first_slot + last))
             tier = tiers[run.tier]
             shape = (len(ids), layout.num_kv_heads, len(slots) * bs)
-            kb = torch.empty((*shape, layout.head_dim), dtype=dtype, device=tier.device)
-            vb = torch.empty((*shape, layout.dim_v), dtype=dtype, device=tier.device)
+            kb = torch.empty(
+                (*shape, layout.head_dim), dtype=dtype, device=getattr(tier, "device", "cpu")
+            )
+            vb = torch.empty(
+                (*shape, layout.dim_v), dtype=dtype, device=getattr(tier, "device", "cpu")
+            )
             tier.read_blocks(slots, kb, vb)
             off = run.token_start + first * bs
             k[ids, :, lo - start : hi - start] = kb[:, :, lo - off : hi - off].cpu()
