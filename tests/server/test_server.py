@@ -1429,3 +1429,28 @@ def test_streamed_token_texts_never_cross_a_stop_string(served):
                         offsets += choice["logprobs"]["text_offset"]
         assert "".join(tokens) == text, stop_string
         assert all(text[o : o + len(t)] == t for t, o in zip(tokens, offsets, strict=True))
+
+
+def test_documents_are_reused_wherever_they_sit_and_refused_in_one_line(served):
+    """`documents` (kvstrata's field): each found in the prompt and blended; a second
+    request with the documents swapped finds them both; what cannot blend is a 400."""
+    docs = [prompt_of(400, 0), prompt_of(300, 1000)]
+    url = f"{served.url}/v1/completions"
+    found = served.metric("kvstrata_blend_documents_total", outcome="found")
+    for order in (docs, docs[::-1]):
+        text = "# notes\n" + order[0] + "\n\n" + order[1] + "\n# so the answer is"
+        body = {"model": MODEL, "prompt": text, "max_tokens": 4, "temperature": 0}
+        body |= {"documents": order, "blend_recompute": 0.3}
+        response = httpx.post(url, json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+    assert served.metric("kvstrata_blend_documents_total", outcome="found") - found >= 2
+    assert served.metric("kvstrata_blend_tokens_total", kind="reused") > 0
+    body = {"model": MODEL, "prompt": "# notes\nnothing here", "max_tokens": 1}
+    error = error_of(httpx.post(url, json=body | {"documents": ["absent text"]}, timeout=60), 400)
+    assert error["param"] == "documents[0]" and "verbatim" in error["message"]
+    error = error_of(httpx.post(url, json=body | {"blend_recompute": 0.5}, timeout=60), 400)
+    assert error["param"] == "blend_recompute"
+    error = error_of(httpx.post(url, json=body | {"documents": []}, timeout=60), 400)
+    assert error["param"] == "documents"
+    wait_idle(served.engine)
