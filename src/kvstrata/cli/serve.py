@@ -27,6 +27,7 @@ from typing import Any
 from kvstrata.cli._cache_flags import add_placement_flags, cache_fields
 from kvstrata.cli.generate import parse_threads
 from kvstrata.config import BLOCK_SIZE_MAX
+from kvstrata.core.blending import BLEND_RECOMPUTE
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.units import format_bytes, parse_float, parse_int, parse_size, parse_tokens
 from kvstrata.workload.zoo import quiet_transformers
@@ -120,6 +121,7 @@ def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": parse_int(args.max_num_seqs, "max_num_seqs", minimum=1, maximum=4096),
         "max_batched_tokens": parse_tokens(args.max_batched_tokens, "max_batched_tokens"),
         "preemption": args.preemption,
+        "blend_recompute": parse_float(args.blend_recompute, "blend_recompute", minimum=0.0),
     }
 
 
@@ -429,6 +431,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="demote",
         help="demote: a request that no longer fits the device budget is paused and its "
         "blocks demoted to host/disk (nothing recomputed); off: placement spreads them",
+    )
+    g.add_argument(
+        "--blend-recompute",
+        default=str(BLEND_RECOMPUTE),
+        help="share of a request's documents' reused tokens recomputed in context, 0 to 1 "
+        f"(default {BLEND_RECOMPUTE}; a request's blend_recompute wins; docs/blend.md)",
     )
     add_placement_flags(p)
     for action in p._actions:  # the serving meaning of two placement flags

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvstrata.config import CacheConfig
+from kvstrata.core.blending import check_recompute
 from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
 from kvstrata.core.units import format_bytes
 from kvstrata.engine.metrics import EngineMetrics
@@ -37,7 +38,6 @@ from kvstrata.engine.params import (
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Request, Scheduler
 from kvstrata.integrations.hf import enable
-from kvstrata.integrations.hf.blend import check_recompute
 from kvstrata.integrations.hf.blend_store import PromptBlender
 from kvstrata.integrations.hf.lean import lean_forward
 from kvstrata.integrations.hf.linear import install as install_native_linear

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.core.blending import BLEND_RECOMPUTE, check_recompute
 from kvstrata.core.errors import ConfigError, KvstrataError
-from kvstrata.integrations.hf.blend import BLEND_RECOMPUTE, check_recompute
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default limit)

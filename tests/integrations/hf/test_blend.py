@@ -10,10 +10,11 @@ import torch
 from transformers import DynamicCache
 
 from hf_models import tiny_model
+from kvstrata.core.blending import check_recompute
 from kvstrata.core.errors import ConfigError, TierIOError
 from kvstrata.engine import Engine, EngineConfig, RequestRejected, SamplingParams
 from kvstrata.integrations.hf import TieredCache, blend_store, enable
-from kvstrata.integrations.hf.blend import Blender, check_recompute
+from kvstrata.integrations.hf.blend import Blender
 from kvstrata.integrations.hf.blend_store import blend_prompt, read_kv
 from kvstrata.store.kvstore import KVStore
 from kvstrata.workload.chunks import Chunks, find_documents

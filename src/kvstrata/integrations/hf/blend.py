@@ -29,22 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstrata.core.errors import ConfigError, UnsupportedModelError
+from kvstrata.core.errors import UnsupportedModelError
 from kvstrata.integrations.hf.lean import lean_forward
 
-BLEND_RECOMPUTE = 0.15  # the default share of reused tokens recomputed (docs/blend.md)
 SINK_TOKENS = 4  # a document's first tokens: always recomputed
 QUERY_ROWS = 512  # queries attended at once
 SELECT_LAYER = 1  # the layer whose value deviation chooses the recomputed tokens
-
-
-def check_recompute(value: object, field: str = "blend_recompute") -> float:
-    """A recompute fraction in [0, 1] (one-line error otherwise)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError.field(field, value, "a fraction of a document's tokens, 0 to 1")
-    if isinstance(value, float) and math.isnan(value):
-        raise ConfigError.field(field, value, "a fraction of a document's tokens, 0 to 1")
-    return float(value)
 
 
 @dataclass

@@ -24,14 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.attention.writes import write_layer, write_plan
+from kvstrata.core.blending import BLEND_RECOMPUTE, check_recompute
 from kvstrata.core.errors import ConfigError, KvstrataError, UnsupportedModelError
-from kvstrata.integrations.hf.blend import (
-    BLEND_RECOMPUTE,
-    SINK_TOKENS,
-    Blender,
-    Reuse,
-    check_recompute,
-)
+from kvstrata.integrations.hf.blend import SINK_TOKENS, Blender, Reuse
 from kvstrata.integrations.hf.cache import TieredCache
 from kvstrata.store.kvstore import KVStore
 
