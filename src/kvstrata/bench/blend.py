@@ -105,7 +105,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     name, path = bench_model(args.model, _say)
     model, tok = load_model(path)
-    ratios = [float(r) for r in str(args.ratios).split(",") if r.strip()]
+    ratios = _ratios(args.ratios)
     reqs = workload(tok, args)
     timed = reqs[args.requests :]  # the first half warms the stores
     prompts = [Chunks.of(r["text"], r["docs"]) for r in reqs]
@@ -273,6 +273,18 @@ def _quality(
     ]
 
 
+def _ratios(text: str) -> list[float]:
+    """--ratios: comma-separated shares in [0, 1] (one-line ConfigError otherwise)."""
+    from kvstrata.core.blending import check_recompute
+    from kvstrata.core.errors import ConfigError
+    from kvstrata.core.units import parse_float
+
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ConfigError.field("ratios", text, "comma-separated shares such as 0,0.15,0.3")
+    return [check_recompute(parse_float(p, "ratios"), "ratios") for p in parts]
+
+
 def _recommend(quality: list[dict[str, Any]]) -> float | None:
     """The smallest r within the quality bounds, None when no r is."""
     for row in quality:
@@ -289,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
         args.docs, args.pool, args.requests, args.answer_tokens = 2, 3, 2, 4
         args.model = args.model or "tiny"
     _timing.check_positive(args, "docs", "pool", "requests", "answer_tokens", "threads")
+    _ratios(args.ratios)
     if args.docs > args.pool:
         from kvstrata.core.errors import ConfigError
 
