@@ -227,9 +227,18 @@ def run(workdir: Path, cgroup: MemoryCgroup | None = None, pressure: str = "auto
     thread = threading.Thread(target=scraper, daemon=True)
     thread.start()
     squeezer = None
+
+    def ask(phase: str, prompts: list[str]) -> None:
+        if out.error is not None:
+            return
+        try:
+            out.outputs += [complete(server.url, p) for p in prompts]
+        except OSError as err:  # recorded (the server died?), never raised past cleanup
+            out.error = f"{phase}: {type(err).__name__}: {err}"
+
     try:
-        out.outputs += [complete(server.url, p) for p in warm]
-        if cgroup is not None:
+        ask("warm", warm)
+        if cgroup is not None and out.error is None:
             out.idle, out.peak = cgroup.usage(), cgroup.peak()
             out.limit = out.peak + SLACK  # a step's transient memory fits as before
             cgroup.set_limit(out.limit)
@@ -238,18 +247,14 @@ def run(workdir: Path, cgroup: MemoryCgroup | None = None, pressure: str = "auto
             squeezer = subprocess.Popen(
                 [sys.executable, "-c", SQUEEZER, *args], stdout=subprocess.PIPE, text=True
             )
-        try:
-            out.outputs += [complete(server.url, p) for p in during]
-        except OSError as err:
-            out.error = f"{type(err).__name__}: {err}"
+        ask("during", during)
         if squeezer is not None:
             for line in squeezer.stdout:
                 t, held = line.split()
                 out.squeezer.append((float(t) - out.start, int(held)))
             out.squeezer_rc = squeezer.wait(60)
             time.sleep(1.0)  # the engine reads the freed memory (idle: every 0.1 s)
-        if out.error is None:
-            out.outputs += [complete(server.url, p) for p in after]
+        ask("after", after)
         time.sleep(0.3)
         out.server_alive = server.proc.poll() is None
         out.oom_kills = cgroup.oom_kills() if cgroup is not None else 0
@@ -262,7 +267,8 @@ def run(workdir: Path, cgroup: MemoryCgroup | None = None, pressure: str = "auto
         if server.proc.poll() is None:
             server.stop(signal.SIGTERM)
         else:
-            out.error = f"{out.error}; server exited {server.proc.returncode}"
+            tail = "".join(server.stderr[-3:]).strip().replace("\n", " | ")
+            out.error = f"{out.error}; server exited {server.proc.returncode}: {tail}"
     return out
 
 
