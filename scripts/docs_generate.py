@@ -219,6 +219,7 @@ REGION_FILES = (
     "docs/remote-tier.md",
     "docs/models.md",
     "docs/fleet.md",
+    "docs/blend.md",
 )
 PEER_FILE = "peer-docqa.json"
 PEER_PHASES = {"docqa_warm": "docqa warm-up", "docqa_query": "docqa queries"}
@@ -855,6 +856,55 @@ def fleet_table() -> str:
     return _recorded("fleet.json", [head, "", *table])
 
 
+def blend_table() -> str:
+    """`kvstrata bench blend`: TTFT of blending against prefix caching and a full prefill,
+    and the answers' quality against the full prefill's, per recompute share."""
+    r = _load("blend.json")["result"]
+    ttft = _table(
+        ("variant", "TTFT (s)", "against prefix caching", "against full prefill"),
+        [
+            (
+                f"`{v['variant']}`",
+                f"{v['ttft_s']:.2f}",
+                "–"
+                if v["variant"] == "prefix"
+                else _faster(v["ttft_s"], v["ttft_s"] * v["prefix/this"]),
+                "–"
+                if v["variant"] == "full"
+                else _faster(v["ttft_s"], v["ttft_s"] * v["full/this"]),
+            )
+            for v in r["ttft"]
+        ],
+    )
+    quality = _table(
+        ("variant", "retrieval", "greedy answers equal to full prefill's", "answer PPL", "ΔPPL"),
+        [
+            (
+                f"`{q['variant']}`",
+                _pct(q["accuracy"]),
+                _pct(q["agreement"]),
+                f"{q['answer_ppl']:.3f}",
+                f"{100 * q['ppl_rise']:+.1f} %",
+            )
+            for q in r["quality"]
+        ],
+    )
+    pick = r["recommended_r"]
+    head = (
+        f"{r['model']}, {r['requests']} requests of {r['docs']} documents drawn from a pool "
+        f"of {r['pool']} and shuffled (prompts up to {r['max_prompt_tokens']} tokens), one "
+        f"at a time, {r['threads']} threads."
+    )
+    verdict = (
+        f"The smallest share within 2 points of retrieval and 2 % of answer perplexity: "
+        f"r = {pick:g}."
+        if pick is not None
+        else "No share measured stays within 2 points of retrieval and 2 % of answer "
+        "perplexity of the full prefill on this model."
+    )
+    return _recorded("blend.json", [head, "", *ttft, "", *quality, "", verdict])
+
+
 REPORT_FIGURES = {
     "strategy": "Offloading strategies",
     "resident": "Resident fraction vs decode speed",
@@ -907,6 +957,7 @@ RESULTS = {
     "perf-remote": perf_remote,
     "eval-ppl-tiny": lambda: eval_ppl("eval-ppl-tiny.json"),
     "fleet": fleet_table,
+    "blend": blend_table,
 }
 
 

@@ -1,15 +1,17 @@
 """Blending: a prompt's KV built from documents' KV computed elsewhere (CacheBlend).
 
-A document's KV computed on its own, at positions 0 .. m - 1, differs from the KV the
-same tokens get inside a prompt in two ways. Their position: keys carry RoPE, a rotation
-by the token's position, so moving a key from position p to p + d is one more rotation
-by d (exact, to rounding: `move_keys`). And their context: from the second layer on, a
-token's K/V depend on the tokens before it, which the document alone did not see.
+A document's KV computed in another prompt (`hf.blend_store` keeps the KV it gets right
+after the prompt's head) differs from the KV the same tokens get here in two ways.
+Their position: keys carry RoPE, a rotation by the token's position, so moving a key
+from position p to p + d is one more rotation by d (exact, to rounding: `move_keys`).
+And their context: from the second layer on, a token's K/V depend on the tokens before
+it, which the document alone did not see.
 CacheBlend (Yao et al., EuroSys '25, arXiv:2405.16444) repairs the second for a few
 tokens only: it runs the first layer over every token (its output, the second layer's
 input, is then exact), compares the second layer's values computed from it with the
 reused ones, and recomputes through the remaining layers the r % of tokens that deviate
-most ("high-KV-deviation" tokens); every other token keeps its reused K/V. The tokens
+most ("high-KV-deviation" tokens; here the score also counts the attention the question
+gives a token, `_choose`); every other token keeps its reused K/V. The tokens
 of the prompt that no document covers (the question, the text between documents) and
 each document's first tokens (its attention sinks when it was computed alone) are
 always recomputed.
@@ -35,6 +37,10 @@ from kvstrata.integrations.hf.lean import lean_forward
 SINK_TOKENS = 4  # a document's first tokens: always recomputed
 QUERY_ROWS = 512  # queries attended at once
 SELECT_LAYER = 1  # the layer whose value deviation chooses the recomputed tokens
+QUESTION_ROWS = 256  # the question's last tokens whose attention scores a token
+# RoPE kinds whose angle is not position x a fixed frequency (it changes with the
+# length), so a key cannot be moved by one rotation
+UNMOVABLE_ROPE = ("dynamic", "longrope")
 
 
 @dataclass
@@ -75,6 +81,13 @@ class Blender:
                 "and no hooks on its modules; send the prompt without documents"
             )
         self.model_type = config.model_type
+        rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+        if rope_type in UNMOVABLE_ROPE:
+            raise UnsupportedModelError(
+                f"model_type={self.model_type!r}: rope_type={rope_type!r} turns a key by an "
+                "angle that depends on the sequence's length, so a document's keys cannot be "
+                "moved; send the prompt without documents"
+            )
         self.lean = lean
         self.layers = lean.layers
         self.embed, self.rotary, self.rope = lean.embed, lean.rotary, lean.rope
@@ -192,7 +205,8 @@ def _choose(
     after = int(reuse.have.nonzero().max()) + 1 if bool(reuse.have.any()) else len(reuse.have)
     if after < q.shape[2]:  # the question's queries [Hkv, group * n, D] over the keys
         hkv = k.shape[0]
-        qs = q[0, :, after:].reshape(hkv, -1, q.shape[-1]).float()
+        first = max(after, q.shape[2] - QUESTION_ROWS)
+        qs = q[0, :, first:].reshape(hkv, -1, q.shape[-1]).float()
         read = torch.softmax(qs @ k.float().transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
         read = read.sum(dim=(0, 1))
         score = score + read / read.max().clamp_min(1e-30)
