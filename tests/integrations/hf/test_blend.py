@@ -225,3 +225,32 @@ def test_chunks_find_their_documents_or_name_the_one_missing():
     assert found.segments == ((9, 9, 40), (11, 12, 13), (41, 9))
     with pytest.raises(ConfigError, match=r"documents\[0\]='<3 tokens>' is invalid"):
         find_documents(ids, [[50, 51, 52]])
+
+
+def test_blend_prompt_keeps_a_cached_prefix_and_refuses_what_it_cannot_fill(one_thread):
+    model = tiny_model("llama")
+    ids, spans = prompt([DOC_A, DOC_B])
+    want = reference(model, ids, 8)
+    enable(model)
+    store = KVStore(model.config, block_size=BS, max_tokens=1024, device_budget="4MiB")
+    try:
+        cache = TieredCache.from_store(store)
+        blend_prompt(model, cache, (ids, spans), recompute=1.0)
+        cache.close()
+        # the head and the first document are a cached prefix now: kept, the rest blended
+        cache = TieredCache.from_store(store, prompt_ids=ids)
+        assert cache.matched_tokens >= len(HEAD) + BS
+        rows = blend_prompt(model, cache, (ids, spans), recompute=1.0)
+        got = model.generate(rows, cache=cache, max_new_tokens=8, do_sample=False)
+        assert got[0, len(ids) :].tolist() == want
+        cache.close()
+        with pytest.raises(ConfigError, match="recompute=2 is invalid"):
+            blend_prompt(model, TieredCache.from_store(store), (ids, spans), recompute=2)
+        two = TieredCache.from_store(store, prompt_ids=[ids, ids])
+        with pytest.raises(ConfigError, match="a cache of one row"):
+            blend_prompt(model, two, (ids, spans))
+        two.close()
+    finally:
+        store.close()
+    with pytest.raises(ConfigError, match=r"spans\[0\]=\(5, 3\) is invalid"):
+        Chunks.of_ids(ids, [(5, 3)])
