@@ -165,7 +165,7 @@ def test_a_restarted_store_announces_what_its_disk_kept(tmp_path):
     seen: set[bytes] = set()
     for ev in events[1:]:  # chain by chain, every block after its parent
         assert isinstance(ev, BlockStored) and ev.medium == "STORAGE" and ev.locality == "LOCAL"
-        assert ev.group_idx is None  # the disk index keeps no group
+        assert ev.group_idx == 0  # one layer group (the disk index keeps none)
         assert ev.parent_block_hash is None or ev.parent_block_hash in seen
         seen.update(ev.block_hashes)
     # the chains the first store hashed, kept by the disk index across the restart

@@ -176,8 +176,11 @@ class PrefixIndex:
         state.on_move, state.on_unindex = moved, recorder.removed
         recorder.cleared()
         blocks = state.pool.blocks
+        # a block does not record its layer group (nor does the disk index): known only
+        # when there is one
+        group = 0 if len(self.groups) == 1 else None
         for block in chain_order([blocks[i] for i in state.hash_to_block.values()]):
-            recorder.stored(block, None)
+            recorder.stored(block, group)
 
     def _lookup_blocks(self, group: int, salt: str, token_ids: list[int], limit: int) -> list:
         """Block ids of the cached prefix of one group (None where a block is absent),
