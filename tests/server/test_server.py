@@ -1454,3 +1454,29 @@ def test_documents_are_reused_wherever_they_sit_and_refused_in_one_line(served):
     error = error_of(httpx.post(url, json=body | {"documents": []}, timeout=60), 400)
     assert error["param"] == "documents"
     wait_idle(served.engine)
+
+
+def test_a_document_separator_marks_the_documents(served):
+    """`document_separator`: the text between markers is a document (the markers go),
+    in a completion's prompt and in chat contents; the documents are found again in
+    another order; one-line 400s for what it cannot mark."""
+    docs = [prompt_of(300, 2000), prompt_of(250, 3000)]
+    found = served.metric("kvstrata_blend_documents_total", outcome="found")
+    url = f"{served.url}/v1/completions"
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "document_separator": "<doc>"}
+    for a, b in (docs, docs[::-1]):
+        prompt = f"# notes\n<doc>{a}<doc>\n<doc>{b}<doc>\n# so"
+        response = httpx.post(url, json=body | {"prompt": prompt}, timeout=120)
+        assert response.status_code == 200, response.text
+    assert served.metric("kvstrata_blend_documents_total", outcome="found") - found >= 2
+    chat = {k: v for k, v in body.items()}
+    chat["messages"] = [{"role": "user", "content": f"read <doc>{docs[0]}<doc> and answer"}]
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=120)
+    assert response.status_code == 200, response.text
+    bad = body | {"prompt": "no markers here"}
+    error = error_of(httpx.post(url, json=bad, timeout=60), 400)
+    assert error["param"] == "document_separator"
+    both = body | {"prompt": "x<doc>y<doc>z", "documents": ["y"]}
+    error = error_of(httpx.post(url, json=both, timeout=60), 400)
+    assert error["param"] == "document_separator"
+    wait_idle(served.engine)

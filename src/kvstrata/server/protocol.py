@@ -157,6 +157,7 @@ class Request(_Body):
     # share of their tokens recomputed in context (docs/blend.md)
     documents: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
     blend_recompute: float | None = Field(None, ge=0, le=1)
+    document_separator: str | None = Field(None, min_length=1)  # marks documents instead
     _ignored: tuple[str, ...] = PrivateAttr(default=())
 
     @property
@@ -178,7 +179,11 @@ class Request(_Body):
                 "cache_salt", self.cache_salt, "the same tenant as salt, or give one of them"
             )
         self.n = self.n or 1
-        if self.blend_recompute is not None and self.documents is None:
+        if self.document_separator is not None and self.documents is not None:
+            raise invalid(
+                "document_separator", self.document_separator, "omitted when documents are given"
+            )
+        if self.blend_recompute is not None and self.documents is self.document_separator is None:
             raise invalid(
                 "blend_recompute", self.blend_recompute, "omitted unless documents are given"
             )

@@ -260,6 +260,7 @@ class OpenAIServer:
         """The request's choices, in vLLM's order (index = prompt * n + i), each checked
         by the engine before any is submitted. In a worker thread."""
         n = body.n
+        split_documents(body)
         prompts, default_max = self.prompts(body, logprobs.echo)
         params = sampling_params(body, default_max, logprobs)
         check_work([len(ids) for ids, _ in prompts], n, params, logprobs, self.ceiling)
@@ -379,3 +380,34 @@ class OpenAIServer:
         except (RequestRejected, ConfigError):
             return False
         return True
+
+
+def split_documents(body: Body) -> None:
+    """`document_separator`: the text between two markers is a document; the markers
+    go, the documents join `documents` (completions' text prompts, chat contents)."""
+    sep = body.document_separator
+    if sep is None:
+        return
+    docs: list[str] = []
+
+    def split(text: str) -> str:
+        pieces = text.split(sep)
+        docs.extend(p for p in pieces[1:-1] if p)
+        return "".join(pieces)
+
+    if isinstance(body, ChatRequest):
+        for message in body.messages:
+            if isinstance(message.content, str):
+                message.content = split(message.content)
+    else:
+        assert isinstance(body, CompletionRequest)
+        if len(body.prompt) != 1 or not isinstance(body.prompt[0], str):
+            raise invalid("document_separator", sep, "one text prompt (not token ids)")
+        body.prompt = [split(p) for p in body.prompt]
+    if not docs:
+        raise invalid(
+            "document_separator",
+            sep,
+            "a marker found around each document: text, <marker>document<marker>..., the question",
+        )
+    body.documents = docs
