@@ -57,6 +57,8 @@ REFUSED = [  # argv, words of the one-line message
     (["--max-num-seqs", "0"], ["max_num_seqs"]),
     (["--max-num-batched-tokens", "0"], ["max_batched_tokens"]),
     (["--preemption", "recompute"], ["--preemption", "recompute"]),
+    (["--blend-recompute", "1.5"], ["blend_recompute=1.5", "0 to 1"]),
+    (["--blend-recompute", "x"], ["blend_recompute='x'"]),
     (["--host-codec", "zip"], ["host_codec", "zip"]),
     (["--uvicorn-log-level", "loud"], ["uvicorn_log_level", "loud"]),
     (["--disk-budget", "1GiB"], ["disk_budget", "--disk-dir"]),
