@@ -1434,7 +1434,8 @@ def test_streamed_token_texts_never_cross_a_stop_string(served):
 def test_documents_are_reused_wherever_they_sit_and_refused_in_one_line(served):
     """`documents` (kvstrata's field): each found in the prompt and blended; a second
     request with the documents swapped finds them both; what cannot blend is a 400."""
-    docs = [prompt_of(400, 0), prompt_of(300, 1000)]
+    # small enough that both documents' blocks stay cached in this server's small tiers
+    docs = [prompt_of(160, 0), prompt_of(130, 1000)]
     url = f"{served.url}/v1/completions"
     found = served.metric("kvstrata_blend_documents_total", outcome="found")
     for order in (docs, docs[::-1]):
@@ -1460,7 +1461,7 @@ def test_a_document_separator_marks_the_documents(served):
     """`document_separator`: the text between markers is a document (the markers go),
     in a completion's prompt and in chat contents; the documents are found again in
     another order; one-line 400s for what it cannot mark."""
-    docs = [prompt_of(300, 2000), prompt_of(250, 3000)]
+    docs = [prompt_of(150, 2000), prompt_of(140, 3000)]  # both stay cached (small tiers)
     found = served.metric("kvstrata_blend_documents_total", outcome="found")
     url = f"{served.url}/v1/completions"
     body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "document_separator": "<doc>"}
