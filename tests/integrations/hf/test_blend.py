@@ -151,29 +151,30 @@ def test_the_engine_blends_and_never_serves_blended_kv_as_a_prefix(one_thread):
         engine.shutdown()
 
 
-def test_a_blend_that_fails_prefills_the_prompt_exactly(one_thread, monkeypatch):
-    model = tiny_model("llama")
+def _unreadable(*args, **kwargs):
+    raise TierIOError("a block could not be read (test)")
+
+
+@pytest.mark.parametrize(
+    "family, cause, fields",
+    [
+        ("llama", "a document's block cannot be read", {}),
+        ("mistral", "sliding layers (48 tokens) narrower than the prompt", {}),
+        ("llama", "prefix caching is off", {"prefix_caching": False}),
+    ],
+)
+def test_a_blend_that_cannot_run_prefills_the_prompt_exactly(
+    family, cause, fields, one_thread, monkeypatch
+):
+    model = tiny_model(family)
     ids, spans = prompt([DOC_A, DOC_B])
     want = reference(model, ids, 8)
-
-    def unreadable(*args, **kwargs):
-        raise TierIOError("a block could not be read (test)")
-
-    monkeypatch.setattr(blend_store.PromptBlender, "_document", unreadable)
-    engine = engine_of(model)
-    try:
-        out = engine.generate([Chunks.of_ids(ids, spans)], SamplingParams(max_tokens=8))[0]
-        assert out.token_ids == want
-        assert engine.metrics.value("kvstrata_blend_failed_total") == 1
-    finally:
-        engine.shutdown()
-
-
-def test_sliding_layers_narrower_than_the_prompt_prefill_it_in_full(one_thread):
-    model = tiny_model("mistral")  # a 48-token window, prompts of 150
-    ids, spans = prompt([DOC_A, DOC_B])
-    want = reference(model, ids, 8)
-    engine = engine_of(model)
+    if "read" in cause:
+        monkeypatch.setattr(blend_store.PromptBlender, "_document", _unreadable)
+    cfg = EngineConfig(max_num_seqs=2, threads=1)
+    engine = Engine(
+        model, None, config=cfg, block_size=BS, max_tokens=1024, device_budget="4MiB", **fields
+    )
     try:
         out = engine.generate([Chunks.of_ids(ids, spans)], SamplingParams(max_tokens=8))[0]
         assert out.token_ids == want

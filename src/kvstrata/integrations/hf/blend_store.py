@@ -87,6 +87,8 @@ class PromptBlender:
         have = store.num_tokens(seq_id)
         if not spans:
             return BlendResult(have)
+        if not store.prefix_caching:  # no document could be kept or found: an exact prefill
+            return BlendResult(have, error="prefix caching is off: documents cannot be kept")
         head_end = spans[0][0]  # the head: the tokens before the first document
         start = max(have, head_end)  # blended from here: what the store holds is exact
         docs = [(s, min(e, end)) for s, e in spans if min(e, end) > start]
