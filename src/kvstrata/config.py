@@ -25,6 +25,7 @@ from kvstrata.codecs.calibration import FIELD, FIX, load_calibration, split_name
 from kvstrata.codecs.registry import calibrated_codec, get_codec, is_calibrated
 from kvstrata.core.errors import ConfigError
 from kvstrata.core.selection import (
+    ATTENTION_PREFETCH,
     check_budget,
     check_channels,
     check_choice,
@@ -137,6 +138,13 @@ class CacheConfig:
         attention_channels: each query row scores pages over its this many
             largest-|q| channels only (SparQ's approximation; their summary rows are
             all it reads); 0 scores every channel.
+        attention_prefetch: with a budget, the next decode step's (block, layer)
+            units in staged tiers (disk, remote, a lossy host tier) predicted and held
+            or fetched ahead on the compute device: "last" (the units this step read),
+            "learned" (an online recency / frequency score per unit; units read
+            before and predicted again are fetched ahead), "off" (every step reads
+            its units again). Tokens are the same either way.
+        attention_prefetch_budget: bytes the prediction may hold ("1GiB").
         host_pressure: "auto" lets the host tier yield to memory pressure (its cgroup's
             limit, MemAvailable, PSI): its coldest blocks move to disk before the
             kernel's OOM killer acts, and it takes memory back when memory frees (up
@@ -188,6 +196,8 @@ class CacheConfig:
     host_headroom: int | str = "256MiB"
     numa: str | int = "auto"
     cxl_budget: int = 0
+    attention_prefetch: str = "off"
+    attention_prefetch_budget: int | str = "1GiB"
 
     def __post_init__(self) -> None:
         given = dict(self.__dict__)  # the values as written, for the messages
@@ -264,6 +274,9 @@ class CacheConfig:
         )
         put("attention_refine", check_two_level(self.attention_coarse, self.attention_refine))
         check_channels(self.attention_channels)
+        check_choice("attention_prefetch", self.attention_prefetch, ATTENTION_PREFETCH)
+        budget = parse_size(self.attention_prefetch_budget, "attention_prefetch_budget")
+        put("attention_prefetch_budget", budget)
         put("numa", check_numa(self.numa))
         _check_cxl(self, put)
         _check_pressure(self, put)

@@ -36,6 +36,7 @@ from kvstrata.attention.native import (
 from kvstrata.attention.partials import causal_new, partial_where_kv_lives
 from kvstrata.attention.reads import ReadPlan, ReadPlanner
 from kvstrata.attention.selection.attend import native_selected, read_keys, selected_partials
+from kvstrata.attention.selection.prefetch import SelectionPrefetcher
 from kvstrata.attention.selection.selector import KeySelector
 from kvstrata.attention.selection.sharing import BlockHashes
 from kvstrata.attention.staging import Stager
@@ -162,9 +163,9 @@ class AttentionRuntime:
             lambda b: getattr(blocks.get(b), "block_hash", None), layout.block_size
         )
         self.selector: KeySelector | None = None
+        self.prefetch: SelectionPrefetcher | None = None
         self.set_selection(cc)
-        # a table cut back (a crop, an undone step): its summaries past the cut go
-        state.on_truncate = lambda key, n: self.selector and self.selector.truncate(key, n)
+        state.on_truncate = self._truncate
 
     def set_selection(self, cc: CacheConfig) -> None:
         """Query-aware key selection as `cc`'s attention_* fields give it (None: exact
@@ -172,6 +173,32 @@ class AttentionRuntime:
         settings over one store's placement and cached prompt this way)."""
         half = self.device.type == "cpu" and bool(self.native)  # the native kernel's fp16
         self.selector = KeySelector.from_config(cc, self.device, half, self._hashes)
+        if self.prefetch is not None:
+            self.prefetch.close()
+        self.prefetch = None
+        if self.selector is not None and self.stager is not None:
+            lay = self.layout
+            unit = lay.num_kv_heads * lay.block_size * (lay.head_dim + lay.dim_v)
+            engine = self.stager.engine  # its one worker: reads of a tier never overlap
+            link = f"staged->{self.device_name}"
+            self.prefetch = SelectionPrefetcher(
+                cc.attention_prefetch,
+                cc.attention_prefetch_budget,
+                unit * lay.dtype.itemsize,
+                max(1, len(self.layer_map) - cc.attention_dense_layers),
+                lay.block_size,
+                self.device,
+                lambda fn, nbytes: engine.submit(fn, link=link, nbytes=nbytes),
+                engine.wait,
+            )
+
+    def _truncate(self, key: Any, num_tokens: int) -> None:
+        """A table cut back (a crop, an undone step): its summaries and held units past
+        the cut go."""
+        if self.selector is not None:
+            self.selector.truncate(key, num_tokens)
+        if self.prefetch is not None:
+            self.prefetch.truncate(key, num_tokens)
 
     @property
     def step_tokens(self) -> dict[int, int]:
@@ -185,6 +212,26 @@ class AttentionRuntime:
         self._lone = None
         if self.selector is not None:
             self.selector.forget(self.manager.state.tables.get)
+        if self.prefetch is not None:
+            self.prefetch.settle()
+            self.prefetch.forget(self.manager.state.tables.get)
+
+    def selection_stats(self) -> dict[str, Any] | None:
+        """What query-aware selection did (None without it), with its prediction's
+        counters under "prefetch" (None when it read no staged tier)."""
+        if self.selector is None:
+            return None
+        out = self.selector.stats.as_dict()
+        out["prefetch"] = None
+        if self.prefetch is not None and self.prefetch.stats.attentions:
+            out["prefetch"] = {"policy": self.prefetch.policy, **self.prefetch.stats.as_dict()}
+        return out
+
+    def settle(self) -> None:
+        """Finish selection's reads ahead (before the store moves any block: a read
+        names a slot as it was when issued); free when none runs."""
+        if self.prefetch is not None:
+            self.prefetch.settle()
 
     @property
     def staging_bytes(self) -> int:
@@ -196,6 +243,8 @@ class AttentionRuntime:
     def close(self) -> None:
         """The store closed: its tiers are gone, any further attention raises."""
         self.closed = True
+        if self.prefetch is not None:
+            self.prefetch.close()
         if self.stager is not None:
             self.stager.close()
 
@@ -315,7 +364,9 @@ class AttentionRuntime:
                 if fused is not None:
                     return [fused]
                 chosen = self.selector.ranges(choice, qp)
-                return selected_partials(self, local, plan, chosen, qp, scale, softcap)
+                return selected_partials(
+                    self, local, group, seq_id, plan, chosen, qp, scale, softcap
+                )
         parts = [
             partial_where_kv_lives(qp, k, v, scale, softcap)
             for k, v in self._parts(layer, plan, seq_id)

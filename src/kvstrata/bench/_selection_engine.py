@@ -65,15 +65,22 @@ def engine_decode(
     tokens: int = 64,
     repeats: int = 2,
     progress: Any = None,
+    same_as: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows (config, decode_ms, attention_ms, decode_speedup, attention_speedup,
-    agreement, cached_tokens) of greedy decoding through one Engine; the first config
-    is the baseline. `configs` maps a name to CacheConfig fields: every config's must
-    give the first's placement (only the attention_* fields may differ)."""
+    agreement, cached_tokens, prefetch, same_as_base) of greedy decoding through one
+    Engine; the first config is the baseline. `configs` maps a name to CacheConfig
+    fields: every config's must give the first's placement (only the attention_*
+    fields may differ). `same_as[name]`: a config whose tokens `name`'s must equal
+    (selection with prediction against the same budget without): `same_as_base` is
+    the share of its decoded tokens that do, a prefix as `agreement` is. `prefetch`:
+    the prediction's counters over the config's runs (None when it read no staged
+    tier)."""
     from kvstrata.config import CacheConfig
     from kvstrata.engine import Engine, EngineConfig
 
     runs: dict[str, list[dict]] = {name: [] for name in configs}
+    predicted: dict[str, dict] = {}
     first = next(iter(configs.values()))
     config = EngineConfig(max_num_seqs=1)  # one request: the device holds one open block
     engine = Engine(model, tokenizer, config=config, prefix_caching=True, **first)
@@ -84,6 +91,8 @@ def engine_decode(
             for name, fields in configs.items():
                 runtime.set_selection(CacheConfig(**fields))
                 runs[name].append(_one(engine, ids, tokens))
+                if runtime.prefetch is not None and runtime.prefetch.stats.attentions:
+                    _add(predicted.setdefault(name, {}), runtime.prefetch.stats.as_dict())
                 if progress:
                     progress(1)
     finally:
@@ -97,10 +106,12 @@ def engine_decode(
     rows = []
     for name in configs:
         got = runs[name][0]["token_ids"]
-        same = next(
-            (i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
-            min(len(got), len(ref)),
-        )
+        same = _same(got, ref)
+        other = (same_as or {}).get(name)
+        pf = predicted.get(name)
+        if pf:
+            pf["hit_rate"] = pf["hits"] / pf["needed"] if pf["needed"] else None
+            pf["precision"] = pf["hits"] / pf["predicted"] if pf["predicted"] else None
         step, attn = med(name, "step_s"), med(name, "attention_s")
         rows.append(
             {
@@ -111,6 +122,30 @@ def engine_decode(
                 "attention_speedup": med(base, "attention_s") / attn if attn else None,
                 "agreement": same / max(1, len(ref)),
                 "cached_tokens": min(run["cached"] for run in runs[name]),
+                "prefetch": pf,
+                "same_as_base": (
+                    None
+                    if other is None or other == name
+                    else _same(got, runs[other][0]["token_ids"]) / max(1, len(got))
+                ),
             }
         )
     return rows
+
+
+def _same(got: list[int], ref: list[int]) -> int:
+    """How many of `got`'s first tokens equal `ref`'s."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
+        min(len(got), len(ref)),
+    )
+
+
+def _add(total: dict, stats: dict) -> None:
+    """Sum one run's prediction counters into `total` (rates are recomputed)."""
+    for key, value in stats.items():
+        if isinstance(value, int | float) and key not in ("hit_rate", "precision"):
+            if key in ("held_bytes", "peak_held_bytes"):
+                total[key] = max(total.get(key, 0), value)
+            else:
+                total[key] = total.get(key, 0) + value

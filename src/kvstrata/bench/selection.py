@@ -73,6 +73,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resident", type=float, default=0.1, help="device share of the KV")
     parser.add_argument("--disk", action="store_true", help="the cold half of the KV on disk")
+    parser.add_argument(
+        "--disk-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="this share of the KV on the disk tier, the rest of the cold KV on the host "
+        "(e.g. 0.9 with --resident 0.1: none on the host)",
+    )
+    parser.add_argument(
+        "--o-direct",
+        action="store_true",
+        help="disk reads with O_DIRECT: from the device, not the page cache (KV beyond RAM)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        default="off",
+        help="comma-separated attention_prefetch policies per budget: off, last, learned "
+        "(the next step's disk units predicted and held; docs/selection.md)",
+    )
     parser.add_argument("--needle", action="store_true", help="also passkey retrieval accuracy")
     parser.add_argument(
         "--engine",
@@ -124,6 +143,9 @@ def measure(
     dense_layers: int = 0,
     resident: float = 0.1,
     disk: bool = False,
+    disk_share: float | None = None,
+    o_direct: bool = False,
+    prefetch: tuple[str, ...] = ("off",),
     block_size: int = 64,
     needle: bool = False,
     engine_tokens: int = 0,
@@ -136,7 +158,6 @@ def measure(
     import torch
 
     from kvstrata.integrations.hf import TieredCache, enable
-    from kvstrata.model.budgets import placement
     from kvstrata.quality.evaluate import heldout_windows
     from kvstrata.workload.zoo import load_model
 
@@ -149,7 +170,8 @@ def measure(
     byte_level = is_byte_tokenizer(tokenizer)
     texts = heldout_windows(model_name, context, max(windows, 1), None if byte_level else tokenizer)
     windowed = texts[:windows]
-    names = [FULL] + [f"budget {b:g}" for b in budgets]
+    configs = [(b, p) for b in budgets for p in prefetch]
+    names = [FULL] + [_name(b, p) for b, p in configs]
     from kvstrata.config import CacheConfig
 
     page = CacheConfig.attention_page if page is None else page
@@ -167,8 +189,9 @@ def measure(
             "attention_refine": refine,
             "attention_channels": channels,
             "attention_dense_layers": dense_layers,
+            "attention_prefetch": p,
         }
-        for n, b in zip(names[1:], budgets, strict=True)
+        for n, (b, p) in zip(names[1:], configs, strict=True)
     }
     acc = {n: {"nll": 0.0, "top1": 0, "steps": [], "attn": [], "kv": 0, "sum": 0} for n in names}
     heads = cfg.num_key_value_heads
@@ -179,12 +202,9 @@ def measure(
             ids = torch.tensor(ids)
             caches, timers = {}, {}
             for i, name in enumerate(names):
-                place = placement(
-                    model,
-                    context,
-                    resident=resident,
-                    block_size=block_size,
-                    disk_dir=f"{tmp}/{w}-{i}" if disk else None,
+                where = f"{tmp}/{w}-{i}" if disk else None
+                place = _placement(
+                    model, context, resident, block_size, where, disk_share, o_direct
                 )
                 cache = TieredCache(cfg, **place, **fields[name])
                 with torch.inference_mode():
@@ -257,6 +277,9 @@ def measure(
         "dense_layers": dense_layers,
         "resident": resident,
         "disk": disk,
+        "disk_share": disk_share,
+        "o_direct": o_direct,
+        "prefetch": list(prefetch),
         "rows": rows,
         "positions": getattr(cfg, "max_position_embeddings", None),
     }
@@ -267,18 +290,51 @@ def measure(
 
         prompt = list(texts[0][: context - engine_tokens])
         with tempfile.TemporaryDirectory(prefix="kvstrata-selection-") as tmp:
-            place = placement(
-                model,
-                context,
-                resident=resident,
-                block_size=block_size,
-                disk_dir=tmp if disk else None,
-            )
-            configs = {name: {**place, **f} for name, f in fields.items()}
+            where = tmp if disk else None
+            place = _placement(model, context, resident, block_size, where, disk_share, o_direct)
+            per = {name: {**place, **f} for name, f in fields.items()}
+            base = {_name(b, p): _name(b, prefetch[0]) for b, p in configs}
             result["engine"] = engine_decode(
-                model, tokenizer, prompt, configs, engine_tokens, repeats, progress
+                model, tokenizer, prompt, per, engine_tokens, repeats, progress, base
             )
     return result
+
+
+def _pct(stats: dict | None, key: str) -> str:
+    return "-" if not stats or stats.get(key) is None else f"{stats[key]:.0%}"
+
+
+def _mib(stats: dict | None, key: str) -> str:
+    return "-" if not stats else f"{stats[key] / 2**20:.1f} MiB"
+
+
+def _name(budget: int | float, prefetch: str) -> str:
+    return f"budget {budget:g}" + ("" if prefetch == "off" else f" prefetch={prefetch}")
+
+
+def _placement(
+    model: Any,
+    context: int,
+    resident: float,
+    block_size: int,
+    disk_dir: str | None,
+    disk_share: float | None,
+    o_direct: bool,
+) -> dict[str, Any]:
+    """placement()'s fields, and O_DIRECT on its disk tier."""
+    from kvstrata.model.budgets import placement
+
+    place = placement(
+        model,
+        context,
+        resident=resident,
+        block_size=block_size,
+        disk_dir=disk_dir,
+        disk_share=disk_share if disk_dir else None,
+    )
+    if disk_dir is not None:
+        place["disk_o_direct"] = o_direct
+    return place
 
 
 def _check_span(cfg: Any, context: int, windows: int, positions: int, other: Any) -> None:
@@ -346,6 +402,18 @@ def run(args: argparse.Namespace) -> int:
         "attention_channels": args.channels,
     }
     CacheConfig(**{k: v for k, v in chosen.items() if v is not None})  # one-line errors first
+    prefetch = tuple(p.strip() for p in args.prefetch.split(",") if p.strip()) or ("off",)
+    for p in prefetch:
+        CacheConfig(attention_prefetch=p)
+    if args.disk_share is not None and not 0 < args.disk_share < 1:
+        from kvstrata.core.errors import ConfigError
+
+        raise ConfigError.field("disk_share", args.disk_share, "a share in (0, 1), e.g. 0.9")
+    if (args.disk_share is not None or args.o_direct) and not args.disk:
+        from kvstrata.core.errors import ConfigError
+
+        flag = "disk_share" if args.disk_share is not None else "o_direct"
+        raise ConfigError.field(flag, True, "it places KV on the disk tier: add --disk")
     torch.set_num_threads(args.threads)
     result = measure(
         _model_name(args.model),
@@ -362,6 +430,9 @@ def run(args: argparse.Namespace) -> int:
         dense_layers=args.dense_layers,
         resident=args.resident,
         disk=args.disk,
+        disk_share=args.disk_share,
+        o_direct=args.o_direct,
+        prefetch=prefetch,
         block_size=args.block_size,
         needle=args.needle,
         engine_tokens=args.engine,
@@ -411,6 +482,9 @@ def run(args: argparse.Namespace) -> int:
             "decode ×",
             "attn ×",
             "greedy =",
+            "= no prediction",
+            "hit rate",
+            "wasted",
             "prompt cached",
         ]
         rows = [
@@ -421,6 +495,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['decode_speedup']:.2f}",
                 f"{r['attention_speedup']:.2f}",
                 f"{r['agreement']:.0%}",
+                "-" if r.get("same_as_base") is None else f"{r['same_as_base']:.0%}",
+                _pct(r.get("prefetch"), "hit_rate"),
+                _mib(r.get("prefetch"), "wasted_bytes"),
                 str(r["cached_tokens"]),
             ]
             for r in result["engine"]

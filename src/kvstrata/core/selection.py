@@ -12,6 +12,8 @@ ATTENTION_SUMMARIES = ("minmax", "mean")
 # how a KV head scores a page from its query heads' scores: the best one's, or their sum
 ATTENTION_SCORES = ("max", "sum")
 ATTENTION_PAGE_MAX = 256
+# what predicts the next decode step's units in staged tiers (attention/selection/prefetch)
+ATTENTION_PREFETCH = ("off", "last", "learned")
 ATTENTION_BUDGET_HELP = (
     "None (exact attention), a token count such as 1024 or '1k', or a fraction of each "
     "sequence's context in (0, 1) such as 0.125 or '12.5%'"

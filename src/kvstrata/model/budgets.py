@@ -235,9 +235,11 @@ def placement(
     residual_tokens: int = 128,
     sink_tokens: int = 4,
     disk_dir: str | None = None,
+    disk_share: float | None = None,
 ) -> dict[str, Any]:
     """CacheConfig fields that keep `resident` of a `context`-token sequence on the device
-    and the rest on the host (and, with `disk_dir`, half of the rest on disk).
+    and the rest on the host (and, with `disk_dir`, half of the rest on disk, or
+    `disk_share` of the whole on disk).
 
     The codec applies to the lower tiers. A lossy codec needs the residual window (the
     newest `residual_tokens`) + the sinks + the open block on the device (per layer
@@ -251,6 +253,8 @@ def placement(
         block_size: Tokens per block.
         residual_tokens / sink_tokens: The full-precision window and the sinks.
         disk_dir: Parent directory of a disk tier (None = no disk tier).
+        disk_share: With disk_dir, the share of the context on disk (None: half of
+            what is not resident); the host holds the rest of the cold blocks.
 
     Returns:
         Keyword fields for :class:`~kvstrata.config.CacheConfig`.
@@ -287,6 +291,9 @@ def placement(
         kwargs["host_budget"] = (cold_blocks + spare) * lower_bytes
         return kwargs
     host_blocks = max(1, cold_blocks // 2)
+    if disk_share is not None:
+        share = parse_fraction(disk_share, "disk_share")
+        host_blocks = max(0, cold_blocks - math.ceil(share * total_blocks - 1e-9))
     kwargs["host_budget"] = host_blocks * lower_bytes
     kwargs["disk_dir"] = disk_dir
     kwargs["disk_codec"] = codec

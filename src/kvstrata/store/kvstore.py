@@ -186,6 +186,8 @@ class KVStore(OneThread, RecordsEvents, AdaptsBudgets):
         if self.manager is None:
             raise RuntimeError("KVStore is empty: build() it or run a forward pass first")
         self.check_thread()
+        if self.runtime is not None:  # reads ahead done before any block may move
+            self.runtime.settle()
         return self.manager
 
     def rewind(self, lengths: dict[int, int]) -> None:
@@ -470,7 +472,7 @@ class KVStore(OneThread, RecordsEvents, AdaptsBudgets):
             "kv_bytes": mgr.live_bytes(),
             "peak_kv_bytes": state.peak_live_bytes,
             "transfers": runtime.transfer_stats() if runtime else None,
-            "selection": runtime.selector.stats.as_dict() if runtime and runtime.selector else None,
+            "selection": runtime.selection_stats() if runtime else None,
             "prefix": self.prefix.as_dict(),
             "remote": self.prefix_index.remote_stats(),
             "host_pressure": self.pressure_stats(),

@@ -138,6 +138,8 @@ def native_selected(
 def selected_partials(
     rt: Any,
     local: int,
+    group: int,
+    seq_id: int,
     plan: ReadPlan,
     chosen: np.ndarray,
     qp: torch.Tensor,
@@ -168,15 +170,90 @@ def selected_partials(
                 softcap,
             )
             parts.append((out[:, 0], lse[:, 0]))
-    if plan.pieces:
-        pieces = _clip(plan.pieces, union(chosen))
-        for t0, k, v in _views(rt, local, pieces):
-            n = k.shape[1]
-            # +1 where a head's range starts, -1 where it ends: the running sum is > 0
-            # inside its ranges (each head's are disjoint)
-            edges = np.zeros((hkv, n + 1), dtype=np.int32)
-            np.add.at(edges, (chosen[:, 0], np.clip(chosen[:, 1] - t0, 0, n)), 1)
-            np.add.at(edges, (chosen[:, 0], np.clip(chosen[:, 2] - t0, 0, n)), -1)
-            allowed = torch.from_numpy(np.cumsum(edges[:, :n], axis=1) > 0)
+    pieces = plan.pieces
+    if pieces and rt.prefetch is not None and plan.has_staged:
+        staged = [p for p in pieces if p[0]]
+        pieces = [p for p in pieces if not p[0]]
+        parts.extend(_staged_partials(rt, local, group, seq_id, staged, chosen, qp, scale, softcap))
+    if pieces:
+        for t0, k, v in _views(rt, local, _clip(pieces, union(chosen))):
+            allowed = torch.from_numpy(_inside(chosen, hkv, t0, k.shape[1]))
             parts.append(_masked_partial(qp, k, v, allowed, scale, softcap))
+    return parts
+
+
+def _inside(chosen: np.ndarray, heads: int, t0: int, n: int) -> np.ndarray:
+    """[heads, n] bool: whether key t0 + i lies in one of its head's chosen ranges."""
+    # +1 where a head's range starts, -1 where it ends: the running sum is > 0 inside
+    # its ranges (each head's are disjoint)
+    edges = np.zeros((heads, n + 1), dtype=np.int32)
+    np.add.at(edges, (chosen[:, 0], np.clip(chosen[:, 1] - t0, 0, n)), 1)
+    np.add.at(edges, (chosen[:, 0], np.clip(chosen[:, 2] - t0, 0, n)), -1)
+    return np.cumsum(edges[:, :n], axis=1) > 0
+
+
+def _staged_partials(
+    rt: Any,
+    local: int,
+    group: int,
+    seq_id: int,
+    staged: list[tuple],
+    chosen: np.ndarray,
+    qp: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Partials of packed decode queries qp over the chosen keys in staged runs: each
+    (block, layer) unit the heads' ranges touch read once (or found held by the
+    prediction, `rt.prefetch`), the held ones attended while the others load."""
+    bs, hkv = rt.layout.block_size, qp.shape[0]
+    end = max(hi for *_, hi in staged)
+    nb = -(-end // bs)
+    mask = np.zeros((hkv, nb * bs), dtype=bool)
+    for _, _, lo, hi in staged:
+        mask[:, lo:hi] = True
+    mask &= _inside(chosen, hkv, 0, nb * bs)
+    per_block = mask.reshape(hkv, nb, bs).sum(axis=(0, 2))
+    needs, weights = [], []
+    for _, run, lo, hi in staged:
+        first = run.token_start // bs
+        for b in np.nonzero(per_block[lo // bs : -(-hi // bs)])[0] + lo // bs:
+            b = int(b)
+            valid = min(hi, run.token_start + run.num_tokens, (b + 1) * bs) - b * bs
+            needs.append((b, run.tier, run.first_slot + b - first, valid))
+            weights.append(per_block[b])
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if not needs:
+        return parts
+
+    def attend(pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        k = torch.cat([p[1] for p in pieces], dim=1) if len(pieces) > 1 else pieces[0][1]
+        v = torch.cat([p[2] for p in pieces], dim=1) if len(pieces) > 1 else pieces[0][2]
+        pos = np.concatenate([np.arange(t, t + bs) for t, _, _ in pieces])
+        allowed = torch.from_numpy(mask[:, pos])
+        parts.append(_masked_partial(qp, k, v, allowed, scale, softcap))
+
+    def read(tier: str, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = rt.layout
+        n = len(slots) * bs
+        k = torch.empty((lay.num_kv_heads, n, lay.head_dim), dtype=lay.dtype)
+        v = torch.empty((lay.num_kv_heads, n, lay.dim_v), dtype=lay.dtype)
+        with torch.inference_mode(inference):
+            rt.tiers[tier].read_layer(local, slots, k, v)
+        return k.to(rt.device), v.to(rt.device)
+
+    inference = torch.is_inference_mode_enabled()  # worker threads do not inherit it
+    runs = rt.manager.runs((seq_id, group))
+
+    def locate(b: int) -> tuple[str, int] | None:
+        for run in runs:
+            first = run.token_start // bs
+            if first <= b and (b + 1) * bs <= run.token_start + run.num_tokens:
+                staged_tier = run.tier not in rt.local and run.tier not in rt.native
+                return (run.tier, run.first_slot + b - first) if staged_tier else None
+        return None
+
+    key = (seq_id, group)
+    table = rt.manager.state.tables[key]
+    rt.prefetch.gather(key, table, local, needs, np.asarray(weights), read, attend, locate)
     return parts
