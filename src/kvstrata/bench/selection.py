@@ -89,8 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefetch",
         default="off",
-        help="comma-separated attention_prefetch policies per budget: off, last, learned "
-        "(the next step's disk units predicted and held; docs/selection.md)",
+        help="comma-separated attention_prefetch policies per budget: off, last, learned, "
+        "each with an optional :BYTES attention_prefetch_budget (last:256MiB; the next "
+        "step's disk blocks predicted and held: docs/selection.md)",
     )
     parser.add_argument("--needle", action="store_true", help="also passkey retrieval accuracy")
     parser.add_argument(
@@ -189,7 +190,7 @@ def measure(
             "attention_refine": refine,
             "attention_channels": channels,
             "attention_dense_layers": dense_layers,
-            "attention_prefetch": p,
+            **_prefetch_fields(p),
         }
         for n, (b, p) in zip(names[1:], configs, strict=True)
     }
@@ -308,6 +309,15 @@ def _mib(stats: dict | None, key: str) -> str:
     return "-" if not stats else f"{stats[key] / 2**20:.1f} MiB"
 
 
+def _prefetch_fields(entry: str) -> dict[str, Any]:
+    """CacheConfig fields of a --prefetch entry, "policy" or "policy:budget"."""
+    policy, _, budget = entry.partition(":")
+    out: dict[str, Any] = {"attention_prefetch": policy}
+    if budget:
+        out["attention_prefetch_budget"] = budget
+    return out
+
+
 def _name(budget: int | float, prefetch: str) -> str:
     return f"budget {budget:g}" + ("" if prefetch == "off" else f" prefetch={prefetch}")
 
@@ -404,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
     CacheConfig(**{k: v for k, v in chosen.items() if v is not None})  # one-line errors first
     prefetch = tuple(p.strip() for p in args.prefetch.split(",") if p.strip()) or ("off",)
     for p in prefetch:
-        CacheConfig(attention_prefetch=p)
+        CacheConfig(**_prefetch_fields(p))
     if args.disk_share is not None and not 0 < args.disk_share < 1:
         from kvstrata.core.errors import ConfigError
 

@@ -3,8 +3,9 @@
 remote tier's (`--remote-*`) and query-aware key selection's (`--attention-budget`,
 `--attention-summary`, `--attention-page`, `--attention-score`,
 `--attention-dense-layers`, `--attention-coarse`, `--attention-refine`,
-`--attention-channels`) and the host tier's under memory pressure (`--host-pressure`,
-`--host-headroom`), and `--numa`."""
+`--attention-channels`, `--attention-prefetch`, `--attention-prefetch-budget`) and the
+host tier's under memory pressure (`--host-pressure`, `--host-headroom`), and
+`--numa`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ ATTENTION_FIELDS = (
     "attention_coarse",
     "attention_refine",
     "attention_channels",
+    "attention_prefetch",
+    "attention_prefetch_budget",
 )
 
 
@@ -121,6 +124,17 @@ def add_cache_flags(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         help="query channels (largest |q|) each row scores pages over (16; 0: all)",
+    )
+    g.add_argument(
+        "--attention-prefetch",
+        default=None,
+        help="with a budget over disk / staged tiers: hold the next step's predicted "
+        "blocks — last (what this step read), learned (recency/frequency), off (default)",
+    )
+    g.add_argument(
+        "--attention-prefetch-budget",
+        default=None,
+        help="bytes the prediction may hold on the compute device (1GiB)",
     )
     add_remote_flags(g)
 

@@ -86,6 +86,9 @@ class _SnapshotCollector:
             yield from _remote_metrics(store_stats["remote"])
         if store_stats.get("host_pressure"):
             yield from _pressure_metrics(store_stats["host_pressure"])
+        prefetch = (store_stats.get("selection") or {}).get("prefetch")
+        if prefetch:
+            yield from _prefetch_metrics(prefetch)
         xfer = store_stats.get("transfers")
         if xfer:
             stall = CounterMetricFamily(
@@ -97,6 +100,29 @@ class _SnapshotCollector:
             )
             hidden.add_metric([], xfer["overlap_ratio"])
             yield from (stall, hidden)
+
+
+_C, _G = CounterMetricFamily, GaugeMetricFamily
+_PREFETCH = (  # (family, metric name, stats key, help)
+    (_C, "needed", "needed", "(block, layer) units in staged tiers selecting decodes read"),
+    (_C, "hits", "hits", "of those, held by the prediction when a step asked"),
+    (_C, "misses", "misses", "of those, read while the step waited"),
+    (_C, "fetched_ahead", "fetched_ahead", "units read ahead of the step that asks for them"),
+    (_C, "wasted_bytes", "wasted_bytes", "bytes read ahead and dropped unused"),
+    (_C, "read_bytes", "read_bytes", "bytes selection read from staged tiers"),
+    (_C, "stall_seconds", "stall_s", "time selecting decodes waited for their reads"),
+    (_G, "held_bytes", "held_bytes", "bytes of units the prediction holds"),
+    (_G, "hit_rate", "hit_rate", "share of the units asked for that were held"),
+)
+
+
+def _prefetch_metrics(p: dict[str, Any]) -> Iterator[Metric]:
+    """Query-aware selection's prediction of the next step's units (attention_prefetch)."""
+    for family, name, key, doc in _PREFETCH:
+        if p.get(key) is not None:
+            m = family(f"kvstrata_selection_prefetch_{name}", doc)
+            m.add_metric([], p[key])
+            yield m
 
 
 def _pressure_metrics(p: dict[str, Any]) -> Iterator[Metric]:
