@@ -220,6 +220,7 @@ REGION_FILES = (
     "docs/models.md",
     "docs/fleet.md",
     "docs/blend.md",
+    "docs/selection.md",
 )
 PEER_FILE = "peer-docqa.json"
 PEER_PHASES = {"docqa_warm": "docqa warm-up", "docqa_query": "docqa queries"}
@@ -905,6 +906,60 @@ def blend_table() -> str:
     return _recorded("blend.json", [head, "", *ttft, "", *quality, "", verdict])
 
 
+def selection_prefetch_table() -> str:
+    """`kvstrata bench selection --prefetch`: greedy decode over the disk tier with a
+    budget, each prediction policy against the same budget without prediction and
+    against full attention."""
+    r = _load("selection-prefetch.json")["result"]
+    rows = {row["config"]: row for row in r["engine"]}
+    full = next(iter(rows.values()))
+    off = next(row for name, row in rows.items() if name.startswith("budget") and "=" not in name)
+
+    def held(row: dict) -> str:
+        pf = row.get("prefetch")
+        return f"{pf['peak_held_bytes'] / 2**20:.0f} MiB" if pf else "–"
+
+    table = _table(
+        (
+            "config",
+            "decode ms / token",
+            "against no prediction",
+            "against full attention",
+            "hit rate",
+            "precision",
+            "read (GiB)",
+            "wasted",
+            "held (peak)",
+            "stall (s)",
+            "tokens = no prediction",
+        ),
+        [
+            (
+                f"`{name}`",
+                f"{row['decode_ms']:.0f}",
+                "–" if row is off or row is full else _faster(row["decode_ms"], off["decode_ms"]),
+                "–" if row is full else _faster(row["decode_ms"], full["decode_ms"]),
+                _pct((row.get("prefetch") or {}).get("hit_rate")),
+                _pct((row.get("prefetch") or {}).get("precision")),
+                f"{row['prefetch']['read_bytes'] / 2**30:.1f}" if row.get("prefetch") else "–",
+                f"{row['prefetch']['wasted_bytes'] / 2**20:.1f} MiB" if row.get("prefetch") else "–",
+                held(row),
+                f"{row['prefetch']['stall_s']:.1f}" if row.get("prefetch") else "–",
+                "–" if row.get("same_as_base") is None else _pct(row["same_as_base"]),
+            )
+            for name, row in rows.items()
+        ],
+    )
+    head = (
+        f"{r['model']} (max_position_embeddings raised to {r['positions']}: speed only), "
+        f"{r['context']} tokens, {int(100 * r['disk_share'])} % of the KV on the disk tier"
+        f"{' with O_DIRECT' if r['o_direct'] else ''}, the rest on the device; greedy decode "
+        f"through the engine, {full['cached_tokens']} prompt tokens cached, the medians over "
+        "every token of 2 repeats; read, wasted and stall summed over them."
+    )
+    return _recorded("selection-prefetch.json", [head, "", *table])
+
+
 REPORT_FIGURES = {
     "strategy": "Offloading strategies",
     "resident": "Resident fraction vs decode speed",
@@ -958,6 +1013,7 @@ RESULTS = {
     "eval-ppl-tiny": lambda: eval_ppl("eval-ppl-tiny.json"),
     "fleet": fleet_table,
     "blend": blend_table,
+    "selection-prefetch": selection_prefetch_table,
 }
 
 

@@ -5,9 +5,12 @@ When the native kernel reads every key in place, one native call scores, chooses
 attends (`native_selected`). Otherwise the runs the native CPU kernel reads in place
 become one descriptor array per KV head
 (the step's read plan's parts, moved to the chosen rows and to that head), attended in
-one batched native call with one head per "sequence". Other pieces (staged disk or
-lossy blocks, device arenas) are read for the union of the heads' ranges, chunk after
-chunk with the next one loading behind, and each head's partial is masked to its own.
+one batched native call with one head per "sequence". Staged pieces (the disk tier,
+lossy or staged host blocks) are read as whole (block, layer) units, each unit some
+head chose a key in read once — or found held by the prediction of the step before
+(`prefetch.py`) — and attended in one partial masked to each head's ranges. Other
+pieces (device arenas) are viewed for the union of the heads' ranges, each head's
+partial masked to its own.
 """
 
 from __future__ import annotations
@@ -205,7 +208,8 @@ def _staged_partials(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Partials of packed decode queries qp over the chosen keys in staged runs: each
     (block, layer) unit the heads' ranges touch read once (or found held by the
-    prediction, `rt.prefetch`), the held ones attended while the others load."""
+    prediction, `rt.prefetch`), all of them attended in block order in one masked
+    attention (the same sums whatever was held)."""
     bs, hkv = rt.layout.block_size, qp.shape[0]
     end = max(hi for *_, hi in staged)
     nb = -(-end // bs)
