@@ -915,9 +915,18 @@ def selection_prefetch_table() -> str:
     full = next(iter(rows.values()))
     off = next(row for name, row in rows.items() if name.startswith("budget") and "=" not in name)
 
-    def held(row: dict) -> str:
+    def cells(row: dict) -> tuple[str, ...]:
         pf = row.get("prefetch")
-        return f"{pf['peak_held_bytes'] / 2**20:.0f} MiB" if pf else "–"
+        if not pf:
+            return ("–",) * 6
+        return (
+            _pct(pf["hit_rate"]),
+            _pct(pf["precision"]),
+            f"{pf['read_bytes'] / 2**30:.1f}",
+            f"{pf['wasted_bytes'] / 2**20:.1f} MiB",
+            f"{pf['peak_held_bytes'] / 2**20:.0f} MiB",
+            f"{pf['stall_s']:.1f}",
+        )
 
     table = _table(
         (
@@ -939,12 +948,7 @@ def selection_prefetch_table() -> str:
                 f"{row['decode_ms']:.0f}",
                 "–" if row is off or row is full else _faster(row["decode_ms"], off["decode_ms"]),
                 "–" if row is full else _faster(row["decode_ms"], full["decode_ms"]),
-                _pct((row.get("prefetch") or {}).get("hit_rate")),
-                _pct((row.get("prefetch") or {}).get("precision")),
-                f"{row['prefetch']['read_bytes'] / 2**30:.1f}" if row.get("prefetch") else "–",
-                f"{row['prefetch']['wasted_bytes'] / 2**20:.1f} MiB" if row.get("prefetch") else "–",
-                held(row),
-                f"{row['prefetch']['stall_s']:.1f}" if row.get("prefetch") else "–",
+                *cells(row),
                 "–" if row.get("same_as_base") is None else _pct(row["same_as_base"]),
             )
             for name, row in rows.items()
