@@ -36,8 +36,7 @@ from kvstrata.attention.native import (
 from kvstrata.attention.partials import causal_new, partial_where_kv_lives
 from kvstrata.attention.reads import ReadPlan, ReadPlanner
 from kvstrata.attention.selection.attend import native_selected, read_keys, selected_partials
-from kvstrata.attention.selection.prefetch import SelectionPrefetcher
-from kvstrata.attention.selection.selector import KeySelector
+from kvstrata.attention.selection.control import SelectionControl
 from kvstrata.attention.selection.sharing import BlockHashes
 from kvstrata.attention.staging import Stager
 from kvstrata.blocks.manager import BlockManager, Run
@@ -99,7 +98,7 @@ class RowMask:
     dense: torch.Tensor | None
 
 
-class AttentionRuntime:
+class AttentionRuntime(SelectionControl):
     """Attention over a store's tiers (see the module docstring)."""
 
     # Decode on the CPU through kvstrata/platform/csrc/attention.cpp when it is available
@@ -162,43 +161,9 @@ class AttentionRuntime:
         self._hashes = BlockHashes(
             lambda b: getattr(blocks.get(b), "block_hash", None), layout.block_size
         )
-        self.selector: KeySelector | None = None
-        self.prefetch: SelectionPrefetcher | None = None
+        self.selector = self.prefetch = None
         self.set_selection(cc)
         state.on_truncate = self._truncate
-
-    def set_selection(self, cc: CacheConfig) -> None:
-        """Query-aware key selection as `cc`'s attention_* fields give it (None: exact
-        attention) from the next step on; between steps only (the benchmarks compare
-        settings over one store's placement and cached prompt this way)."""
-        half = self.device.type == "cpu" and bool(self.native)  # the native kernel's fp16
-        self.selector = KeySelector.from_config(cc, self.device, half, self._hashes)
-        if self.prefetch is not None:
-            self.prefetch.close()
-        self.prefetch = None
-        if self.selector is not None and self.stager is not None:
-            lay = self.layout
-            unit = lay.num_kv_heads * lay.block_size * (lay.head_dim + lay.dim_v)
-            engine = self.stager.engine  # its one worker: reads of a tier never overlap
-            link = f"staged->{self.device_name}"
-            self.prefetch = SelectionPrefetcher(
-                cc.attention_prefetch,
-                cc.attention_prefetch_budget,
-                unit * lay.dtype.itemsize,
-                max(1, len(self.layer_map) - cc.attention_dense_layers),
-                lay.block_size,
-                self.device,
-                lambda fn, nbytes: engine.submit(fn, link=link, nbytes=nbytes),
-                engine.wait,
-            )
-
-    def _truncate(self, key: Any, num_tokens: int) -> None:
-        """A table cut back (a crop, an undone step): its summaries and held units past
-        the cut go."""
-        if self.selector is not None:
-            self.selector.truncate(key, num_tokens)
-        if self.prefetch is not None:
-            self.prefetch.truncate(key, num_tokens)
 
     @property
     def step_tokens(self) -> dict[int, int]:
@@ -215,23 +180,6 @@ class AttentionRuntime:
         if self.prefetch is not None:
             self.prefetch.settle()
             self.prefetch.forget(self.manager.state.tables.get)
-
-    def selection_stats(self) -> dict[str, Any] | None:
-        """What query-aware selection did (None without it), with its prediction's
-        counters under "prefetch" (None when it read no staged tier)."""
-        if self.selector is None:
-            return None
-        out = self.selector.stats.as_dict()
-        out["prefetch"] = None
-        if self.prefetch is not None and self.prefetch.stats.attentions:
-            out["prefetch"] = {"policy": self.prefetch.policy, **self.prefetch.stats.as_dict()}
-        return out
-
-    def settle(self) -> None:
-        """Finish selection's reads ahead (before the store moves any block: a read
-        names a slot as it was when issued); free when none runs."""
-        if self.prefetch is not None:
-            self.prefetch.settle()
 
     @property
     def staging_bytes(self) -> int:

@@ -149,3 +149,41 @@ def _add(total: dict, stats: dict) -> None:
                 total[key] = max(total.get(key, 0), value)
             else:
                 total[key] = total.get(key, 0) + value
+
+
+def print_engine_rows(rows: list[dict[str, Any]], tokens: int, context: int) -> None:
+    """`engine_decode`'s rows as a table."""
+    cols = [
+        "config",
+        "decode ms/token",
+        "attn ms/token",
+        "decode ×",
+        "attn ×",
+        "greedy =",
+        "= no prediction",
+        "hit rate",
+        "wasted",
+        "prompt cached",
+    ]
+
+    def prefetch(r: dict, key: str, fmt: str) -> str:
+        pf = r.get("prefetch")
+        return "-" if not pf or pf.get(key) is None else format(pf[key], fmt)
+
+    table = [
+        [
+            r["config"],
+            f"{r['decode_ms']:.1f}",
+            f"{r['attention_ms']:.1f}",
+            f"{r['decode_speedup']:.2f}",
+            f"{r['attention_speedup']:.2f}",
+            f"{r['agreement']:.0%}",
+            "-" if r.get("same_as_base") is None else f"{r['same_as_base']:.0%}",
+            prefetch(r, "hit_rate", ".0%"),
+            prefetch(r, "wasted_bytes", ",d") + (" B" if r.get("prefetch") else ""),
+            str(r["cached_tokens"]),
+        ]
+        for r in rows
+    ]
+    title = f"Engine greedy decode, {tokens} tokens after {context - tokens}"
+    _timing.print_table(title, cols, table)

@@ -301,14 +301,6 @@ def measure(
     return result
 
 
-def _pct(stats: dict | None, key: str) -> str:
-    return "-" if not stats or stats.get(key) is None else f"{stats[key]:.0%}"
-
-
-def _mib(stats: dict | None, key: str) -> str:
-    return "-" if not stats else f"{stats[key] / 2**20:.1f} MiB"
-
-
 def _prefetch_fields(entry: str) -> dict[str, Any]:
     """CacheConfig fields of a --prefetch entry, "policy" or "policy:budget"."""
     policy, _, budget = entry.partition(":")
@@ -485,33 +477,7 @@ def run(args: argparse.Namespace) -> int:
     if "needle" in result:
         print("needle accuracy:", {k: f"{v:.0%}" for k, v in result["needle"].items()})
     if "engine" in result:
-        cols = [
-            "config",
-            "decode ms/token",
-            "attn ms/token",
-            "decode ×",
-            "attn ×",
-            "greedy =",
-            "= no prediction",
-            "hit rate",
-            "wasted",
-            "prompt cached",
-        ]
-        rows = [
-            [
-                r["config"],
-                f"{r['decode_ms']:.1f}",
-                f"{r['attention_ms']:.1f}",
-                f"{r['decode_speedup']:.2f}",
-                f"{r['attention_speedup']:.2f}",
-                f"{r['agreement']:.0%}",
-                "-" if r.get("same_as_base") is None else f"{r['same_as_base']:.0%}",
-                _pct(r.get("prefetch"), "hit_rate"),
-                _mib(r.get("prefetch"), "wasted_bytes"),
-                str(r["cached_tokens"]),
-            ]
-            for r in result["engine"]
-        ]
-        title = f"Engine greedy decode, {args.engine} tokens after {context - args.engine}"
-        _timing.print_table(title, cols, rows)
+        from kvstrata.bench._selection_engine import print_engine_rows
+
+        print_engine_rows(result["engine"], args.engine, context)
     return 0

@@ -121,8 +121,7 @@ class KVStore(OneThread, RecordsEvents, AdaptsBudgets):
 
     @property
     def lossy_below(self) -> bool:
-        """A tier below the device stores a lossy codec (the residual window then stays
-        on the device)."""
+        """A lower tier stores a lossy codec (the residual window then stays on the device)."""
         return lossy_below(self.codecs)
 
     # -- construction -------------------------------------------------------------------------
@@ -482,10 +481,9 @@ class KVStore(OneThread, RecordsEvents, AdaptsBudgets):
 
     def close(self) -> None:
         """Persist hashed blocks to the disk tier and release files. Idempotent."""
-        if self._closed or self.manager is None:
-            self._closed = True
+        was_closed, self._closed = self._closed, True
+        if was_closed or self.manager is None:
             return
-        self._closed = True
         try:
             self.prefix_index.persist()
         finally:
