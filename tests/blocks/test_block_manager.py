@@ -219,6 +219,42 @@ TestLfuDisk = LfuDiskMachine.TestCase
 TestLfuDisk.settings = _FAST
 
 
+class _Draws:
+    """A hypothesis `data` that returns recorded draws in turn."""
+
+    def __init__(self, *values) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+def test_a_crop_that_reopens_a_lower_block_keeps_the_device_within_its_budget():
+    """A run the state machine found (CI): with the device budget cut below its arena,
+    cropping a sequence into a block on the host brings that block back to the device;
+    the room counted was the arena's free slots, not the budget's, and the device
+    ended one block over its budget."""
+    m = WindowDiskMachine()
+    steps = [
+        ("set_budget", ("device", 3), {}), ("add_sequence", None, {}),
+        ("remap", ([0, 0, 0, 0],), {}), ("truncate", (3, 0), {}), ("truncate", (0, 0), {}),
+        ("remap", ([2, 1, 1],), {}), ("truncate", (0, 0), {}), ("fork", (0,), {}),
+        ("append", ([2, 0],), {"num_new": 5, "seed": 2762}), ("truncate", (3, 0), {}),
+        ("set_budget", ("disk", 6), {}),
+        ("append", ([0, 3, 2, 1],), {"num_new": 3, "seed": 1520}), ("free", (0,), {}),
+        ("append", ([1, 2, 3],), {"num_new": 2, "seed": 137}), ("truncate", (1, 1), {}),
+        ("append", ([2],), {"num_new": 1, "seed": 200}),
+    ]  # fmt: skip
+    try:
+        for name, draws, kw in steps:
+            rule = getattr(m, name)
+            rule() if draws is None else rule(_Draws(*draws), **kw)
+            m.consistent()
+            m._within_budgets()
+    finally:
+        m.teardown()
+
+
 # -- exact orders (vLLM style) --------------------------------------------------------------
 
 
