@@ -294,3 +294,21 @@ def test_bench_engine_rows_compare_prediction_with_the_same_budget_without(tmp_p
         last["prefetch"]["hit_rate"] > 0.3
         and last["prefetch"]["needed"] == off["prefetch"]["needed"]
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefetch", "off,soon"], "attention_prefetch='soon' is invalid"),
+        (["--prefetch", "last:lots"], "attention_prefetch_budget='lots' is invalid"),
+        (["--disk", "--disk-share", "1.5"], "disk_share=1.5 is invalid"),
+        (["--disk-share", "0.9"], "disk_share=0.9 is invalid: it needs the disk tier"),
+        (["--o-direct"], "o_direct=True is invalid: it needs the disk tier"),
+    ],
+)
+def test_bench_selection_prediction_flags_are_one_line_errors(args, message, capsys):
+    from kvstrata.cli import main
+
+    assert main(["bench", "selection", "--windows", "0", "--engine", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -415,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
         from kvstrata.core.errors import ConfigError
 
         flag = "disk_share" if args.disk_share is not None else "o_direct"
-        raise ConfigError.field(flag, True, "it places KV on the disk tier: add --disk")
+        raise ConfigError.field(flag, getattr(args, flag), "it needs the disk tier: add --disk")
     torch.set_num_threads(args.threads)
     result = measure(
         _model_name(args.model),
