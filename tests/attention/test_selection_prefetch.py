@@ -212,6 +212,10 @@ def test_learned_keeps_frequent_units_through_a_skip_and_fetches_ahead():
     _step(pf, reads, [8])
     _step(pf, reads, others)
     assert 8 not in pf._layers[("s", 0)].units
+    for _ in range(4):  # the units read ahead were used: dropped now, they are no waste
+        _step(pf, reads, sorted(held))
+    assert not set(others) & set(pf._layers[("s", 0)].units)
+    assert pf.stats.wasted_units == 0
 
 
 def test_units_fetched_ahead_and_dropped_unused_count_as_waste():

@@ -80,12 +80,12 @@ class PrefetchStats:
 @dataclass
 class _Unit:
     """One held (block, layer) unit: its keys and values [Hkv, bs, D] on the compute
-    device, or a Future of them (fetched ahead); whether a step used it since."""
+    device, or a Future of them; `ahead` while it was fetched ahead and no step has
+    used it yet (dropped so, its bytes were wasted)."""
 
     kv: tuple[torch.Tensor, torch.Tensor] | None
     future: Future | None = None
     ahead: bool = False
-    used: bool = False
 
 
 @dataclass
@@ -220,7 +220,7 @@ class SelectionPrefetcher:
             if unit.future is not None:
                 unit.kv = self.wait(unit.future)
                 unit.future = None
-            unit.used = True
+            unit.ahead = False  # a read ahead that paid
             kv[b] = unit.kv
         st.hits += len(held)
         st.misses += len(missing)
@@ -288,10 +288,9 @@ class SelectionPrefetcher:
         for b in [b for b in layer.units if b not in keep]:
             self._drop(layer, b)
         for b in keep:
-            unit = layer.units.get(b)
-            if unit is not None:
-                unit.used = False
-            elif b in fresh:
+            if b in layer.units:
+                continue
+            if b in fresh:
                 layer.units[b] = _Unit(fresh[b])
                 self._held(+1)
             else:
@@ -320,7 +319,7 @@ class SelectionPrefetcher:
 
     def _drop(self, layer: _Layer, b: int) -> None:
         unit = layer.units.pop(b)
-        if unit.ahead and not unit.used:
+        if unit.ahead:
             self.stats.wasted_units += 1
             self.stats.wasted_bytes += self.unit_bytes
         if unit.future is not None:
