@@ -131,7 +131,7 @@ class PlacementApplier:
         for name in state.tier_order[1:]:
             tier = state.tiers[name]
             lossy = not tier.codec.lossless
-            room = min(state.budget_slots[name] - tier.num_used, tier.num_free)
+            room = state.room(name)
             fits = [
                 b for i, b in todo if b.tier == device and not (lossy and (i + 1) * bs > newest)
             ]

@@ -167,7 +167,7 @@ class BlockManager:
         tail = table.block_ids[keep - table.first_block :]
         if reopen and last.tier != device:
             freed = sum(1 for i in tail if blocks[i].ref_count == 1 and blocks[i].tier == device)
-            if self._device_room() + freed < 1:
+            if state.room(device) + freed < 1:
                 raise OutOfBlocksError(self._no_device_slot("a cropped block"))
         state.unhold(seq_id, tail)
         for block_id in tail:
@@ -178,20 +178,12 @@ class BlockManager:
             self._cached.unhash(last)
             last.num_tokens = num_tokens % bs
             if last.tier != device:  # a partial block must be on the device
-                if self._device_room() < 1:  # the tail's blocks stayed cached
+                if state.room(device) < 1:  # the tail's blocks stayed cached
                     self._make_device_slot(last.tier)
                 self._applier.move([last], device)
         state.runs_by_table.pop(seq_id, None)
         if state.on_truncate is not None:
             state.on_truncate(seq_id, num_tokens)
-
-    def _device_room(self) -> int:
-        """Free device slots within the device's budget (set_budget may have cut it
-        below its arena)."""
-        state = self.state
-        name = state.tier_order[0]
-        tier = state.tiers[name]
-        return min(state.budget_slots[name] - tier.num_used, tier.num_free)
 
     def _make_device_slot(self, lower: str) -> None:
         """Free one device slot held by an unreferenced cached block (the check before

@@ -80,6 +80,12 @@ class BlockState:
     def is_cached(self, block: Block) -> bool:
         return self.hash_to_block.is_ranked(block.tier, block.block_id)
 
+    def room(self, tier: str) -> int:
+        """Free slots of a tier within its budget (set_budget may cut a budget below
+        the arena)."""
+        t = self.tiers[tier]
+        return min(self.budget_slots[tier] - t.num_used, t.num_free)
+
     def num_cached_on(self, tier: str) -> int:
         return self.hash_to_block.num_ranked(tier)
 

@@ -119,7 +119,7 @@ class StepBlocks:
             tier = state.tiers[name]
             if not isinstance(tier, MemoryTier):  # no disk I/O for these in a prefill
                 continue
-            room = min(state.budget_slots[name] - tier.num_used, tier.num_free)
+            room = state.room(name)
             take = want[max(0, len(want) - room) :] if room > 0 else []
             if not take:
                 continue

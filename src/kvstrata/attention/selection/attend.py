@@ -233,7 +233,7 @@ def _staged_partials(
     def attend(pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         k = torch.cat([p[1] for p in pieces], dim=1) if len(pieces) > 1 else pieces[0][1]
         v = torch.cat([p[2] for p in pieces], dim=1) if len(pieces) > 1 else pieces[0][2]
-        pos = np.concatenate([np.arange(t, t + bs) for t, _, _ in pieces])
+        pos = (np.array([t for t, _, _ in pieces])[:, None] + np.arange(bs)).ravel()
         allowed = torch.from_numpy(mask[:, pos])
         parts.append(_masked_partial(qp, k, v, allowed, scale, softcap))
 
