@@ -10,8 +10,10 @@ CacheBlend (Yao et al., EuroSys '25, arXiv:2405.16444) repairs the second for a 
 tokens only: it runs the first layer over every token (its output, the second layer's
 input, is then exact), compares the second layer's values computed from it with the
 reused ones, and recomputes through the remaining layers the r % of tokens that deviate
-most ("high-KV-deviation" tokens; here the score also counts the attention the question
-gives a token, `_choose`); every other token keeps its reused K/V. The tokens
+most ("high-KV-deviation" tokens); every other token keeps its reused K/V. Here the
+tokens recomputed are instead the ones the question (the tokens after the last document)
+reads most over every layer, found by a probe of the always-recomputed rows over the
+reused K/V (`Blender._select`); deviation chooses only when no question follows. The tokens
 of the prompt that no document covers (the question, the text between documents) and
 each document's first tokens (its attention sinks when it was computed alone) are
 always recomputed.
@@ -146,77 +148,187 @@ class Blender:
         pos = torch.arange(start, start + total, device=dev)
         h = self.embed(torch.tensor(ids, device=dev)[None])
         cos, sin = self.rotary(h, pos[None])
-        rows = None  # the rows still computed ([n] indices into the T tokens); None: all
+        run = _Run(pos, cos, sin, start, prefix_k, prefix_v)
+        selecting = reuse is not None and recompute < 1
+        every = SELECT_LAYER if selecting else len(self.layers)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            x = layer.norm1(h)
-            n = x.shape[1]
-            shape = (1, n, -1, layer.head_dim)
-            q = layer.q(x).view(shape)
-            k = layer.k(x).view(shape)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            c, s = (cos, sin) if rows is None else (cos[:, rows], sin[:, rows])
-            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), c, s)
-            v = layer.v(x).view(shape).transpose(1, 2)
-            if rows is None:
-                full_k, full_v = k[0], v[0]
-                if reuse is not None and i == SELECT_LAYER and recompute < 1:
-                    rows = _choose(v[0], q, k[0], reuse, i, recompute)
-                    h, q = h[:, rows], q[:, :, rows]
-            else:
-                assert reuse is not None
-                full_k, full_v = reuse.k[i].clone(), reuse.v[i].clone()
-                full_k[:, rows], full_v[:, rows] = k[0], v[0]
-            ks.append(full_k)
-            vs.append(full_v)
-            if i == len(self.layers) - 1:
-                break  # the last layer's output feeds no K/V
-            keys, values = full_k, full_v
-            if prefix_k is not None and start > 0:
-                keys = torch.cat((prefix_k[i], keys), dim=1)
-                values = torch.cat((prefix_v[i], values), dim=1)
-            q_pos = pos if rows is None else pos[rows]
-            o = _attend(q, keys, values, q_pos, layer.scaling)
-            h = h + layer.o(o.transpose(1, 2).reshape(1, q.shape[2], -1))
-            x = layer.norm2(h)
-            h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+        for i in range(every):  # every token (before the selection layer, or all of them)
+            q, k, v = self._qkv(i, h, run, None)
+            ks.append(k)
+            vs.append(v)
+            if i < len(self.layers) - 1:  # the last layer's output feeds no K/V
+                h = self._mix(i, h, q, k, v, run, None)
         recomputed = torch.ones(total, dtype=torch.bool, device=dev)
-        if rows is not None:
+        if selecting:
+            assert reuse is not None
+            # the selection layer's input is exact for every token, so are its K/V
+            q, k, v = self._qkv(SELECT_LAYER, h, run, None)
+            rows = self._select(h, q, k, v, reuse, recompute, run)
+            tail = self._rows_pass(h[:, rows], q[:, :, rows], k, v, rows, reuse, run)
+            ks += tail.k
+            vs += tail.v
             recomputed[:] = False
             recomputed[rows] = True
         return Blended(torch.stack(ks), torch.stack(vs), recomputed)
 
+    def _qkv(
+        self, i: int, h: torch.Tensor, run: _Run, rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's queries [1, Hq, n, D] and keys / values [Hkv, n, D] of the rows
+        whose inputs are h [1, n, hidden] (`rows` of the T tokens; None: all)."""
+        layer = self.layers[i]
+        x = layer.norm1(h)
+        shape = (1, x.shape[1], -1, layer.head_dim)
+        q = layer.q(x).view(shape)
+        k = layer.k(x).view(shape)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        c, s = (run.cos, run.sin) if rows is None else (run.cos[:, rows], run.sin[:, rows])
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), c, s)
+        v = layer.v(x).view(shape).transpose(1, 2)
+        return q, k[0], v[0]
 
-def _choose(
-    v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, reuse: Reuse, layer: int, recompute: float
-) -> torch.Tensor:
-    """The rows recomputed past the selection layer: every token without reused K/V,
-    the sinks, and the `recompute` share of the reused ones that score highest (sorted
-    indices). A token's score adds two shares, each scaled to its maximum: how far its
-    values at `layer` computed in context are from the reused ones (CacheBlend's
-    deviation), and how much attention the tokens after the last document (the
-    question) give it at that layer — recomputing what the question reads keeps
-    retrieval close to a full prefill (measured in `kvstrata bench blend`)."""
-    forced = ~reuse.have | reuse.sink
-    score = (v.float() - reuse.v[layer].float()).pow(2).sum(dim=(0, 2))
-    score = score / score.max().clamp_min(1e-30)
-    after = int(reuse.have.nonzero().max()) + 1 if bool(reuse.have.any()) else len(reuse.have)
-    if after < q.shape[2]:  # the question's queries [Hkv, group * n, D] over the keys
-        hkv = k.shape[0]
-        first = max(after, q.shape[2] - QUESTION_ROWS)
-        qs = q[0, :, first:].reshape(hkv, -1, q.shape[-1]).float()
-        read = torch.softmax(qs @ k.float().transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
-        read = read.sum(dim=(0, 1))
-        score = score + read / read.max().clamp_min(1e-30)
-    score[forced] = -1.0
-    candidates = int((~forced).sum())
-    top = min(candidates, math.ceil(recompute * candidates))
-    chosen = forced.clone()
-    if top > 0:
+    def _mix(
+        self,
+        i: int,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        run: _Run,
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Layer i's output for the rows: their queries over the prefix and every
+        token's keys / values `k`, `v` [Hkv, T, D], then the MLP."""
+        layer = self.layers[i]
+        keys, values = run.with_prefix(i, k, v)
+        o = _attend(q, keys, values, run.pos if rows is None else run.pos[rows], layer.scaling)
+        h = h + layer.o(o.transpose(1, 2).reshape(1, q.shape[2], -1))
+        x = layer.norm2(h)
+        return h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+
+    def _rows_pass(
+        self,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor,
+        reuse: Reuse,
+        run: _Run,
+        watch: torch.Tensor | None = None,
+    ) -> _Tail:
+        """The layers from SELECT_LAYER on over `rows` only (h [1, n, hidden] their
+        inputs there, q their queries; k / v that layer's K/V of every token); every
+        other token keeps its reused K/V. With `watch` (indices into the rows: the
+        question's), the K/V are not kept and the result is the attention those rows
+        give each of the T tokens, summed over the layers (each layer's scaled to its
+        largest)."""
+        last = len(self.layers) - 1
+        tail = _Tail([], [], None if watch is None else torch.zeros(len(run.pos), device=h.device))
+        for i in range(SELECT_LAYER, last + 1):
+            if i > SELECT_LAYER:
+                q, kr, vr = self._qkv(i, h, run, rows)
+                k, v = reuse.k[i].clone(), reuse.v[i].clone()
+                k[:, rows], v[:, rows] = kr, vr
+            if watch is None:
+                tail.k.append(k)
+                tail.v.append(v)
+            else:
+                assert tail.reads is not None
+                tail.reads += self._reads(i, q[:, :, watch], k, v, run, run.pos[rows][watch])
+            if i < last:
+                h = self._mix(i, h, q, k, v, run, rows)
+        return tail
+
+    def _reads(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        run: _Run,
+        q_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """[T]: the attention the queries q [1, Hq, m, D] at `q_pos` give each of the T
+        tokens at layer i, summed over heads and queries, scaled to its largest."""
+        keys, _ = run.with_prefix(i, k, v)
+        hkv, m = keys.shape[0], q.shape[2]
+        qs = q[0].reshape(hkv, -1, q.shape[-1]).float()  # [Hkv, group * m, D]
+        score = qs @ keys.float().transpose(1, 2) * self.layers[i].scaling
+        late = torch.arange(keys.shape[1], device=keys.device)[None, :] > q_pos[:, None]
+        score.masked_fill_(late.repeat(qs.shape[1] // m, 1)[None], float("-inf"))
+        read = torch.softmax(score, dim=-1).sum(dim=(0, 1))[run.start :]
+        return read / read.max().clamp_min(1e-30)
+
+    def _select(
+        self,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        reuse: Reuse,
+        recompute: float,
+        run: _Run,
+    ) -> torch.Tensor:
+        """The rows recomputed from the selection layer on (sorted indices): every
+        token without reused K/V, the sinks, and the `recompute` share of the reused
+        ones that score highest.
+
+        A reused token's score is the attention the question (the tokens after the
+        last document, at most QUESTION_ROWS of them) gives it, summed over every layer
+        — read in a first pass of the always-recomputed rows alone over the reused K/V
+        (cheap: a few hundred rows). Recomputing what the question reads brought a
+        small model's answers much closer to a full prefill than CacheBlend's value
+        deviation at one layer (measured: docs/blend.md). With no question after the
+        documents, the score is that deviation at the selection layer (CacheBlend's)."""
+        forced = ~reuse.have | reuse.sink
+        candidates = int((~forced).sum())
+        top = min(candidates, math.ceil(recompute * candidates))
+        if top == 0:
+            return forced.nonzero().flatten()
+        after = int(reuse.have.nonzero().max()) + 1
+        base = forced.nonzero().flatten()
+        watch = (base >= after).nonzero().flatten()[-QUESTION_ROWS:]
+        if len(watch):
+            probe = self._rows_pass(h[:, base], q[:, :, base], k, v, base, reuse, run, watch)
+            assert probe.reads is not None
+            score = probe.reads
+        else:
+            score = (v.float() - reuse.v[SELECT_LAYER].float()).pow(2).sum(dim=(0, 2))
+        score[forced] = -1.0
+        chosen = forced.clone()
         chosen[torch.topk(score, top).indices] = True
-    return chosen.nonzero().flatten()
+        return chosen.nonzero().flatten()
+
+
+@dataclass
+class _Run:
+    """One blending forward's positions, rotary tables and exact prefix K/V."""
+
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    start: int
+    prefix_k: torch.Tensor | None
+    prefix_v: torch.Tensor | None
+
+    def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer i's keys / values of the whole prompt so far: the prefix's, then k, v."""
+        if self.prefix_k is None or self.prefix_v is None or self.start == 0:
+            return k, v
+        return torch.cat((self.prefix_k[i], k), dim=1), torch.cat((self.prefix_v[i], v), dim=1)
+
+
+@dataclass
+class _Tail:
+    """A pass over the chosen rows: the K/V of each layer from SELECT_LAYER on, or the
+    question's reads of each token (`reads`, a probe)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    reads: torch.Tensor | None
 
 
 def _attend(
