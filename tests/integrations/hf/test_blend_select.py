@@ -15,7 +15,8 @@ from hf_models import tiny_model
 from kvstrata.integrations.hf.blend import SELECT_LAYER, SINK_TOKENS, Blender, Reuse
 
 LAYERS = 4
-HEAD, DOCS, GAP, QUESTION = 6, [(6, 40), (42, 80)], 2, 12  # token layout of the prompt
+# the prompt: a head, two documents back to back, text the documents do not cover
+HEAD, DOCS, GAP, QUESTION = 6, [(6, 40), (40, 80)], 2, 12
 
 
 def setup(family: str, attn: str = "sdpa"):

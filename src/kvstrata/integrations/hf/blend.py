@@ -198,12 +198,14 @@ class Blender:
         v: torch.Tensor,
         run: _Run,
         rows: torch.Tensor | None,
+        hide: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer i's output for the rows: their queries over the prefix and every
-        token's keys / values `k`, `v` [Hkv, T, D], then the MLP."""
+        token's keys / values `k`, `v` [Hkv, T, D] (but the `hide` ones), then the MLP."""
         layer = self.layers[i]
         keys, values = run.with_prefix(i, k, v)
-        o = _attend(q, keys, values, run.pos if rows is None else run.pos[rows], layer.scaling)
+        q_pos = run.pos if rows is None else run.pos[rows]
+        o = _attend(q, keys, values, q_pos, layer.scaling, run.shown(hide))
         h = h + layer.o(o.transpose(1, 2).reshape(1, q.shape[2], -1))
         x = layer.norm2(h)
         return h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
@@ -217,29 +219,36 @@ class Blender:
         rows: torch.Tensor,
         reuse: Reuse,
         run: _Run,
-        watch: torch.Tensor | None = None,
+        probe: bool = False,
     ) -> _Tail:
         """The layers from SELECT_LAYER on over `rows` only (h [1, n, hidden] their
         inputs there, q their queries; k / v that layer's K/V of every token); every
-        other token keeps its reused K/V. With `watch` (indices into the rows: the
-        question's), the K/V are not kept and the result is the attention those rows
-        give each of the T tokens, summed over the layers (each layer's scaled to its
-        largest)."""
+        other token keeps its reused K/V.
+
+        A probe (`rows`: the question's) keeps no K/V: its result is the attention the
+        rows give each of the T tokens, summed over the layers (each layer's scaled to
+        its largest); the tokens with neither reused K/V nor a row in it (the text
+        between documents, a document's last partial block) are hidden from it past
+        SELECT_LAYER — a score needs no more."""
         last = len(self.layers) - 1
-        tail = _Tail([], [], None if watch is None else torch.zeros(len(run.pos), device=h.device))
+        tail = _Tail([], [], torch.zeros(len(run.pos), device=h.device) if probe else None)
+        hide = None
+        if probe:
+            hide = ~reuse.have
+            hide[rows] = False
         for i in range(SELECT_LAYER, last + 1):
             if i > SELECT_LAYER:
                 q, kr, vr = self._qkv(i, h, run, rows)
                 k, v = reuse.k[i].clone(), reuse.v[i].clone()
                 k[:, rows], v[:, rows] = kr, vr
-            if watch is None:
+            hidden = hide if i > SELECT_LAYER else None  # SELECT_LAYER's K/V: every token's
+            if tail.reads is None:
                 tail.k.append(k)
                 tail.v.append(v)
             else:
-                assert tail.reads is not None
-                tail.reads += self._reads(i, q[:, :, watch], k, v, run, run.pos[rows][watch])
+                tail.reads += self._reads(i, q, k, v, run, run.pos[rows], run.shown(hidden))
             if i < last:
-                h = self._mix(i, h, q, k, v, run, rows)
+                h = self._mix(i, h, q, k, v, run, rows, hidden)
         return tail
 
     def _reads(
@@ -250,15 +259,17 @@ class Blender:
         v: torch.Tensor,
         run: _Run,
         q_pos: torch.Tensor,
+        shown: torch.Tensor | None,
     ) -> torch.Tensor:
         """[T]: the attention the queries q [1, Hq, m, D] at `q_pos` give each of the T
-        tokens at layer i, summed over heads and queries, scaled to its largest."""
+        tokens at layer i (over the `shown` keys), summed over heads and queries, scaled
+        to its largest."""
         keys, _ = run.with_prefix(i, k, v)
         hkv, m = keys.shape[0], q.shape[2]
         qs = q[0].reshape(hkv, -1, q.shape[-1]).float()  # [Hkv, group * m, D]
         score = qs @ keys.float().transpose(1, 2) * self.layers[i].scaling
-        late = torch.arange(keys.shape[1], device=keys.device)[None, :] > q_pos[:, None]
-        score.masked_fill_(late.repeat(qs.shape[1] // m, 1)[None], float("-inf"))
+        unseen = ~_visible(keys.shape[1], q_pos, shown)
+        score.masked_fill_(unseen.repeat(qs.shape[1] // m, 1)[None], float("-inf"))
         read = torch.softmax(score, dim=-1).sum(dim=(0, 1))[run.start :]
         return read / read.max().clamp_min(1e-30)
 
@@ -278,8 +289,8 @@ class Blender:
 
         A reused token's score is the attention the question (the tokens after the
         last document, at most QUESTION_ROWS of them) gives it, summed over every layer
-        — read in a first pass of the always-recomputed rows alone over the reused K/V
-        (cheap: a few hundred rows). Recomputing what the question reads brought a
+        — read in a first pass of the question's rows alone over the reused K/V (a
+        probe: cheap, a few dozen rows). Recomputing what the question reads brought a
         small model's answers much closer to a full prefill than CacheBlend's value
         deviation at one layer (measured: docs/blend.md). With no question after the
         documents, the score is that deviation at the selection layer (CacheBlend's)."""
@@ -289,10 +300,11 @@ class Blender:
         if top == 0:
             return forced.nonzero().flatten()
         after = int(reuse.have.nonzero().max()) + 1
-        base = forced.nonzero().flatten()
-        watch = (base >= after).nonzero().flatten()[-QUESTION_ROWS:]
-        if len(watch):
-            probe = self._rows_pass(h[:, base], q[:, :, base], k, v, base, reuse, run, watch)
+        question = torch.arange(after, len(reuse.have), device=h.device)[-QUESTION_ROWS:]
+        if len(question):
+            probe = self._rows_pass(
+                h[:, question], q[:, :, question], k, v, question, reuse, run, probe=True
+            )
             assert probe.reads is not None
             score = probe.reads
         else:
@@ -314,6 +326,12 @@ class _Run:
     prefix_k: torch.Tensor | None
     prefix_v: torch.Tensor | None
 
+    def shown(self, hide: torch.Tensor | None) -> torch.Tensor | None:
+        """[start + T] the keys a query may see (all of the prefix's), from `hide` [T]."""
+        if hide is None:
+            return None
+        return torch.cat((torch.ones(self.start, dtype=torch.bool, device=hide.device), ~hide))
+
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer i's keys / values of the whole prompt so far: the prefix's, then k, v."""
         if self.prefix_k is None or self.prefix_v is None or self.start == 0:
@@ -331,17 +349,29 @@ class _Tail:
     reads: torch.Tensor | None
 
 
+def _visible(keys: int, q_pos: torch.Tensor, shown: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, keys] whether a query at `q_pos` sees a key: the earlier ones, and only the
+    `shown` ones ([keys] bool; None: all)."""
+    mask = torch.arange(keys, device=q_pos.device)[None, :] <= q_pos[:, None]
+    return mask if shown is None else mask & shown[None, :]
+
+
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scaling: float,
+    shown: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [1, Hq, n, D] at positions `q_pos` over k / v [Hkv, S, D] at 0 .. S - 1,
-    causally: [1, Hq, n, Dv] — QUERY_ROWS queries at a time (the mask and the scores
-    of a long prompt's every query at once would take gigabytes)."""
-    keys = torch.arange(k.shape[1], device=k.device)
+    """q [1, Hq, n, D] at positions `q_pos` over k / v [Hkv, S, D] at 0 .. S - 1
+    (the `shown` ones only, when given), causally: [1, Hq, n, Dv] — QUERY_ROWS queries
+    at a time (the mask and the scores of a long prompt's every query at once would
+    take gigabytes)."""
     out = []
     for lo in range(0, q.shape[2], QUERY_ROWS):
         rows = slice(lo, lo + QUERY_ROWS)
-        mask = keys[None, :] <= q_pos[rows, None]
+        mask = _visible(k.shape[1], q_pos[rows], shown)
         out.append(
             F.scaled_dot_product_attention(
                 q[:, :, rows], k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=True
