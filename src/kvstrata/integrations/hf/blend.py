@@ -12,7 +12,7 @@ input, is then exact), compares the second layer's values computed from it with 
 reused ones, and recomputes through the remaining layers the r % of tokens that deviate
 most ("high-KV-deviation" tokens); every other token keeps its reused K/V. Here the
 tokens recomputed are instead the ones the question (the tokens after the last document)
-reads most over every layer, found by a probe of the always-recomputed rows over the
+reads most over every layer, found by a probe of the question's rows alone over the
 reused K/V (`Blender._select`); deviation chooses only when no question follows. The tokens
 of the prompt that no document covers (the question, the text between documents) and
 each document's first tokens (its attention sinks when it was computed alone) are
