@@ -17,8 +17,8 @@ Documents are not moved (each is where it sits), so this isolates the missing
 cross-document context from the rotation. Each forward attends the whole prompt with a
 mask (about 30 s per 4k-token request on two cores): minutes per request.
 
-usage: PYTHONPATH=src python scripts/blend_sim.py [REQUESTS] [RATIOS]
-       e.g. scripts/blend_sim.py 4 0.15,0.3
+usage: PYTHONPATH=src python scripts/blend_sim.py [REQUESTS] [RATIOS] [RULES]
+       e.g. scripts/blend_sim.py 4 0.15,0.3 probe,attention
 """
 
 import argparse
@@ -35,11 +35,18 @@ from kvstrata.workload.chunks import Chunks
 from kvstrata.workload.zoo import quiet_transformers
 
 SINKS = 4
+RULES = ("deviation", "attention", "probe", "layer1")
 
 
 def main() -> None:
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     ratios = [float(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "0.15,0.3").split(",")]
+    rules = sys.argv[3].split(",") if len(sys.argv) > 3 else list(RULES)
+    unknown = set(rules) - set(RULES)
+    if unknown:
+        raise SystemExit(
+            f"rules={','.join(sorted(unknown))} is invalid: use some of {','.join(RULES)}"
+        )
     quiet_transformers()
     torch.set_num_threads(2)
     _, path = bench_model(None, print)
@@ -47,7 +54,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     spec = argparse.Namespace(docs=4, pool=8, requests=8, seed=0, quick=False)
     reqs = workload(tok, spec)[spec.requests :]  # the bench's timed requests
-    sim = Sim(model)
+    sim = Sim(model, rules)
     totals: dict[str, list[float]] = {}
     for n, req in enumerate(reqs[:count]):
         ids, spans = Chunks.of(req["text"], req["docs"]).encode(tok)
@@ -64,8 +71,9 @@ def main() -> None:
 
 
 class Sim:
-    def __init__(self, model) -> None:
+    def __init__(self, model, rules: list[str]) -> None:
         self.model = model
+        self.rules = rules
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -153,7 +161,8 @@ class Sim:
         candidates = (doc_of >= 0) & ~sinks
         for r in ratios:
             top = math.ceil(r * int(candidates.sum()))
-            for name, score in scores.items():
+            for name in self.rules:
+                score = scores[name]
                 score = score.masked_fill(~candidates, -1.0)
                 chosen = ~candidates
                 chosen[torch.topk(score, top).indices] = True

@@ -38,7 +38,7 @@ from kvstrata.integrations.hf.lean import lean_forward
 
 SINK_TOKENS = 4  # a document's first tokens: always recomputed
 QUERY_ROWS = 512  # queries attended at once
-SELECT_LAYER = 1  # the layer whose value deviation chooses the recomputed tokens
+SELECT_LAYER = 1  # chosen here: its K/V are still exact; later layers blend
 QUESTION_ROWS = 256  # the question's last tokens whose attention scores a token
 # RoPE kinds whose angle is not position x a fixed frequency (it changes with the
 # length), so a key cannot be moved by one rotation

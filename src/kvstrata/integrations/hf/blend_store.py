@@ -1,6 +1,6 @@
 """A prompt's documents blended through the store: each document's K/V found by its own
-content hash wherever it sits in the prompt, moved to its new position, the deviating
-tokens recomputed (`hf.blend`), the result written to the prompt's sequence.
+content hash wherever it sits in the prompt, moved to its new position, the tokens the
+question reads most recomputed (`hf.blend`), the result written to the prompt's sequence.
 
 A document's K/V are those it gets right after the prompt's *head* — the tokens before
 its first document (a system prompt, an instruction) — at positions len(head) ..: the
