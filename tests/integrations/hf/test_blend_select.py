@@ -103,3 +103,14 @@ def test_without_a_question_the_value_deviation_chooses(one_thread):
     out = Blender(model).blend(ids[HEAD:], HEAD, k[:, :, :HEAD], v[:, :, :HEAD], reuse, r)
     chosen = out.recomputed & ~forced
     assert sorted(chosen.nonzero().flatten().tolist()) == sorted(moved.tolist())
+
+
+def test_a_one_layer_model_computes_every_token(one_thread):
+    model = tiny_model("llama", num_hidden_layers=1, initializer_range=0.3)
+    n = DOCS[-1][1] + GAP + QUESTION
+    ids = torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(7)).tolist()
+    k, v, _ = full_prefill(model, ids)
+    reuse = reuse_of(k + 1.0, v + 1.0, len(ids))  # wrong on purpose: it must not be used
+    out = Blender(model).blend(ids[HEAD:], HEAD, k[:, :, :HEAD], v[:, :, :HEAD], reuse, 0.2)
+    assert bool(out.recomputed.all())
+    torch.testing.assert_close(out.k, k[:, :, HEAD:], rtol=1e-5, atol=1e-5)

@@ -149,7 +149,8 @@ class Blender:
         h = self.embed(torch.tensor(ids, device=dev)[None])
         cos, sin = self.rotary(h, pos[None])
         run = _Run(pos, cos, sin, start, prefix_k, prefix_v)
-        selecting = reuse is not None and recompute < 1
+        # (a model of SELECT_LAYER layers or fewer has nothing to blend: all computed)
+        selecting = reuse is not None and recompute < 1 and len(self.layers) > SELECT_LAYER
         every = SELECT_LAYER if selecting else len(self.layers)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
