@@ -193,7 +193,7 @@ class BlockManager:
 
         def make_way(block_id: int) -> None:
             block = state.pool.blocks[block_id]
-            if state.tiers[lower].num_free > 0:
+            if state.room(lower) > 0:
                 self._applier.move([block], lower)
             else:
                 self._cached.evict_cached(block_id)

@@ -199,15 +199,17 @@ class Blender:
         v: torch.Tensor,
         run: _Run,
         rows: torch.Tensor | None,
-        hide: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer i's output for the rows: their queries over the prefix and every
-        token's keys / values `k`, `v` [Hkv, T, D] (but the `hide` ones), then the MLP."""
-        layer = self.layers[i]
+        token's keys / values `k`, `v` [Hkv, T, D], then the MLP."""
         keys, values = run.with_prefix(i, k, v)
         q_pos = run.pos if rows is None else run.pos[rows]
-        o = _attend(q, keys, values, q_pos, layer.scaling, run.shown(hide))
-        h = h + layer.o(o.transpose(1, 2).reshape(1, q.shape[2], -1))
+        return self._finish(i, h, _attend(q, keys, values, q_pos, self.layers[i].scaling))
+
+    def _finish(self, i: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Layer i's output for rows h [1, n, hidden] from their attention o [1, Hq, n, Dv]."""
+        layer = self.layers[i]
+        h = h + layer.o(o.transpose(1, 2).reshape(1, o.shape[2], -1))
         x = layer.norm2(h)
         return h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
 
@@ -233,23 +235,26 @@ class Blender:
         SELECT_LAYER — a score needs no more."""
         last = len(self.layers) - 1
         tail = _Tail([], [], torch.zeros(len(run.pos), device=h.device) if probe else None)
-        hide = None
-        if probe:
+        if probe:  # what the probe's rows may see: SELECT_LAYER's K/V are every token's
+            every = _visible(run.start + len(run.pos), run.pos[rows])
             hide = ~reuse.have
             hide[rows] = False
+            partial = every & run.shown(hide)[None, :]
         for i in range(SELECT_LAYER, last + 1):
             if i > SELECT_LAYER:
                 q, kr, vr = self._qkv(i, h, run, rows)
                 k, v = reuse.k[i].clone(), reuse.v[i].clone()
                 k[:, rows], v[:, rows] = kr, vr
-            hidden = hide if i > SELECT_LAYER else None  # SELECT_LAYER's K/V: every token's
             if tail.reads is None:
                 tail.k.append(k)
                 tail.v.append(v)
-            else:
-                tail.reads += self._reads(i, q, k, v, run, run.pos[rows], run.shown(hidden))
+                if i < last:
+                    h = self._mix(i, h, q, k, v, run, rows)
+                continue
+            read, o = self._reads(i, q, k, v, run, every if i == SELECT_LAYER else partial)
+            tail.reads += read
             if i < last:
-                h = self._mix(i, h, q, k, v, run, rows, hidden)
+                h = self._finish(i, h, o)
         return tail
 
     def _reads(
@@ -259,20 +264,21 @@ class Blender:
         k: torch.Tensor,
         v: torch.Tensor,
         run: _Run,
-        q_pos: torch.Tensor,
-        shown: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """[T]: the attention the queries q [1, Hq, m, D] at `q_pos` give each of the T
-        tokens at layer i (over the `shown` keys), summed over heads and queries, scaled
-        to its largest."""
-        keys, _ = run.with_prefix(i, k, v)
+        seen: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention of a probe's queries q [1, Hq, m, D] over the keys `seen`
+        [m, start + T] bool, computed once for both results: what it gives each of the T
+        tokens, summed over heads and queries and scaled to its largest ([T]), and its
+        output [1, Hq, m, Dv]."""
+        keys, values = run.with_prefix(i, k, v)
         hkv, m = keys.shape[0], q.shape[2]
         qs = q[0].reshape(hkv, -1, q.shape[-1]).float()  # [Hkv, group * m, D]
         score = qs @ keys.float().transpose(1, 2) * self.layers[i].scaling
-        unseen = ~_visible(keys.shape[1], q_pos, shown)
-        score.masked_fill_(unseen.repeat(qs.shape[1] // m, 1)[None], float("-inf"))
-        read = torch.softmax(score, dim=-1).sum(dim=(0, 1))[run.start :]
-        return read / read.max().clamp_min(1e-30)
+        score.masked_fill_(~seen.repeat(qs.shape[1] // m, 1)[None], float("-inf"))
+        weights = torch.softmax(score, dim=-1)
+        o = (weights @ values.float()).reshape(1, -1, m, values.shape[-1]).to(q.dtype)
+        read = weights.sum(dim=(0, 1))[run.start :]
+        return read / read.max().clamp_min(1e-30), o
 
     def _select(
         self,
@@ -327,10 +333,8 @@ class _Run:
     prefix_k: torch.Tensor | None
     prefix_v: torch.Tensor | None
 
-    def shown(self, hide: torch.Tensor | None) -> torch.Tensor | None:
+    def shown(self, hide: torch.Tensor) -> torch.Tensor:
         """[start + T] the keys a query may see (all of the prefix's), from `hide` [T]."""
-        if hide is None:
-            return None
         return torch.cat((torch.ones(self.start, dtype=torch.bool, device=hide.device), ~hide))
 
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -350,29 +354,21 @@ class _Tail:
     reads: torch.Tensor | None
 
 
-def _visible(keys: int, q_pos: torch.Tensor, shown: torch.Tensor | None = None) -> torch.Tensor:
-    """[n, keys] whether a query at `q_pos` sees a key: the earlier ones, and only the
-    `shown` ones ([keys] bool; None: all)."""
-    mask = torch.arange(keys, device=q_pos.device)[None, :] <= q_pos[:, None]
-    return mask if shown is None else mask & shown[None, :]
+def _visible(keys: int, q_pos: torch.Tensor) -> torch.Tensor:
+    """[n, keys] whether a query at `q_pos` sees a key at 0 .. keys - 1: the earlier ones."""
+    return torch.arange(keys, device=q_pos.device)[None, :] <= q_pos[:, None]
 
 
 def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    scaling: float,
-    shown: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """q [1, Hq, n, D] at positions `q_pos` over k / v [Hkv, S, D] at 0 .. S - 1
-    (the `shown` ones only, when given), causally: [1, Hq, n, Dv] — QUERY_ROWS queries
-    at a time (the mask and the scores of a long prompt's every query at once would
-    take gigabytes)."""
+    """q [1, Hq, n, D] at positions `q_pos` over k / v [Hkv, S, D] at 0 .. S - 1,
+    causally: [1, Hq, n, Dv] — QUERY_ROWS queries at a time (the mask and the scores
+    of a long prompt's every query at once would take gigabytes)."""
     out = []
     for lo in range(0, q.shape[2], QUERY_ROWS):
         rows = slice(lo, lo + QUERY_ROWS)
-        mask = _visible(k.shape[1], q_pos[rows], shown)
+        mask = _visible(k.shape[1], q_pos[rows])
         out.append(
             F.scaled_dot_product_attention(
                 q[:, :, rows], k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=True
